@@ -1,0 +1,148 @@
+"""The one thread that owns MLX.
+
+MLX keeps per-thread execution state (default streams, caches, error capture), so every MLX
+call (loading, forwards, eval, memory readings, clear_cache) runs on this worker. The event
+loop submits jobs and awaits them; it never touches MLX itself.
+
+Invariants:
+- Jobs run one at a time, in submission order, on the same OS thread.
+- A job is a plain callable that receives its `Job` (to read `cancelled`); it must check
+  `job.cancelled` between units of work (prefill chunks, decode steps). A job cancelled
+  while still queued never runs.
+- An exception in a job is delivered to its awaiter; it never ends the worker.
+- `stop()` cancels the queued and running jobs, then lets the worker exit after the running
+  job returns; new submissions fail with `EngineStopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import Cancelled
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+class Job:
+    """One unit of MLX work and its cancellation flag (set from any thread)."""
+
+    def __init__(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None):
+        self.fn = fn
+        self.loop = loop
+        self.future: asyncio.Future[Any] | None = loop.create_future() if loop else None
+        self._cancel = threading.Event()
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def check(self) -> None:
+        """Raise `Cancelled` if the job was cancelled: the hook between chunks."""
+        if self._cancel.is_set():
+            raise Cancelled()
+
+
+class Engine:
+    def __init__(self, name: str = "mlx"):
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._active: set[Job] = set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- submission -------------------------------------------------------------------
+    def submit(self, fn: Callable[[Job], T], loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        job = Job(fn, loop)
+        with self._lock:
+            if self._stopping.is_set():
+                raise EngineStopped("runner is stopping")
+            self._active.add(job)
+        self._queue.put(job)
+        return job
+
+    def call(self, fn: Callable[[Job], T], timeout: float | None = None) -> T:
+        """Run `fn` on the worker and wait for it from a non-loop thread (start-up, tests)."""
+        job = self.submit(fn)
+        if not job.done.wait(timeout):
+            job.cancel()
+            raise TimeoutError("MLX job did not finish in time")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    async def run(self, fn: Callable[[Job], T]) -> T:
+        """Run `fn` on the worker; if the awaiting task is cancelled, the job is cancelled."""
+        job = self.submit(fn, asyncio.get_running_loop())
+        assert job.future is not None
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            job.cancel()
+            # Nobody awaits the outcome now; retrieve it so asyncio does not warn.
+            job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+
+    # --- lifecycle --------------------------------------------------------------------
+    def stop(self, timeout: float | None = None) -> bool:
+        """Cancel everything and end the worker; True when it ended within `timeout`."""
+        with self._lock:
+            self._stopping.set()
+            for job in self._active:
+                job.cancel()
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._active
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.cancelled:
+                    raise Cancelled()
+                job.result = job.fn(job)
+            except BaseException as e:  # delivered to the awaiter, never kills the worker
+                job.error = e
+                if not isinstance(e, Cancelled | Exception):
+                    log.exception("MLX job raised %s", type(e).__name__)
+            finally:
+                with self._lock:
+                    self._active.discard(job)
+                job.done.set()
+                if job.loop is not None and job.future is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop may be closed
+                        job.loop.call_soon_threadsafe(_settle, job)
+
+
+def _settle(job: Job) -> None:
+    future = job.future
+    if future is None or future.done():
+        return
+    if job.error is not None:
+        future.set_exception(job.error)
+    else:
+        future.set_result(job.result)

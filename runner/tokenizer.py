@@ -1,0 +1,135 @@
+"""Tokenizer with the Go runner's semantics (UPSTREAM.md §6), on top of `tokenizers`.
+
+- Text is encoded without the tokenizer's post-processor; BOS is prepended by us, and only
+  when tokenizer_config.json says `add_bos_token: true` (absent means false).
+- Every added token counts as special, whatever its `special` flag: `is_special(s)` is an
+  exact lookup among all added-token strings (the Go `GetSpecialToken`).
+- EOS ids come from generation_config.json, then config.json, then tokenizer_config.json's
+  `eos_token` looked up among the added tokens; BOS the same way.
+- `vocab_size` is max(vocab entries, highest id over vocab and added tokens + 1).
+- `token_bytes(id)` gives a token's raw bytes (byte-level BPE or SentencePiece rules), so a
+  stream can hold back incomplete UTF-8; special tokens give their literal text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-rune -> byte table, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
+    bs += list(range(0xAE, 0xFF + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config token fields are a string or an AddedToken object."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        *,
+        config: dict[str, Any] | None = None,
+        tokenizer_config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+    ):
+        spec = json.loads(tokenizer_json)
+        model_type = (spec.get("model") or {}).get("type")
+        if model_type != "BPE":
+            raise ValueError(f"unsupported tokenizer type: {model_type}")
+        self._tok = HFTokenizer.from_str(tokenizer_json)
+        config = config or {}
+        tokenizer_config = tokenizer_config or {}
+        generation_config = generation_config or {}
+
+        self.added: dict[str, int] = {
+            t["content"]: t["id"] for t in spec.get("added_tokens", []) if "content" in t
+        }
+        vocab = spec["model"].get("vocab") or {}
+        highest = max([*vocab.values(), *self.added.values(), -1])
+        self.vocab_size = max(len(vocab), highest + 1)
+        self._sentencepiece = _is_sentencepiece(spec.get("decoder"))
+        self._pieces: dict[int, str] = {i: s for s, i in vocab.items()}
+        self._pieces.update({i: s for s, i in self.added.items()})
+
+        def special(key: str) -> list[int]:
+            for source in (generation_config, config):
+                found = _ids(source.get(f"{key}_token_id"))
+                if found:
+                    return found
+            text = _token_text(tokenizer_config.get(f"{key}_token"))
+            return [self.added[text]] if text in self.added else []
+
+        self.eos_ids: list[int] = special("eos")
+        bos = special("bos")
+        self.bos_id: int | None = bos[0] if bos else None
+        self.add_bos: bool = tokenizer_config.get("add_bos_token") is True
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def is_special(self, text: str) -> bool:
+        return text in self.added
+
+    def is_eos(self, token: int) -> bool:
+        return token in self.eos_ids
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            return b""
+        if token in self.added.values() and self.added.get(piece) == token:
+            return piece.encode()
+        if self._sentencepiece:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("▁", " ").encode()
+        return bytes(_BYTE_DECODER.get(c, ord(c) & 0xFF) for c in piece)
+
+    def decode(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+
+def _is_sentencepiece(decoder: Any) -> bool:
+    """The Go rule: a Sequence decoder holding a Replace of "▁" means SentencePiece."""
+    if not isinstance(decoder, dict) or decoder.get("type") != "Sequence":
+        return False
+    for step in decoder.get("decoders", []):
+        pattern = step.get("pattern") or {}
+        if step.get("type") == "Replace" and pattern.get("String") == "▁":
+            return True
+    return False

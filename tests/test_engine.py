@@ -1,0 +1,102 @@
+"""The MLX worker: one thread, FIFO, errors delivered, cancellation honoured."""
+
+import asyncio
+import threading
+
+import pytest
+
+from runner.engine import Engine, EngineStopped
+from runner.errors import Cancelled
+
+
+@pytest.fixture
+def engine():
+    e = Engine()
+    yield e
+    e.stop(timeout=5)
+
+
+def test_jobs_run_in_order_on_one_thread(engine):
+    seen = []
+    jobs = [
+        engine.submit(lambda job, i=i: seen.append((i, threading.get_ident()))) for i in range(20)
+    ]
+    for job in jobs:
+        assert job.done.wait(5)
+    assert [i for i, _ in seen] == list(range(20))
+    assert len({t for _, t in seen}) == 1
+    assert seen[0][1] != threading.get_ident()
+
+
+def test_call_returns_value_and_raises_errors(engine):
+    assert engine.call(lambda job: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda job: 1 / 0)
+    assert engine.call(lambda job: "still serving") == "still serving"
+
+
+def test_job_cancelled_while_queued_never_runs(engine):
+    gate = threading.Event()
+    ran = []
+    blocker = engine.submit(lambda job: gate.wait(5))
+    queued = engine.submit(lambda job: ran.append(True))
+    queued.cancel()
+    gate.set()
+    assert blocker.done.wait(5) and queued.done.wait(5)
+    assert ran == []
+    assert isinstance(queued.error, Cancelled)
+
+
+def test_running_job_sees_cancellation_between_chunks(engine):
+    started = threading.Event()
+    chunks = []
+
+    def work(job):
+        started.set()
+        for i in range(1000):
+            job.check()
+            chunks.append(i)
+            threading.Event().wait(0.001)
+
+    job = engine.submit(work)
+    assert started.wait(5)
+    job.cancel()
+    assert job.done.wait(5)
+    assert isinstance(job.error, Cancelled)
+    assert len(chunks) < 1000
+
+
+async def test_awaiting_task_cancelled_cancels_job(engine):
+    started = threading.Event()
+    finished = []
+
+    def work(job):
+        started.set()
+        while not job.cancelled:
+            threading.Event().wait(0.001)
+        finished.append("stopped early")
+
+    task = asyncio.ensure_future(engine.run(work))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await engine.run(lambda job: "next") == "next"
+    assert finished == ["stopped early"]
+
+
+def test_stop_cancels_running_work_and_rejects_new(engine):
+    started = threading.Event()
+
+    def work(job):
+        started.set()
+        while True:
+            job.check()
+            threading.Event().wait(0.001)
+
+    job = engine.submit(work)
+    assert started.wait(5)
+    assert engine.stop(timeout=5)
+    assert isinstance(job.error, Cancelled)
+    with pytest.raises(EngineStopped):
+        engine.submit(lambda job: None)
