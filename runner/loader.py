@@ -1,0 +1,109 @@
+"""Turn `--model NAME` into a `ModelSource`: the default model, a local Hugging Face / mlx-lm
+directory, or a name in the Ollama model store (runner/store.py).
+
+Nothing is built here: `runner.models.build_model` consumes the `ModelSource`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from runner.source import ModelLoadError, ModelSource
+from runner.store import load_safetensors, load_store_model
+
+# `--model default` means the prepared default model (runner/default_model.py).
+DEFAULT_ALIAS = "default"
+
+
+def load_model_source(name_or_path: str) -> ModelSource:
+    """`default`, an existing directory, or an Ollama model name, in that order."""
+    if name_or_path == DEFAULT_ALIAS:
+        # Imported here so that ordinary loads never touch the preparation code.
+        from runner.default_model import resolve_default_model
+
+        source = load_local_dir(resolve_default_model())
+        source.name = DEFAULT_ALIAS
+        return source
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return load_local_dir(path)
+    if name_or_path.startswith(("/", "./", "../", "~")):  # meant as a path, not a name
+        raise ModelLoadError(f"{name_or_path} is not a model directory")
+    return load_store_model(name_or_path)
+
+
+def _read_json(path: Path, *, optional: bool = False) -> Any:
+    if optional and not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path.name} not found in {path.parent}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors."""
+    index = _read_json(path / "model.safetensors.index.json", optional=True)
+    if index is not None:
+        names = sorted(set((index.get("weight_map") or {}).values()))
+        files = [path / name for name in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _dir_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """mlx-lm's quantization dict from config.json (`quantization`, or the identical copy
+    mlx-lm writes as `quantization_config`). Other formats (GPTQ, AWQ, FP8, ...) would need
+    weight conversion, so they are refused rather than loaded wrong."""
+    block = config.get("quantization")
+    if block is None:
+        block = config.get("quantization_config")
+        if isinstance(block, dict) and ("quant_method" in block or "bits" not in block):
+            method = block.get("quant_method", "unknown")
+            raise ModelLoadError(
+                f"unsupported quantization_config (quant_method {method!r}); "
+                "convert the model with mlx_lm.convert"
+            )
+    if block is None:
+        return None
+    if not isinstance(block, dict) or "bits" not in block or "group_size" not in block:
+        raise ModelLoadError(f"malformed quantization config: {block!r}")
+    return {"mode": "affine", **block}
+
+
+def load_local_dir(path: Path) -> ModelSource:
+    """A directory in Hugging Face / mlx-lm layout: config.json, *.safetensors (maybe
+    sharded), tokenizer.json, optional tokenizer_config.json and generation_config.json."""
+    path = Path(path)
+    config = _read_json(path / "config.json")
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path / 'config.json'} is not a JSON object")
+    try:
+        tokenizer_json = (path / "tokenizer.json").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelLoadError(f"tokenizer.json not found in {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
+
+    weights: dict[str, mx.array] = {}
+    for file in _weight_files(path):
+        arrays, _ = load_safetensors(file)
+        weights.update(arrays)
+    return ModelSource(
+        name=str(path),
+        config=config,
+        tokenizer_json=tokenizer_json,
+        tokenizer_config=_read_json(path / "tokenizer_config.json", optional=True),
+        generation_config=_read_json(path / "generation_config.json", optional=True),
+        weights=weights,
+        quantization=_dir_quantization(config),
+    )

@@ -1,0 +1,365 @@
+"""Resolve an Ollama model name in the local Ollama model store into a `ModelSource`.
+
+Mirrors Ollama's `x/imagegen/manifest` and `x/mlxrunner/model` (UPSTREAM.md §7 and §5.3):
+names map to `manifests/<host>/<namespace>/<name>/<tag>`, configs are JSON layers found by
+exact name, and tensor layers are safetensors blobs whose quantized linears are stored as
+`<t>` (packed), `<t>.scale`, `<t>.bias`. Those are renamed to mlx-lm's `P.weight`,
+`P.scales`, `P.biases`, and the quantization parameters become an mlx-lm quantization dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from runner.source import ModelLoadError, ModelSource
+
+DEFAULT_HOST = "registry.ollama.ai"
+DEFAULT_NAMESPACE = "library"
+DEFAULT_TAG = "latest"
+TENSOR_MEDIA_TYPE = "application/vnd.ollama.image.tensor"
+JSON_MEDIA_TYPE = "application/vnd.ollama.image.json"
+
+# Canonical quant type -> (default group size, bits, MLX mode); aliases as in x/quant.
+QUANT_TYPES: dict[str, tuple[int, int, str]] = {
+    "INT4": (64, 4, "affine"),
+    "INT8": (64, 8, "affine"),
+    "MXFP4": (32, 4, "mxfp4"),
+    "MXFP8": (32, 8, "mxfp8"),
+    "NVFP4": (16, 4, "nvfp4"),
+    "INT6": (64, 6, "affine"),  # newer Ollama importers also write these two
+    "INT3": (64, 3, "affine"),
+}
+QUANT_ALIASES = {"FP4": "INT4", "Q4": "INT4", "FP8": "INT8", "Q8": "INT8"}
+QUANT_ALIASES |= {"FP6": "INT6", "Q6": "INT6", "FP3": "INT3", "Q3": "INT3"}
+COMMON_GROUP_SIZES = (16, 32, 64, 128)
+
+
+def models_dir() -> Path:
+    """`$OLLAMA_MODELS` (trimmed of whitespace and quotes, like Ollama's envconfig), else
+    `~/.ollama/models`."""
+    value = os.environ.get("OLLAMA_MODELS", "").strip().strip("\"'")
+    return Path(value) if value else Path.home() / ".ollama" / "models"
+
+
+@dataclass(frozen=True)
+class ModelName:
+    host: str
+    namespace: str
+    model: str
+    tag: str
+
+    def manifest_path(self, models: Path) -> Path:
+        return models / "manifests" / self.host / self.namespace / self.model / self.tag
+
+
+def parse_name(name: str) -> ModelName:
+    """`[host/][namespace/]model[:tag]`; the tag is what follows the last `:`."""
+    rest, sep, tag = name.rpartition(":")
+    if not sep:
+        rest, tag = name, DEFAULT_TAG
+    parts = rest.split("/")
+    bad = any(p in ("", ".", "..") for p in [*parts, tag]) or "/" in tag
+    if len(parts) > 3 or bad:
+        raise ModelLoadError(f"invalid model name {name!r}")
+    if len(parts) == 3:
+        return ModelName(parts[0], parts[1], parts[2], tag)
+    if len(parts) == 2:
+        return ModelName(DEFAULT_HOST, parts[0], parts[1], tag)
+    return ModelName(DEFAULT_HOST, DEFAULT_NAMESPACE, parts[0], tag)
+
+
+def blob_path(models: Path, digest: str) -> Path:
+    """`sha256:abc` -> `<models>/blobs/sha256-abc`."""
+    return models / "blobs" / digest.replace(":", "-", 1)
+
+
+def load_safetensors(path: Path, what: str | None = None) -> tuple[dict[str, mx.array], dict]:
+    """All arrays and the `__metadata__` of one safetensors file; mlx checks the header and
+    the data offsets against the file size, so truncated files fail here, not later."""
+    try:
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot read {what or path}: {e}") from None
+    return arrays, metadata
+
+
+class Manifest:
+    """A loaded manifest plus the helpers the runner needs (Go's `ModelManifest`)."""
+
+    def __init__(self, models: Path, path: Path, data: dict[str, Any]):
+        self.models, self.path, self.data = models, path, data
+        self.layers: list[dict[str, Any]] = list(data.get("layers") or [])
+
+    def blob_path(self, digest: str) -> Path:
+        return blob_path(self.models, digest)
+
+    def tensor_layers(self) -> list[dict[str, Any]]:
+        return [layer for layer in self.layers if layer.get("mediaType") == TENSOR_MEDIA_TYPE]
+
+    def config_layer(self, name: str) -> dict[str, Any] | None:
+        for layer in self.layers:
+            if layer.get("mediaType") == JSON_MEDIA_TYPE and layer.get("name") == name:
+                return layer
+        return None
+
+    def read_config(self, name: str) -> bytes:
+        layer = self.config_layer(name)
+        if layer is None:
+            raise ModelLoadError(f'config "{name}" not found in manifest')
+        path = self.blob_path(layer.get("digest", ""))
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read blob {path} ({name}): {e}") from None
+
+    def read_config_json(self, name: str, *, optional: bool = False) -> Any:
+        if optional and self.config_layer(name) is None:
+            return None
+        try:
+            return json.loads(self.read_config(name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f'config "{name}" is not valid JSON: {e}') from None
+
+
+def load_manifest(name: str, models: Path | None = None) -> Manifest:
+    models = models if models is not None else models_dir()
+    path = parse_name(name).manifest_path(models)
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ModelLoadError(f"model {name!r} not found (no manifest at {path})") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read manifest {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"manifest {path} is not a JSON object")
+    return Manifest(models, path, data)
+
+
+# ---- quantization parameters (x/mlxrunner/model/quant.go, root.go) ----
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a blob or config says about one tensor; zeros mean "not stated"."""
+
+    quant_type: str
+    group_size: int = 0
+    bits: int = 0
+    mode: str = ""
+
+
+def quant_params(quant_type: str) -> tuple[int, int, str]:
+    """(default group size, bits, mode); unknown non-empty types fall back to 32/8/affine
+    as Ollama does."""
+    key = quant_type.upper()
+    return QUANT_TYPES.get(QUANT_ALIASES.get(key, key), (32, 8, "affine"))
+
+
+def infer_affine_from_shapes(
+    packed_cols: int, scale_cols: int, hint: str = ""
+) -> tuple[str, int] | None:
+    """(quant type, group size) of an affine tensor from its packed and scale widths."""
+    if packed_cols <= 0 or scale_cols <= 0:
+        return None
+    g4, g8 = packed_cols * 8 // scale_cols, packed_cols * 4 // scale_cols
+    if g4 == 32:
+        return "INT4", 32
+    if g8 == 64:
+        return "INT8", 64
+    if g4 == 64 and g8 == 32:  # both plausible: the hint's digit decides
+        if "8" in hint:
+            return "INT8", 32
+        if "4" in hint:
+            return "INT4", 64
+    if g4 in COMMON_GROUP_SIZES and g8 not in COMMON_GROUP_SIZES:
+        return "INT4", g4
+    if g8 in COMMON_GROUP_SIZES and g4 not in COMMON_GROUP_SIZES:
+        return "INT8", g8
+    return None
+
+
+def _blob_quant_infos(arrays: dict[str, mx.array], meta: dict[str, str]) -> dict[str, QuantInfo]:
+    """Per-tensor info for every `<t>` with a `<t>.scale` companion in one blob."""
+    infos = {}
+    for name, weight in arrays.items():
+        scale = arrays.get(name + ".scale")
+        if scale is None or name.endswith((".scale", ".bias", ".scales", ".biases")):
+            continue
+        qtype = meta.get(name + ".quant_type") or meta.get("quant_type", "")
+        group = _int(meta.get(name + ".group_size") or meta.get("group_size"))
+        inferred = infer_affine_from_shapes(weight.shape[-1], scale.shape[-1], qtype.upper())
+        if inferred:
+            qtype, group = qtype or inferred[0], group or inferred[1]
+        if qtype:
+            infos[name] = QuantInfo(qtype.upper(), group or quant_params(qtype)[0])
+    return infos
+
+
+def _config_quant(config: dict[str, Any]) -> tuple[QuantInfo | None, dict[str, QuantInfo]]:
+    """config.json's mlx-lm style `quantization` block: defaults, and per-path overrides
+    keyed by `<path>.weight`. Ollama treats the overrides as authoritative."""
+    block = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(block, dict):
+        return None, {}
+    defaults = None
+    if block.get("mode") or block.get("bits"):
+        mode = block.get("mode") or "affine"
+        qtype = mode.upper() if mode != "affine" else f"INT{block.get('bits', 4)}"
+        defaults = QuantInfo(qtype, _int(block.get("group_size")), _int(block.get("bits")), mode)
+    overrides = {}
+    for key, value in block.items():
+        if isinstance(value, dict):
+            mode = value.get("mode") or "affine"
+            overrides[key + ".weight"] = QuantInfo(
+                mode.upper(), _int(value.get("group_size")), _int(value.get("bits")), mode
+            )
+    return defaults, overrides
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _resolve(
+    info: QuantInfo | None, default: QuantInfo | None, weight: mx.array, scales: mx.array
+) -> dict[str, Any]:
+    """Per-tensor info wins over the model default; affine tensors without per-tensor info
+    take group/bits from their shapes (Go's `ResolveLinearQuantParams`)."""
+    chosen = info or default or QuantInfo("")
+    group, bits, mode = quant_params(chosen.quant_type) if chosen.quant_type else (0, 0, "affine")
+    group, bits, mode = chosen.group_size or group, chosen.bits or bits, chosen.mode or mode
+    if mode == "affine" and (info is None or not group or not bits):
+        inferred = infer_affine_from_shapes(weight.shape[-1], scales.shape[-1], f"{bits}")
+        if inferred:
+            group, bits = inferred[1], quant_params(inferred[0])[1]
+    if not group or not bits:
+        return {}
+    # Every mode packs `bits`-bit values into uint32 and has one scale per group, so the
+    # widths must agree; this catches a wrong type (e.g. an unknown one defaulting to 8 bits).
+    if weight.shape[-1] * 32 != scales.shape[-1] * group * bits:
+        return {}
+    return {"group_size": group, "bits": bits, "mode": mode}
+
+
+def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Rename blob tensors to mlx-lm's spelling.
+
+    `<t>.scale` -> `<P>.scales`, and `<t>.bias` -> `<P>.biases` only when `<t>.scale`
+    exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. mlx-lm's own
+    `<P>.scales`/`<P>.biases`, which some imports keep, pass through, but the Ollama
+    spelling wins a clash (as in Go's `normaliseAuxNames`).
+    """
+    out: dict[str, mx.array] = {}
+    for name, arr in raw.items():
+        stem = name[: -len(".scale")] if name.endswith(".scale") else None
+        if stem is None and name.endswith(".bias") and name[: -len(".bias")] + ".scale" in raw:
+            stem = name[: -len(".bias")]
+        if stem is None:
+            out.setdefault(name, arr)
+            continue
+        base = stem[: -len(".weight")] if stem.endswith(".weight") else stem
+        out[base + (".scales" if name.endswith(".scale") else ".biases")] = arr
+    return out
+
+
+def _quantization(
+    weights: dict[str, mx.array],
+    infos: dict[str, QuantInfo],
+    default: QuantInfo | None,
+) -> dict[str, Any] | None:
+    """The mlx-lm quantization dict for every module that has `<P>.scales`."""
+    per_layer: dict[str, Any] = {}
+    for name in sorted(weights):
+        if not name.endswith(".scales"):
+            continue
+        base = name[: -len(".scales")]
+        weight_name = base + ".weight" if base + ".weight" in weights else base
+        weight = weights.get(weight_name)
+        if weight is None:
+            raise ModelLoadError(f"quantization scales {name} have no weight tensor")
+        params = _resolve(infos.get(weight_name), default, weight, weights[name])
+        if not params:
+            raise ModelLoadError(
+                f"cannot determine the quantization of {weight_name} "
+                f"(packed width {weight.shape[-1]}, {weights[name].shape[-1]} scales a row)"
+            )
+        per_layer[base] = params
+    if not per_layer:
+        return None
+    if default is not None and default.quant_type:
+        group, bits, mode = quant_params(default.quant_type)
+        model_default = {
+            "group_size": default.group_size or group,
+            "bits": default.bits or bits,
+            "mode": default.mode or mode,
+        }
+    else:
+        model_default = dict(next(iter(per_layer.values())))
+    # Dense matrices are marked False so a builder never quantizes them by the defaults.
+    for name, arr in weights.items():
+        base = name[: -len(".weight")]
+        if name.endswith(".weight") and arr.ndim >= 2 and base not in per_layer:
+            per_layer[base] = False
+    return {**model_default, **per_layer}
+
+
+def _reject_global_scales(weights: dict[str, mx.array]) -> None:
+    for name in weights:
+        if name.endswith((".global_scale", ".weight_scale_2")):
+            raise ModelLoadError(
+                f"tensor {name}: per-tensor global quantization scales (nvfp4) are not "
+                "supported by mlx-lm's QuantizedLinear"
+            )
+
+
+def load_store_model(name: str, models: Path | None = None) -> ModelSource:
+    """Read the manifest, configs and tensor blobs of an Ollama model."""
+    manifest = load_manifest(name, models)
+    config = manifest.read_config_json("config.json")
+    if not isinstance(config, dict):
+        raise ModelLoadError('config "config.json" is not a JSON object')
+    try:
+        tokenizer_json = manifest.read_config("tokenizer.json").decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f'config "tokenizer.json" is not UTF-8: {e}') from None
+
+    raw: dict[str, mx.array] = {}
+    infos: dict[str, QuantInfo] = {}
+    default: QuantInfo | None = None
+    seen: set[str] = set()
+    for layer in manifest.tensor_layers():
+        digest = layer.get("digest", "")
+        if digest in seen:
+            continue
+        seen.add(digest)
+        path = manifest.blob_path(digest)
+        arrays, meta = load_safetensors(path, f"blob {path} ({layer.get('name', '?')})")
+        raw.update(arrays)
+        infos.update(_blob_quant_infos(arrays, meta))
+        if default is None and meta.get("quant_type"):
+            qtype = meta["quant_type"].upper()
+            default = QuantInfo(qtype, _int(meta.get("group_size")) or quant_params(qtype)[0])
+
+    config_default, overrides = _config_quant(config)
+    default = config_default or default
+    infos.update(overrides)
+    weights = _mlx_names(raw)
+    _reject_global_scales(weights)
+    return ModelSource(
+        name=name,
+        config=config,
+        tokenizer_json=tokenizer_json,
+        tokenizer_config=manifest.read_config_json("tokenizer_config.json", optional=True),
+        generation_config=manifest.read_config_json("generation_config.json", optional=True),
+        weights=weights,
+        quantization=_quantization(weights, infos, default),
+    )

@@ -1,0 +1,436 @@
+"""Ollama store resolution (runner/store.py) and local-directory loading (runner/loader.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tokenizer_models
+
+from runner import loader
+from runner.loader import load_local_dir, load_model_source
+from runner.source import ModelLoadError
+from runner.store import (
+    blob_path,
+    infer_affine_from_shapes,
+    load_manifest,
+    load_store_model,
+    models_dir,
+    parse_name,
+)
+from tests.ollama_store import add_tensor_layer, quantized_blob_arrays, write_ollama_model
+
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+DOWN_PROJ = "model.layers.0.mlp.down_proj"
+EMBED = "model.embed_tokens"
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 32,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+def fake_weights() -> dict[str, mx.array]:
+    """A few arrays shaped like one tiny decoder layer, including a true layer bias."""
+    key = mx.random.key(0)
+    shapes = {
+        f"{EMBED}.weight": (32, 64),
+        f"{Q_PROJ}.weight": (64, 64),
+        f"{Q_PROJ}.bias": (64,),
+        f"{DOWN_PROJ}.weight": (64, 128),
+        "model.layers.0.input_layernorm.weight": (64,),
+    }
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        out[name] = mx.random.normal(shape, key=mx.random.split(key, len(shapes))[i])
+    return out
+
+
+def write_hf_dir(path: Path, weights: dict[str, mx.array] | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    vocab = {f"t{i}": i for i in range(30)} | {"[UNK]": 30, "hello": 31}
+    tok = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    mx.save_safetensors(str(path / "model.safetensors"), weights or fake_weights())
+    return path
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    return write_hf_dir(tmp_path / "hf")
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ollama-models"
+    monkeypatch.setenv("OLLAMA_MODELS", str(path))
+    return path
+
+
+# ---- names, models dir, manifests and blobs ----
+
+
+@pytest.mark.parametrize(
+    ("name", "parts"),
+    [
+        ("smollm2", ("registry.ollama.ai", "library", "smollm2", "latest")),
+        ("smollm2:135m", ("registry.ollama.ai", "library", "smollm2", "135m")),
+        ("me/mine", ("registry.ollama.ai", "me", "mine", "latest")),
+        ("me/mine:q4", ("registry.ollama.ai", "me", "mine", "q4")),
+        ("example.com/me/mine:v1.2", ("example.com", "me", "mine", "v1.2")),
+        ("localhost:5000/me/mine:v1", ("localhost:5000", "me", "mine", "v1")),
+    ],
+)
+def test_parse_name(name: str, parts: tuple[str, str, str, str]) -> None:
+    parsed = parse_name(name)
+    assert (parsed.host, parsed.namespace, parsed.model, parsed.tag) == parts
+    host, ns, model, tag = parts
+    assert parsed.manifest_path(Path("/m")) == Path("/m/manifests", host, ns, model, tag)
+
+
+@pytest.mark.parametrize("name", ["", "mine:", "a/b/c/d", "../mine", "me//mine", "h:5000/a/b"])
+def test_parse_name_rejects(name: str) -> None:
+    with pytest.raises(ModelLoadError, match="invalid model name"):
+        parse_name(name)
+
+
+@pytest.mark.parametrize(
+    "value", ["/srv/models", "  /srv/models\n", '"/srv/models"', "'/srv/models' "]
+)
+def test_models_dir_from_env(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OLLAMA_MODELS", value)
+    assert models_dir() == Path("/srv/models")
+
+
+@pytest.mark.parametrize("value", [None, "", "  ", '""'])
+def test_models_dir_default(value, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    else:
+        monkeypatch.setenv("OLLAMA_MODELS", value)
+    assert models_dir() == tmp_path / ".ollama" / "models"
+
+
+def test_blob_path() -> None:
+    assert blob_path(Path("/m"), "sha256:abc") == Path("/m/blobs/sha256-abc")
+
+
+def test_manifest_layers_and_configs(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "me/tiny:v1", hf_dir)
+    manifest = load_manifest("me/tiny:v1")
+    assert manifest.path == models / "manifests/registry.ollama.ai/me/tiny/v1"
+    assert {layer["name"] for layer in manifest.tensor_layers()} == set(fake_weights())
+    for layer in manifest.layers:
+        blob = manifest.blob_path(layer["digest"])
+        assert (
+            blob.name == layer["digest"].replace(":", "-") and blob.stat().st_size == layer["size"]
+        )
+    assert json.loads(manifest.read_config("config.json")) == CONFIG
+    config_blob = manifest.blob_path(manifest.data["config"]["digest"])
+    assert json.loads(config_blob.read_text())["model_format"] == "safetensors"
+
+
+def test_missing_model_names_the_manifest(models: Path) -> None:
+    want = models / "manifests/registry.ollama.ai/library/absent/latest"
+    with pytest.raises(ModelLoadError, match="not found") as err:
+        load_model_source("absent")
+    assert str(want) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_config_layer(models: Path, hf_dir: Path) -> None:
+    (hf_dir / "config.json").unlink()
+    write_ollama_model(models, "tiny", hf_dir)
+    with pytest.raises(ModelLoadError, match=r'^config "config\.json" not found in manifest$'):
+        load_store_model("tiny")
+
+
+def test_optional_configs_may_be_absent(models: Path, hf_dir: Path) -> None:
+    (hf_dir / "generation_config.json").unlink()
+    (hf_dir / "tokenizer_config.json").unlink()
+    write_ollama_model(models, "tiny", hf_dir)
+    source = load_store_model("tiny")
+    assert source.generation_config is None and source.tokenizer_config is None
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "garbage"])
+def test_unreadable_blob(models: Path, hf_dir: Path, damage: str) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    manifest = load_manifest("tiny")
+    layer = next(x for x in manifest.tensor_layers() if x["name"] == f"{Q_PROJ}.weight")
+    blob = manifest.blob_path(layer["digest"])
+    if damage == "delete":
+        blob.unlink()
+    elif damage == "truncate":
+        blob.write_bytes(blob.read_bytes()[:-64])
+    else:
+        blob.write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match=f"cannot read blob .*{Q_PROJ}.weight"):
+        load_store_model("tiny")
+
+
+# ---- round trips HF dir -> Ollama store -> ModelSource ----
+
+
+def test_dense_round_trip(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny:dense", hf_dir)
+    source = load_model_source("tiny:dense")
+    want = fake_weights()
+    assert source.name == "tiny:dense"
+    assert set(source.weights) == set(want)
+    for name, arr in want.items():
+        assert mx.array_equal(source.weights[name], arr), name
+    assert source.config == CONFIG
+    assert source.tokenizer_json == (hf_dir / "tokenizer.json").read_text()
+    assert source.tokenizer_config == {"add_bos_token": False}
+    assert source.generation_config == {"eos_token_id": 2}
+    assert source.quantization is None
+
+
+def check_quantized(source, name: str, original: mx.array, group: int, bits: int) -> None:
+    """`name` is stored as mlx-lm weight/scales/biases that dequantize exactly like mx.quantize."""
+    packed, scales, biases = mx.quantize(original, group, bits)
+    assert source.weights[f"{name}.weight"].dtype == mx.uint32
+    for suffix, arr in [("weight", packed), ("scales", scales), ("biases", biases)]:
+        assert mx.array_equal(source.weights[f"{name}.{suffix}"], arr), suffix
+    got = mx.dequantize(
+        source.weights[f"{name}.weight"],
+        source.weights[f"{name}.scales"],
+        source.weights[f"{name}.biases"],
+        group_size=group,
+        bits=bits,
+    )
+    assert mx.array_equal(got, mx.dequantize(packed, scales, biases, group, bits))
+    assert mx.allclose(got, original, atol=2 * mx.max(scales).item())
+    assert source.quantization[name] == {"group_size": group, "bits": bits, "mode": "affine"}
+
+
+@pytest.mark.parametrize(
+    ("quant_type", "group", "bits"), [("int4", 64, 4), ("INT8", 64, 8), ("q4", 32, 4)]
+)
+def test_quantized_round_trip(models: Path, hf_dir: Path, quant_type: str, group: int, bits: int):
+    write_ollama_model(models, "tiny:q", hf_dir, quantize={"type": quant_type, "group_size": group})
+    source = load_store_model("tiny:q")
+    want = fake_weights()
+    for name in (Q_PROJ, DOWN_PROJ):
+        check_quantized(source, name, want[f"{name}.weight"], group, bits)
+    assert source.quantization["group_size"] == group and source.quantization["bits"] == bits
+    assert source.quantization["mode"] == "affine"
+    # The q_proj layer bias has no `.scale` companion: it stays a true bias.
+    assert mx.array_equal(source.weights[f"{Q_PROJ}.bias"], want[f"{Q_PROJ}.bias"])
+    # Embeddings and norms stay dense, and a builder is told so.
+    assert mx.array_equal(source.weights[f"{EMBED}.weight"], want[f"{EMBED}.weight"])
+    assert source.quantization[EMBED] is False
+    assert not any(k.endswith((".scale", ".bias.bias", "_scale")) for k in source.weights)
+
+
+@pytest.mark.parametrize(
+    ("quant_type", "group", "bits"), [("int4", 32, 4), ("int8", 64, 8), ("int8", 128, 8)]
+)
+def test_metadata_free_blobs_use_shape_inference(
+    models: Path, hf_dir: Path, quant_type: str, group: int, bits: int
+) -> None:
+    quantize = {"type": quant_type, "group_size": group, "metadata": "none"}
+    write_ollama_model(models, "tiny", hf_dir, quantize=quantize)
+    source = load_store_model("tiny")
+    want = fake_weights()
+    check_quantized(source, DOWN_PROJ, want[f"{DOWN_PROJ}.weight"], group, bits)
+    if group <= 64:  # q_proj is only 64 wide
+        check_quantized(source, Q_PROJ, want[f"{Q_PROJ}.weight"], group, bits)
+
+
+def test_ambiguous_shapes_without_any_hint_fail(models: Path, hf_dir: Path) -> None:
+    # int4/64 and int8/32 have the same packed and scale widths.
+    write_ollama_model(models, "tiny", hf_dir, quantize={"type": "int4", "metadata": "none"})
+    with pytest.raises(ModelLoadError, match=f"cannot determine the quantization of {DOWN_PROJ}"):
+        load_store_model("tiny")
+
+
+def test_quant_type_that_contradicts_the_shapes_fails(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir, quantize={"type": "int4", "group_size": 32})
+    name = f"{Q_PROJ}.weight"
+    arrays = quantized_blob_arrays(name, fake_weights()[name], "int4", 32)
+    # A later blob restates q_proj as int8/32, which its int4 widths cannot be.
+    add_tensor_layer(models, "tiny", name, arrays, {"quant_type": "int8", "group_size": "32"})
+    with pytest.raises(ModelLoadError, match=f"cannot determine the quantization of {name}"):
+        load_store_model("tiny")
+
+
+def test_config_quantization_resolves_ambiguity(models: Path, tmp_path: Path) -> None:
+    hf = write_hf_dir(tmp_path / "hfq")
+    config = CONFIG | {"quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
+    (hf / "config.json").write_text(json.dumps(config))
+    write_ollama_model(models, "tiny", hf, quantize={"type": "int4", "metadata": "none"})
+    source = load_store_model("tiny")
+    check_quantized(source, Q_PROJ, fake_weights()[f"{Q_PROJ}.weight"], 64, 4)
+
+
+def test_mixed_per_tensor_metadata(models: Path, hf_dir: Path) -> None:
+    quantize = {"type": "int4", "metadata": "tensor", "types": {f"{DOWN_PROJ}.weight": "int8"}}
+    write_ollama_model(models, "tiny", hf_dir, quantize=quantize)
+    source = load_store_model("tiny")
+    want = fake_weights()
+    check_quantized(source, Q_PROJ, want[f"{Q_PROJ}.weight"], 64, 4)
+    check_quantized(source, DOWN_PROJ, want[f"{DOWN_PROJ}.weight"], 64, 8)
+
+
+@pytest.mark.parametrize(
+    ("quant_type", "group", "bits", "mode"),
+    [("mxfp4", 32, 4, "mxfp4"), ("MXFP8", 32, 8, "mxfp8"), ("nvfp4", 16, 4, "nvfp4")],
+)
+def test_microscaled_formats_map_to_mlx_modes(
+    models: Path, hf_dir: Path, quant_type: str, group: int, bits: int, mode: str
+) -> None:
+    write_ollama_model(models, "tiny", hf_dir, quantize={"type": quant_type})
+    source = load_store_model("tiny")
+    original = fake_weights()[f"{Q_PROJ}.weight"]
+    packed, scales = mx.quantize(original, group, bits, mode=mode)
+    assert mx.array_equal(source.weights[f"{Q_PROJ}.weight"], packed)
+    assert mx.array_equal(source.weights[f"{Q_PROJ}.scales"], scales)
+    assert f"{Q_PROJ}.biases" not in source.weights
+    assert source.quantization[Q_PROJ] == {"group_size": group, "bits": bits, "mode": mode}
+    assert source.quantization["mode"] == mode
+
+
+def test_global_scale_is_refused(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    name = "model.layers.0.mlp.up_proj.weight"
+    arrays = quantized_blob_arrays(name, mx.ones((64, 64)), "nvfp4")
+    arrays[name + ".global_scale"] = mx.array([0.5])
+    add_tensor_layer(models, "tiny", name, arrays, {"quant_type": "nvfp4", "group_size": "16"})
+    with pytest.raises(ModelLoadError, match="global quantization scales"):
+        load_store_model("tiny")
+
+
+def test_mlx_lm_plural_names_in_blobs(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    base = "model.layers.0.mlp.up_proj"
+    original = mx.random.normal((64, 64), key=mx.random.key(7))
+    packed, scales, biases = mx.quantize(original, 32, 4)
+    arrays = {f"{base}.weight": packed, f"{base}.scales": scales, f"{base}.biases": biases}
+    add_tensor_layer(models, "tiny", f"{base}.weight", arrays)
+    source = load_store_model("tiny")
+    check_quantized(source, base, original, 32, 4)
+
+
+def test_duplicate_digests_load_once(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    path = parse_name("tiny").manifest_path(models)
+    manifest = json.loads(path.read_text())
+    manifest["layers"] += [x for x in manifest["layers"] if x["mediaType"].endswith("tensor")]
+    path.write_text(json.dumps(manifest))
+    assert set(load_store_model("tiny").weights) == set(fake_weights())
+
+
+@pytest.mark.parametrize(
+    ("packed", "scale", "hint", "want"),
+    [
+        (8, 2, "", ("INT4", 32)),  # 64 inputs, 4-bit, group 32
+        (16, 1, "", ("INT8", 64)),  # 64 inputs, 8-bit, group 64
+        (8, 1, "INT4", ("INT4", 64)),  # ambiguous: int4/64 or int8/32
+        (8, 1, "INT8", ("INT8", 32)),
+        (8, 1, "", None),
+        (32, 2, "", ("INT8", 64)),
+        (16, 1, "", ("INT8", 64)),
+        (64, 2, "", ("INT8", 128)),
+        (3, 7, "", None),
+    ],
+)
+def test_infer_affine_from_shapes(packed: int, scale: int, hint: str, want) -> None:
+    assert infer_affine_from_shapes(packed, scale, hint) == want
+
+
+# ---- local directories (runner/loader.py) ----
+
+
+def test_local_dir(hf_dir: Path) -> None:
+    source = load_model_source(str(hf_dir))
+    assert source.config == CONFIG and source.quantization is None
+    assert source.tokenizer_config == {"add_bos_token": False}
+    want = fake_weights()
+    assert all(mx.array_equal(source.weights[k], v) for k, v in want.items())
+    assert set(source.weights) == set(want)
+
+
+def test_local_dir_sharded(tmp_path: Path) -> None:
+    hf = write_hf_dir(tmp_path / "sharded")
+    want = fake_weights()
+    (hf / "model.safetensors").unlink()
+    names = sorted(want)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:2],
+        "model-00002-of-00002.safetensors": names[2:],
+    }
+    weight_map = {}
+    for file, keys in shards.items():
+        mx.save_safetensors(str(hf / file), {k: want[k] for k in keys})
+        weight_map |= dict.fromkeys(keys, file)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    source = load_local_dir(hf)
+    assert set(source.weights) == set(want)
+    # A shard that the index names but that is missing is an error, not a partial model.
+    (hf / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002"):
+        load_local_dir(hf)
+
+
+def test_local_dir_mlx_quantized(tmp_path: Path) -> None:
+    weights = fake_weights()
+    packed, scales, biases = mx.quantize(weights.pop(f"{Q_PROJ}.weight"), 64, 4)
+    weights |= {f"{Q_PROJ}.weight": packed, f"{Q_PROJ}.scales": scales, f"{Q_PROJ}.biases": biases}
+    hf = write_hf_dir(tmp_path / "mlx", weights)
+    quantization = {"group_size": 64, "bits": 4, DOWN_PROJ: False}
+    config = CONFIG | {"quantization": quantization, "quantization_config": quantization}
+    (hf / "config.json").write_text(json.dumps(config))
+    source = load_local_dir(hf)
+    assert source.quantization == {"group_size": 64, "bits": 4, "mode": "affine", DOWN_PROJ: False}
+    assert mx.array_equal(source.weights[f"{Q_PROJ}.scales"], scales)
+
+
+def test_local_dir_foreign_quantization_is_refused(hf_dir: Path) -> None:
+    config = CONFIG | {"quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="gptq"):
+        load_local_dir(hf_dir)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_local_dir_missing_files(hf_dir: Path, missing: str) -> None:
+    (hf_dir / missing).unlink()
+    with pytest.raises(ModelLoadError):
+        load_local_dir(hf_dir)
+
+
+@pytest.mark.parametrize("spelling", ["/no/such/dir", "./nowhere", "~/nowhere-at-all"])
+def test_missing_directory_is_not_a_store_name(spelling: str, models: Path) -> None:
+    with pytest.raises(ModelLoadError, match="is not a model directory"):
+        load_model_source(spelling)
+
+
+def test_local_dir_corrupt_safetensors(hf_dir: Path) -> None:
+    data = (hf_dir / "model.safetensors").read_bytes()
+    (hf_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_local_dir(hf_dir)
+
+
+def test_default_alias_uses_the_prepared_dir(hf_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    import runner.default_model
+
+    monkeypatch.setattr(runner.default_model, "resolve_default_model", lambda: hf_dir)
+    source = load_model_source(loader.DEFAULT_ALIAS)
+    assert source.name == "default" and source.config == CONFIG
