@@ -1,0 +1,8 @@
+"""Model families over mlx-lm, and the registry that builds them from a `ModelSource`."""
+
+# The family modules are imported for their `@register` side effect.
+from runner.models import gemma3, llama, qwen3, qwen3_5  # noqa: F401
+from runner.models.base import RunnerModel
+from runner.models.registry import build_model, registered_architectures
+
+__all__ = ["RunnerModel", "build_model", "registered_architectures"]

@@ -1,0 +1,91 @@
+"""Qwen3ForCausalLM over mlx-lm's qwen3 (Q/K norms), with transformers' optional extras.
+
+mlx-lm's Qwen3 has neither attention biases nor sliding-window layers; transformers' has both
+(`attention_bias`, and `layer_types` with `use_sliding_window`), so this adapter adds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from runner.models.llama import (
+    SLIDING,
+    DecoderModel,
+    add_attention_bias,
+    hf_rope_parameters,
+    mlx_rope,
+    require,
+    run_layers,
+)
+from runner.models.registry import register
+
+# transformers 5 Qwen3Config defaults for keys mlx-lm requires or reads differently.
+QWEN3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "head_dim": 128,  # transformers' default, not hidden_size // heads
+    "hidden_act": "silu",
+    "attention_bias": False,
+}
+
+
+class _Qwen3Model(qwen3.Qwen3Model):
+    """mlx-lm's Qwen3 text model with transformers' per-layer sliding windows."""
+
+    def __init__(self, args: qwen3.ModelArgs, kinds: list[str], window: int | None):
+        super().__init__(args)
+        self.kinds = kinds
+        self.window = window
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
+
+
+class _Model(qwen3.Model):
+    def __init__(self, args: qwen3.ModelArgs, kinds: list[str], window: int | None):
+        super().__init__(args)
+        self.model = _Qwen3Model(args, kinds, window)
+
+    def make_cache(self) -> list[Any]:
+        m = self.model
+        return [RotatingKVCache(max_size=m.window) if k == SLIDING else KVCache() for k in m.kinds]
+
+
+@register("Qwen3ForCausalLM", "qwen3")
+class Qwen3(DecoderModel):
+    DEFAULT_CONTEXT = 32768
+
+    @classmethod
+    def build_module(cls, config: dict[str, Any]) -> nn.Module:
+        c = {**QWEN3_DEFAULTS, **config}
+        require(c, "hidden_act", "silu")
+        rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
+        c["rope_theta"], c["rope_scaling"] = mlx_rope(rope)
+        c.pop("rope_parameters", None)  # mlx-lm would re-read it as the scaling config
+        # transformers: a window only with use_sliding_window, on layer_types' sliding layers
+        # (by default those from max_window_layers on); mlx-lm's Qwen3 has no windows at all
+        window = c.get("sliding_window") if c.get("use_sliding_window") else None
+        first_sliding = c.get("max_window_layers", 28)
+        kinds = c.get("layer_types") or [
+            SLIDING if i >= first_sliding else "full_attention"
+            for i in range(c["num_hidden_layers"])
+        ]
+        if window is None:
+            kinds = ["full_attention"] * len(kinds)
+        module = _Model(qwen3.ModelArgs.from_dict(c), list(kinds), window)
+        if c["attention_bias"]:
+            add_attention_bias(module.layers)
+        return module

@@ -1,0 +1,149 @@
+"""Architecture name -> model family, and `build_model`: a `ModelSource` -> a ready `RunnerModel`.
+
+Families register themselves (runner/models/<family>.py) under their `architectures[0]` names
+and their `model_type`; a name is registered once. A config is looked up by `architectures[0]`,
+or by `model_type` when it has no `architectures`.
+
+`build_model` follows mlx-lm's `mlx_lm.utils.load_model` step by step (build the module from
+the config, `sanitize`, quantize the layers the weights say are quantized, load strictly,
+evaluate), with the family's config translation in front (see the family modules: transformers
+5 is the reference for what a config means) and every failure reported as a `ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.utils import infer_quant_config
+
+from runner.models.base import RunnerModel
+from runner.source import ModelLoadError, ModelSource
+
+
+class ModelFamily(Protocol):
+    """What a registered class provides: the mlx-lm module for a config, and the adapter."""
+
+    def build_module(self, config: dict[str, Any]) -> nn.Module: ...
+
+    def __call__(
+        self, module: nn.Module, config: dict[str, Any], architecture: str
+    ) -> RunnerModel: ...
+
+
+F = TypeVar("F", bound=ModelFamily)
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(*names: str) -> Callable[[F], F]:
+    """Class decorator: serve `names` (architectures and model types) with this family."""
+
+    def add(family: F) -> F:
+        for name in names:
+            if name in _REGISTRY:
+                raise ValueError(f"architecture {name!r} is already registered")
+        for name in names:
+            _REGISTRY[name] = family
+        return family
+
+    return add
+
+
+def registered_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_architecture(config: dict[str, Any]) -> tuple[str, ModelFamily]:
+    architectures = config.get("architectures")
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    name = architectures[0] if architectures else config.get("model_type")
+    if not name:
+        raise ModelLoadError("no architectures found in config.json")
+    family = _REGISTRY.get(name)
+    if family is None:
+        raise ModelLoadError(f"unsupported architecture: {name}")
+    return name, family
+
+
+def build_model(source: ModelSource, dtype: mx.Dtype | None = None) -> RunnerModel:
+    """Build, quantize and load the model in `source`; cast floating weights to `dtype`."""
+    architecture, family = resolve_architecture(source.config)
+    try:
+        module = family.build_module(source.config)
+    except (TypeError, ValueError, KeyError) as e:  # mlx-lm's ModelArgs rejecting the config
+        raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
+    weights = dict(source.weights)
+    if hasattr(module, "sanitize"):
+        weights = module.sanitize(weights)
+    if source.quantization is not None:
+        _quantize(module, weights, source.quantization)
+    module.eval()  # before loading, as mlx-lm does (some layers pick kernels by `training`)
+    _check_weights(module, weights, architecture)
+    module.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        _cast(module, dtype)
+    mx.eval(module.parameters())
+    return family(module, source.config, architecture)
+
+
+def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dict) -> None:
+    """mlx-lm's load_model quantization: per-layer entries win, else the layers whose
+    `P.scales` are in the weights, with group size, bits and mode read off the arrays."""
+
+    def class_predicate(path: str, layer: nn.Module) -> bool | dict:
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(layer, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        try:
+            return infer_quant_config(path, layer, weights)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+
+    nn.quantize(
+        module,
+        group_size=quantization.get("group_size"),
+        bits=quantization.get("bits"),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=class_predicate,
+    )
+
+
+def _check_weights(module: nn.Module, weights: dict[str, mx.array], architecture: str) -> None:
+    """What `load_weights(strict=True)` checks, said as one clear ModelLoadError."""
+    expected = dict(tree_flatten(module.parameters()))
+    problems = [f"missing {k}" for k in sorted(expected.keys() - weights.keys())]
+    problems += [f"unexpected {k}" for k in sorted(weights.keys() - expected.keys())]
+    for k in sorted(expected.keys() & weights.keys()):
+        if not isinstance(weights[k], mx.array):
+            problems.append(f"{k} is not an array")
+        elif weights[k].shape != expected[k].shape:
+            problems.append(f"{k} has shape {weights[k].shape}, expected {expected[k].shape}")
+    if problems:
+        shown = "; ".join(problems[:8])
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ModelLoadError(f"weights do not match {architecture}: {shown}{more}")
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating parameters to `dtype`, except quantization data and what the mlx-lm
+    model's `cast_predicate` keeps (e.g. Qwen3.5's float32 `A_log`)."""
+    may_cast = getattr(module, "cast_predicate", None) or (lambda _path: True)
+    quantized = {
+        path
+        for path, m in module.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+
+    def cast(path: str, value: mx.array) -> mx.array:
+        owner, _, name = path.rpartition(".")
+        if (owner in quantized and name != "bias") or not may_cast(path):
+            return value
+        return value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+
+    module.update(tree_map_with_path(cast, module.parameters()))

@@ -1,0 +1,184 @@
+"""Regenerate the tiny-model configs and golden logits with Hugging Face transformers.
+
+    python tests/golden/make_goldens.py            # goldens: tests/data/golden/<arch>.npz
+    python tests/golden/make_goldens.py --configs  # also configs: tests/data/configs/<arch>.json
+
+Configs are written by transformers' own config classes (`save_pretrained`), so they have the
+shape transformers 5 writes. Goldens are the last-position logits of the transformers model
+(CPU PyTorch, float32, eager attention) over fixed token sequences, on the weights of
+tests/tiny.py. Needs torch and transformers; the everyday tests only read the files.
+tests/test_golden.py imports `transformers_config` and `reference_logits` for its live tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
+from tiny import CONFIGS, GOLDEN, TINY_ARCHITECTURES, write_tiny_model
+
+SEQUENCE_LENGTHS = (5, 23, 40)  # 23 and 40 pass Gemma3's window of 8 several times
+TOKENS = {"bos_token_id": 0, "eos_token_id": 2}  # <|endoftext|>, <|im_end|> in tiny.py
+SHAPE = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+# (transformers config class, its arguments) per architecture. Each tiny model also reads
+# something mlx-lm would read differently: llama3 RoPE under rope_parameters (Llama); tied
+# embeddings with a 1e6 theta (Qwen3); layer_types that no sliding_window_pattern gives, a
+# window of 8, per-kind RoPE with linear scaling on global layers, final soft-capping and
+# query_pre_attn_scalar != head_dim (Gemma3); layer_types that no full_attention_interval
+# gives and partial RoPE of half the head (Qwen3.5).
+CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "LlamaForCausalLM": (
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 2,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "Qwen3ForCausalLM": (
+        "Qwen3Config",
+        {
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "Gemma3ForCausalLM": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 0.5,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    "Qwen3_5ForCausalLM": (
+        "Qwen3_5TextConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        },
+    ),
+}
+
+
+def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
+    """config.json as transformers 5 writes it for the tiny `arch`, with `overrides` applied
+    as constructor arguments."""
+    import transformers
+
+    class_name, args = CONFIG_ARGS[arch]
+    config_class = getattr(transformers, class_name)
+    config = config_class(**{**SHAPE, **TOKENS, **args, **overrides}, architectures=[arch])
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        return json.loads((Path(tmp) / "config.json").read_text())
+
+
+def golden_sequences(vocab_size: int = SHAPE["vocab_size"]) -> list[np.ndarray]:
+    rng = np.random.default_rng(1234)
+    return [rng.integers(0, vocab_size, n).astype(np.int32) for n in SEQUENCE_LENGTHS]
+
+
+def reference_logits(model_dir: Path, sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """Last-position logits of the transformers model in `model_dir`, one per sequence."""
+    import torch
+    import transformers
+
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, arch).from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    bad = {k: v for k, v in info.items() if v}  # missing, unexpected, mismatched, errors
+    if bad:
+        raise RuntimeError(f"transformers did not load {model_dir} cleanly: {bad}")
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor(seq[None].astype(np.int64))
+            logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+            out.append(logits.float().numpy())
+    return out
+
+
+def write_golden(arch: str) -> Path:
+    sequences = golden_sequences()
+    with tempfile.TemporaryDirectory() as tmp:
+        logits = reference_logits(write_tiny_model(arch, Path(tmp)), sequences)
+    arrays = {f"tokens_{i}": s for i, s in enumerate(sequences)}
+    arrays |= {f"logits_{i}": x.astype(np.float32) for i, x in enumerate(logits)}
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    path = GOLDEN / f"{arch}.npz"
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", action="store_true", help="rewrite the configs first")
+    args = parser.parse_args()
+    if args.configs:
+        CONFIGS.mkdir(parents=True, exist_ok=True)
+        for arch in TINY_ARCHITECTURES:
+            text = json.dumps(transformers_config(arch), indent=2, sort_keys=True)
+            (CONFIGS / f"{arch}.json").write_text(text + "\n")
+            print("wrote", CONFIGS / f"{arch}.json")
+    for arch in TINY_ARCHITECTURES:
+        print("wrote", write_golden(arch))
+
+
+if __name__ == "__main__":
+    main()

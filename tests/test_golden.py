@@ -1,0 +1,261 @@
+"""Logits of our models vs Hugging Face transformers on the same tiny random weights.
+
+Default tier: the stored goldens (tests/data/golden/<arch>.npz, written by
+tests/golden/make_goldens.py) against `hidden` over the whole sequence, `hidden` in chunks of
+7 through the same caches, `unembed`, and `unembed_candidates`; max abs difference <= 1e-4 in
+float32. `-m reference` recomputes the goldens live with transformers (skipped without torch)
+and also checks config variants the stored goldens do not cover. Also here: unknown
+architectures, and quantized tiny models (affine 4 and 8 bit, group 32 and 64).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from runner.loader import load_local_dir
+from runner.models import RunnerModel, build_model
+from runner.source import ModelLoadError, ModelSource
+from tests.golden.make_goldens import golden_sequences, reference_logits, transformers_config
+from tests.tiny import GOLDEN, TINY_ARCHITECTURES, load_tiny_model, write_tiny_model
+
+TOLERANCE = 1e-4
+CHUNK = 7
+CANDIDATES = [0, 2, 5, 17, 100, 255, 383]
+
+
+def logits_three_ways(model: RunnerModel, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """Last-position logits: one shot, in chunks of CHUNK through the same caches, and the
+    candidate path (only CANDIDATES, float32)."""
+    ids = mx.array(tokens, dtype=mx.int32)[None]
+    one_shot = model.hidden(ids, model.make_caches())[:, -1]
+    caches = model.make_caches()
+    for start in range(0, ids.shape[1], CHUNK):
+        chunked = model.hidden(ids[:, start : start + CHUNK], caches)[:, -1]
+    candidates = model.unembed_candidates(one_shot, mx.array(CANDIDATES, dtype=mx.int32))
+    out = {
+        "one_shot": model.unembed(one_shot)[0],
+        "chunked": model.unembed(chunked)[0],
+        "candidates": candidates[0],
+    }
+    return {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
+
+
+def assert_matches(model: RunnerModel, tokens: np.ndarray, expected: np.ndarray) -> None:
+    got = logits_three_ways(model, tokens)
+    for way in ("one_shot", "chunked"):
+        diff = np.abs(got[way] - expected).max()
+        assert diff <= TOLERANCE, f"{way}: max abs diff {diff:.3g} over {len(tokens)} tokens"
+    diff = np.abs(got["candidates"] - expected[CANDIDATES]).max()
+    assert diff <= TOLERANCE, f"candidates: max abs diff {diff:.3g} over {len(tokens)} tokens"
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunnerModel]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: load_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
+
+
+def stored_golden(arch: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(GOLDEN / f"{arch}.npz")
+    return [(z[f"tokens_{i}"], z[f"logits_{i}"]) for i in range(len(z.files) // 2)]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_logits_match_stored_goldens(tiny_models: dict[str, RunnerModel], arch: str) -> None:
+    """One-shot, chunked and candidate logits equal transformers' within 1e-4 (float32)."""
+    for tokens, expected in stored_golden(arch):
+        assert_matches(tiny_models[arch], tokens, expected)
+
+
+def test_unknown_architecture_is_refused() -> None:
+    source = ModelSource(name="x", config={"architectures": ["FooForCausalLM"]}, tokenizer_json="")
+    with pytest.raises(ModelLoadError, match=r"^unsupported architecture: FooForCausalLM$"):
+        build_model(source)
+
+
+def test_config_without_architecture_is_refused() -> None:
+    source = ModelSource(name="x", config={"hidden_size": 64}, tokenizer_json="")
+    with pytest.raises(ModelLoadError, match=r"^no architectures found in config.json$"):
+        build_model(source)
+
+
+# --- quantized ------------------------------------------------------------------------
+
+
+def quantized_sources(
+    path: Path, group_size: int, bits: int, head: tuple[int, int] | None
+) -> tuple[ModelSource, ModelSource]:
+    """The tiny model in `path` with every 2-D weight quantized (affine; `head` = (group,
+    bits) for the output rows, declared as a per-layer entry), and the same model dense with
+    the dequantized weights."""
+    quantized, dense = load_local_dir(path), load_local_dir(path)
+    quantization: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    head_path = "lm_head" if "lm_head.weight" in dense.weights else "model.embed_tokens"
+    weights = {}
+    for name, w in dense.weights.items():
+        if w.ndim != 2 or not name.endswith(".weight"):
+            weights[name] = w
+            continue
+        p = name.removesuffix(".weight")
+        g, b = head if head is not None and p == head_path else (group_size, bits)
+        if (g, b) != (group_size, bits):
+            quantization[p] = {"group_size": g, "bits": b, "mode": "affine"}
+        packed, scales, biases = mx.quantize(w, g, b)
+        weights |= {name: packed, f"{p}.scales": scales, f"{p}.biases": biases}
+        dense.weights[name] = mx.dequantize(packed, scales, biases, g, b)
+    quantized.weights, quantized.quantization = weights, quantization
+    return quantized, dense
+
+
+QUANTIZED = [(64, 4, None), (32, 8, None), (64, 4, (32, 8))]
+
+
+def last_logits(model: RunnerModel, ids: mx.array) -> np.ndarray:
+    return np.array(model.unembed(model.hidden(ids, model.make_caches())[0]).astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize(("group_size", "bits", "head"), QUANTIZED)
+def test_quantized_model(
+    tmp_path: Path,
+    tiny_models: dict[str, RunnerModel],
+    arch: str,
+    group_size: int,
+    bits: int,
+    head: tuple[int, int] | None,
+) -> None:
+    """A quantized tiny model builds with quantized layers; its candidate logits are its own
+    full logits gathered (1e-3); it computes what the dense model with the dequantized
+    weights computes (1e-4); and, as a loose sanity check only, its logits still correlate
+    with the float model's (> 0.5 at 4 bits, > 0.95 at 8: the tiny Qwen3.5 is sensitive)."""
+    quantized, dense = quantized_sources(write_tiny_model(arch, tmp_path), group_size, bits, head)
+    model = build_model(quantized)
+    out = model.module.get("lm_head") or model.module.model.embed_tokens
+    assert isinstance(out, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    assert isinstance(model.module.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    tokens, _ = stored_golden(arch)[1]
+    ids = mx.array(tokens, dtype=mx.int32)[None]
+    h = model.hidden(ids, model.make_caches())[0]
+    full = np.array(model.unembed(h).astype(mx.float32))
+    every = np.array(model.unembed_candidates(h, mx.arange(model.vocab_size, dtype=mx.int32)))
+    assert np.abs(every - full).max() <= 1e-3
+    picked = np.array(model.unembed_candidates(h, mx.array(CANDIDATES, dtype=mx.int32)))
+    assert np.abs(picked - full[:, CANDIDATES]).max() <= 1e-3
+
+    assert np.abs(full - last_logits(build_model(dense), ids)).max() <= TOLERANCE
+    ref = last_logits(tiny_models[arch], ids)
+    assert np.corrcoef(full.ravel(), ref.ravel())[0, 1] > (0.5 if bits == 4 else 0.95)
+
+
+# --- reference tier: live transformers ----------------------------------------------------
+
+# (arch, config-class overrides, then edits to the written config.json: value, or None to
+# delete the key), each covering a reading the stored goldens do not.
+VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("LlamaForCausalLM", {"tie_word_embeddings": True}, {}),
+    ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}, {}),
+    (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        {},
+    ),
+    (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+        {},
+    ),
+    (  # a transformers 4 config: legacy rope keys and no tie_word_embeddings (mlx-lm: true)
+        "LlamaForCausalLM",
+        {},
+        {
+            "rope_parameters": None,
+            "tie_word_embeddings": None,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    (
+        "Qwen3ForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+        },
+        {},
+    ),
+    ("Gemma3ForCausalLM", {"tie_word_embeddings": False, "attention_bias": True}, {}),
+    # sqrt(48) is not a bfloat16 number: mlx-lm's rounded embedding scale would show
+    ("Gemma3ForCausalLM", {"hidden_size": 48}, {}),
+    (  # no layer_types: the kinds come from sliding_window_pattern
+        "Gemma3ForCausalLM",
+        {"sliding_window_pattern": 2, "final_logit_softcapping": None},
+        {"layer_types": None},
+    ),
+    (  # no layer_types: the kinds come from full_attention_interval
+        "Qwen3_5ForCausalLM",
+        {"tie_word_embeddings": True},
+        {"layer_types": None, "full_attention_interval": 2},
+    ),
+    (  # partial_rotary_factor absent: transformers' default 0.25
+        "Qwen3_5ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        {},
+    ),
+]
+
+
+@pytest.mark.reference
+class TestReference:
+    @pytest.fixture(autouse=True)
+    def _needs_torch(self) -> None:
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
+
+    @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+    def test_live_transformers_matches(self, tmp_path: Path, arch: str) -> None:
+        """Goldens recomputed now agree with ours and with the stored ones."""
+        model = load_tiny_model(arch, tmp_path)
+        sequences = golden_sequences()
+        live = reference_logits(tmp_path, sequences)
+        for tokens, expected, (stored_tokens, stored) in zip(
+            sequences, live, stored_golden(arch), strict=True
+        ):
+            assert np.array_equal(tokens, stored_tokens)
+            assert np.abs(expected - stored).max() <= TOLERANCE, "transformers drifted"
+            assert_matches(model, tokens, expected)
+
+    @pytest.mark.parametrize(("arch", "overrides", "edits"), VARIANTS)
+    def test_config_variant_matches(
+        self, tmp_path: Path, arch: str, overrides: dict[str, Any], edits: dict[str, Any]
+    ) -> None:
+        config = transformers_config(arch, **overrides)
+        for key, value in edits.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        model = load_tiny_model(arch, tmp_path, config=config)
+        sequences = golden_sequences()
+        for tokens, expected in zip(sequences, reference_logits(tmp_path, sequences), strict=True):
+            assert_matches(model, tokens, expected)
