@@ -1,0 +1,178 @@
+"""The HTTP face of the runner: routes, thin handlers, Go's response conventions.
+
+Handlers decode, validate (tokenizing in a CPU executor, never on the loop) and format; all
+MLX work is submitted to the engine. A request whose client disconnects is cancelled: the
+handler task is cancelled by aiohttp (`handler_cancellation=True`), and a watcher also polls
+the transport, so the job's flag is set either way and the work stops at the next chunk.
+
+Go conventions kept: every response is `application/json` unless a route says otherwise;
+errors are `http.Error` text (message + newline, text/plain); unknown paths answer
+`404 page not found`; the legacy paths answer 308 to their /v1 routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from .engine import EngineStopped
+from .errors import BadRequest, Cancelled, RequestError
+from .score import prepare_rows
+from .service import Runner
+from .wire import DecodeError, ScoreResponse, StatusResponse, decode_score_request, encode_json
+
+log = logging.getLogger(__name__)
+
+RUNNER_KEY: web.AppKey[Runner] = web.AppKey("runner", Runner)
+MAX_BODY_BYTES = 64 << 20
+DISCONNECT_POLL_SECONDS = 0.05
+
+REDIRECTS = {
+    ("GET", "/health"): "/v1/status",
+    ("POST", "/load"): "/v1/models",
+    ("POST", "/score"): "/v1/score",
+}
+
+
+def json_response(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode_json(value), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int) -> web.Response:
+    """Go's http.Error: the message and a newline, as plain text."""
+    return web.Response(
+        text=message + "\n",
+        status=status,
+        content_type="text/plain",
+        charset="utf-8",
+        headers={"X-Content-Type-Options": "nosniff"},
+    )
+
+
+@web.middleware
+async def go_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]):
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(f"request body too large: {e.text}", 400)
+    except web.HTTPNotFound:
+        return error_response("404 page not found", 404)
+    except web.HTTPMethodNotAllowed as e:
+        response = error_response("Method Not Allowed", 405)
+        response.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+        return response
+    except RequestError as e:
+        return error_response(e.message, e.status)
+    except web.HTTPException:
+        raise
+    except Cancelled:
+        # The client is gone (or the runner is stopping): nobody reads this answer.
+        return error_response("request cancelled", 499)
+    except Exception as e:  # the process never dies from a request
+        log.exception("request %s failed", request.path)
+        return error_response(str(e) or type(e).__name__, 500)
+
+
+async def status(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER_KEY]
+    memory = await runner.memory.read()
+    return json_response(StatusResponse(0, 100, runner.context_length, memory))
+
+
+async def models(request: web.Request) -> web.Response:
+    if request.method in ("GET", "POST"):
+        return json_response({"Success": True})
+    return web.Response(status=200)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER_KEY]
+    text = (await request.read()).decode("utf-8", "replace")
+    loop = asyncio.get_running_loop()
+    tokenizer = runner.tokenizer
+    ids = await loop.run_in_executor(None, lambda: tokenizer.encode(text, tokenizer.add_bos))
+    return json_response(ids or None)
+
+
+async def score(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER_KEY]
+    try:
+        score_request = decode_score_request(await request.read())
+    except DecodeError as e:
+        raise BadRequest(str(e)) from None
+    loop = asyncio.get_running_loop()
+    rows = await loop.run_in_executor(
+        None,
+        prepare_rows,
+        score_request,
+        runner.tokenizer,
+        runner.context_length,
+        runner.model.vocab_size,
+    )
+    result = await run_cancellable(request, lambda job: runner.score(rows, job))
+    return json_response(
+        ScoreResponse(
+            logits=result.logits,
+            input_tokens=sum(len(r.tokens) for r in rows),
+            cached_tokens=result.cached_tokens,
+        )
+    )
+
+
+async def completions(request: web.Request) -> web.Response:
+    return error_response("completions are not implemented yet", 501)
+
+
+async def run_cancellable(request: web.Request, fn: Callable[..., Any]) -> Any:
+    """Run `fn(job)` on the engine; a client disconnect cancels it between chunks."""
+    runner = request.app[RUNNER_KEY]
+    task = asyncio.ensure_future(runner.engine.run(fn))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Cancelled):
+                await task
+            raise Cancelled()
+        return task.result()
+    except EngineStopped as e:
+        raise RequestError(str(e), 503) from None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: web.Request) -> None:
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            log.info("client disconnected; cancelling %s", request.path)
+            return
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+
+
+def _redirect(target: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=308, headers={"Location": target})
+
+    return handler
+
+
+def build_app(runner: Runner, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[go_errors])
+    app[RUNNER_KEY] = runner
+    app.router.add_get("/v1/status", status)
+    app.router.add_route("*", "/v1/models", models)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/completions", completions)
+    for (method, path), target in REDIRECTS.items():
+        app.router.add_route(method, path, _redirect(target))
+    return app

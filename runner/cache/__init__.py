@@ -1,0 +1,1 @@
+"""Cache kinds, snapshots and (later) the prefix trie."""

@@ -1,0 +1,131 @@
+"""A loaded model and what serves with it: the engine, the tokenizer, the scorer.
+
+The HTTP side holds one `Runner`. Its methods that touch MLX are only ever called on the
+engine's thread, through `Engine.run`/`Engine.call`; everything else (facts, tokenizing) is
+safe from the event loop or a CPU executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .engine import Engine, Job
+from .loader import load_model_source
+from .models import RunnerModel, build_model
+from .score import Row, Scorer, ScoreResult
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Keep small reusable buffers, but release a large working set once a request is done.
+SCRATCH_LIMIT_BYTES = 512 << 20
+STATUS_MEMORY_WAIT_SECONDS = 0.05
+
+
+def compute_dtype() -> mx.Dtype | None:
+    """float32 on the CPU backend (its bfloat16/float16 matmuls are slow); else as stored."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return None
+
+
+class Runner:
+    def __init__(self, engine: Engine, model: RunnerModel, tokenizer: Tokenizer, name: str):
+        self.engine = engine
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.scorer = Scorer(model)
+        self.memory = StatusMemory(engine)
+
+    @property
+    def context_length(self) -> int:
+        return self.model.context_length
+
+    @classmethod
+    def load(cls, engine: Engine, name: str) -> Runner:
+        """Load `name` on the engine thread; raises ModelLoadError (or ValueError) on failure."""
+
+        def load(_: Job) -> Runner:
+            started = time.perf_counter()
+            source = load_model_source(name)
+            tokenizer = Tokenizer(
+                source.tokenizer_json,
+                config=source.config,
+                tokenizer_config=source.tokenizer_config,
+                generation_config=source.generation_config,
+            )
+            dtype = compute_dtype()
+            if dtype is not None:
+                log.info(
+                    "computing in %s: the %s backend is slow in bfloat16/float16 "
+                    "(quantized weights stay quantized)",
+                    dtype,
+                    mx.default_device(),
+                )
+            model = build_model(source, dtype)
+            log.info(
+                "loaded model=%s architecture=%s context=%d seconds=%.2f",
+                name,
+                model.architecture,
+                model.context_length,
+                time.perf_counter() - started,
+            )
+            return cls(engine, model, tokenizer, name)
+
+        return engine.call(load)
+
+    # --- work that runs on the engine thread -------------------------------------------
+    def score(self, rows: Sequence[Row], job: Job) -> ScoreResult:
+        failed = True
+        try:
+            result = self.scorer.score(rows, job.check)
+            failed = False
+            return result
+        finally:
+            release_scratch(force=failed)
+
+
+def release_scratch(force: bool = False) -> None:
+    if force or mx.get_cache_memory() > SCRATCH_LIMIT_BYTES:
+        mx.clear_cache()
+
+
+class StatusMemory:
+    """MLX memory for /v1/status without waiting behind inference (UPSTREAM.md §1.5.6).
+
+    At most one refresh is queued on the engine at a time; a reader waits up to 50 ms for
+    it and otherwise gets the last value read.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.value = 0
+        self._refresh: asyncio.Future[int] | None = None
+
+    async def read(self, wait: float = STATUS_MEMORY_WAIT_SECONDS) -> int:
+        if self._refresh is None or self._refresh.done():
+            job = self.engine.submit(_memory_bytes, asyncio.get_running_loop())
+            assert job.future is not None
+            self._refresh = job.future
+            self._refresh.add_done_callback(self._store)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._refresh), wait)
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        except Exception:  # a failed read keeps the old value
+            log.debug("memory refresh failed", exc_info=True)
+        return self.value
+
+    def _store(self, future: asyncio.Future[int]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.value = future.result()
+
+
+def _memory_bytes(_: Job) -> int:
+    return int(mx.get_active_memory() + mx.get_cache_memory())

@@ -1,0 +1,214 @@
+"""/v1/score validation: every rule of CONTRACT.md §3, in order, with its exact text.
+
+Each failing request is followed by a good one, to show a bad request changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.app import build_app
+from runner.score import prepare_rows
+from runner.wire import ScoreRequest, ScoreRow
+
+GOOD = {"rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes", " No"]}], "max_tokens": 64}
+
+
+def single_token_candidates(tokenizer, prompt: str, count: int) -> list[str]:
+    """Candidates that each append exactly one ordinary token to `prompt`."""
+    base = tokenizer.encode(prompt)
+    found: list[str] = []
+    for word in [
+        " the",
+        " a",
+        " is",
+        " Yes",
+        " No",
+        " sky",
+        " blue",
+        " A",
+        " B",
+        " C",
+        " D",
+        " x",
+        " y",
+        " z",
+        " e",
+        " o",
+        " i",
+        " t",
+        " s",
+        " n",
+        " r",
+        " h",
+        " l",
+        " d",
+        " c",
+        " u",
+        " m",
+        " f",
+        " p",
+        " g",
+        " w",
+        " b",
+        " k",
+        " v",
+    ]:
+        joined = tokenizer.encode(prompt + word)
+        if len(joined) == len(base) + 1 and joined[: len(base)] == base and word not in found:
+            ids = [tokenizer.encode(prompt + f)[-1] for f in found]
+            if joined[-1] not in ids:
+                found.append(word)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"tiny tokenizer has fewer than {count} single-token candidates")
+
+
+async def expect_400(client, body, message: str) -> None:
+    response = await client.post("/v1/score", json=body)
+    assert response.status == 400, await response.text()
+    assert response.headers["Content-Type"].startswith("text/plain")
+    assert await response.text() == message + "\n"
+    # ...and the runner still serves.
+    good = await client.post("/v1/score", json=GOOD)
+    assert good.status == 200
+    assert len((await good.json())["logits"][0]) == 2
+
+
+@pytest.mark.parametrize("count", [0, 65])
+async def test_rule1_row_count(client, count):
+    rows = [{"prompt": "Is the sky blue?", "candidates": [" Yes"]}] * count
+    await expect_400(client, {"rows": rows, "max_tokens": 64}, "scoring requires 1–64 prompts")
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, None, "ctx+1"])
+async def test_rule2_max_tokens(client, llama_runner, max_tokens):
+    n = llama_runner.context_length
+    body = {"rows": GOOD["rows"]}
+    if max_tokens is not None:
+        body["max_tokens"] = n + 1 if max_tokens == "ctx+1" else max_tokens
+    await expect_400(client, body, f"max_tokens must be between 1 and {n}")
+
+
+async def test_rule3_empty_prompt(client):
+    body = {"rows": [{"prompt": "", "candidates": [" Yes"]}], "max_tokens": 64}
+    await expect_400(
+        client, body, "prompt 0 has 0 tokens; expected 1–64 (input is never truncated)"
+    )
+
+
+async def test_rule3_prompt_longer_than_max_tokens_is_never_truncated(client, llama_runner):
+    long_prompt = "Is the sky blue? " * 20
+    k = len(llama_runner.tokenizer.encode(long_prompt))
+    body = {
+        "rows": [GOOD["rows"][0], {"prompt": long_prompt, "candidates": [" Yes"]}],
+        "max_tokens": k - 1,
+    }
+    await expect_400(
+        client, body, f"prompt 1 has {k} tokens; expected 1–{k - 1} (input is never truncated)"
+    )
+
+
+@pytest.mark.parametrize("count", [0, 27])
+async def test_rule4_candidate_count(client, count):
+    body = {
+        "rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes"] * count}],
+        "max_tokens": 64,
+    }
+    await expect_400(client, body, "prompt 0 requires 1–26 candidates")
+
+
+@pytest.mark.parametrize(
+    ("candidate", "quoted"),
+    [
+        (" zqxv jkwp", '" zqxv jkwp"'),  # several tokens
+        ("", '""'),  # no token at all
+        ("<|im_end|>", '"<|im_end|>"'),  # an added (special) token
+        ('"\n', '"\\"\\n"'),  # quoted as Go's %q
+    ],
+)
+async def test_rule5_candidate_must_append_one_ordinary_token(client, candidate, quoted):
+    body = {
+        "rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes", candidate]}],
+        "max_tokens": 64,
+    }
+    await expect_400(
+        client, body, f"candidate {quoted} must append exactly one ordinary token to prompt 0"
+    )
+
+
+async def test_rule5_candidate_that_merges_with_the_prompt(client, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    # Find a split of a word that the tokenizer writes as one token: prompt + tail re-merges.
+    for word in ["blue", "sky", "the", "Answer", "Yes"]:
+        ids = tokenizer.encode(" " + word)
+        if len(ids) == 1:
+            prompt, tail = "Is the " + word[:-1], word[-1]
+            break
+    else:
+        pytest.fail("tiny tokenizer merges none of the probe words")
+    body = {"rows": [{"prompt": prompt, "candidates": [tail]}], "max_tokens": 64}
+    await expect_400(
+        client, body, f'candidate "{tail}" must append exactly one ordinary token to prompt 0'
+    )
+
+
+async def test_rule6_duplicate_candidate_tokens(client):
+    body = {
+        "rows": [GOOD["rows"][0], {"prompt": "Is it?", "candidates": [" Yes", " No", " Yes"]}],
+        "max_tokens": 64,
+    }
+    await expect_400(client, body, "prompt 1 has invalid or duplicate candidate tokens")
+
+
+def test_rule6_candidate_outside_the_model_vocabulary(llama_runner):
+    tokenizer = llama_runner.tokenizer
+    (word,) = single_token_candidates(tokenizer, "Is it", 1)
+    token = tokenizer.encode("Is it" + word)[-1]
+    request = ScoreRequest(rows=[ScoreRow("Is it", [word])], maxtokens=64)
+    from runner.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="prompt 0 has invalid or duplicate candidate tokens"):
+        prepare_rows(request, tokenizer, 128, vocab_size=token)
+    assert prepare_rows(request, tokenizer, 128, vocab_size=token + 1)[0].candidates == [token]
+
+
+async def test_rules_apply_in_order(client, llama_runner):
+    n = llama_runner.context_length
+    # Bad max_tokens and a bad row: max_tokens is checked first.
+    body = {"rows": [{"prompt": "", "candidates": []}], "max_tokens": 0}
+    await expect_400(client, body, f"max_tokens must be between 1 and {n}")
+    # Bad token count and bad candidates in row 0: the token count is checked first.
+    body = {"rows": [{"prompt": "", "candidates": []}], "max_tokens": 5}
+    await expect_400(client, body, "prompt 0 has 0 tokens; expected 1–5 (input is never truncated)")
+    # Row 0 bad candidates, row 1 bad prompt: row 0 first.
+    body = {
+        "rows": [{"prompt": "Is it", "candidates": []}, {"prompt": "", "candidates": [" a"]}],
+        "max_tokens": 5,
+    }
+    await expect_400(client, body, "prompt 0 requires 1–26 candidates")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"", "EOF"),
+        (b"{not json", "malformed"),
+        (b'{"rows": 5}', "Expected `array`"),
+        (b'{"rows": [{"prompt": ["x"]}]}', "Expected `str`"),
+        (b'"just a string"', "expected a JSON object"),
+    ],
+)
+async def test_bad_bodies_are_400_with_the_decoder_message(client, body, fragment):
+    response = await client.post("/v1/score", data=body)
+    assert response.status == 400
+    assert fragment in await response.text()
+    assert (await client.post("/v1/score", json=GOOD)).status == 200
+
+
+async def test_huge_body_is_400_and_runner_keeps_serving(aiohttp_client, llama_runner):
+    client = await aiohttp_client(build_app(llama_runner, max_body_bytes=4096))
+    response = await client.post("/v1/score", data=b"{" + b" " * 10_000 + b"}")
+    assert response.status == 400
+    assert "request body too large" in await response.text()
+    assert (await client.post("/v1/score", json=GOOD)).status == 200

@@ -1,0 +1,253 @@
+"""The runner over HTTP with a tiny model: routes, scoring equivalences, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from runner.score import Row, Scorer, prepare_rows
+from runner.wire import ScoreRequest, ScoreRow
+from tests.test_score_validation import single_token_candidates
+
+PREFIX = "Answer with Yes or No. Is the sky blue? Is grass green? Is the sea wet? Q:"
+
+
+async def score(client, rows, max_tokens=512):
+    response = await client.post("/v1/score", json={"rows": rows, "max_tokens": max_tokens})
+    assert response.status == 200, await response.text()
+    assert response.headers["Content-Type"].startswith("application/json")
+    return await response.json()
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+async def test_status_reports_context_and_memory(client, llama_runner):
+    response = await client.get("/v1/status")
+    assert response.status == 200
+    body = await response.json()
+    assert body["Status"] == 0 and body["Progress"] == 100
+    assert body["ContextLength"] == llama_runner.context_length
+    assert isinstance(body["Memory"], int) and body["Memory"] > 0
+
+
+async def test_status_never_waits_behind_inference(client, engine):
+    gate = threading.Event()
+    blocker = engine.submit(lambda job: gate.wait(30))
+    try:
+        started = time.perf_counter()
+        response = await client.get("/v1/status")
+        assert response.status == 200
+        assert time.perf_counter() - started < 2
+    finally:
+        gate.set()
+        blocker.done.wait(5)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_models_answers_success(client, method):
+    response = await client.request(method, "/v1/models")
+    assert response.status == 200
+    assert await response.json() == {"Success": True}
+
+
+async def test_models_other_methods_answer_empty_200(client):
+    response = await client.delete("/v1/models")
+    assert response.status == 200
+    assert await response.read() == b""
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "target"),
+    [
+        ("GET", "/health", "/v1/status"),
+        ("POST", "/load", "/v1/models"),
+        ("POST", "/score", "/v1/score"),
+    ],
+)
+async def test_legacy_paths_redirect_with_308(client, method, path, target):
+    response = await client.request(method, path, allow_redirects=False)
+    assert response.status == 308
+    assert response.headers["Location"] == target
+
+
+async def test_score_legacy_path_follows_308_with_body(client):
+    body = {
+        "rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes", " No"]}],
+        "max_tokens": 64,
+    }
+    response = await client.post("/score", json=body)
+    assert response.status == 200
+    assert len((await response.json())["logits"][0]) == 2
+
+
+async def test_unknown_path_is_go_404(client):
+    response = await client.get("/nope")
+    assert response.status == 404
+    assert await response.text() == "404 page not found\n"
+
+
+async def test_tokenize_uses_tokenizer_and_null_for_empty(client, llama_runner):
+    response = await client.post("/v1/tokenize", data=b"Is the sky blue?")
+    assert await response.json() == llama_runner.tokenizer.encode("Is the sky blue?")
+    response = await client.post("/v1/tokenize", data=b"")
+    assert await response.read() == b"null\n"
+
+
+# --- scoring numbers ----------------------------------------------------------------------
+
+
+def full_vocab_logits(engine, runner, tokens, ids):
+    """The reference path: one-shot forward, full-vocabulary unembed, then pick the ids."""
+
+    def work(job):
+        caches = runner.model.make_caches()
+        hidden = runner.model.hidden(mx.array(tokens)[None], caches)
+        logits = runner.model.unembed(hidden[0, -1:, :]).astype(mx.float32)
+        return logits[0, mx.array(ids)].tolist()
+
+    return engine.call(work)
+
+
+async def test_candidate_logits_equal_full_vocabulary_logits(client, engine, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    prompt = "Is the sky blue? Answer:"
+    candidates = single_token_candidates(tokenizer, prompt, 4)
+    answer = await score(client, [{"prompt": prompt, "candidates": candidates}])
+    tokens = tokenizer.encode(prompt)
+    ids = [tokenizer.encode(prompt + c)[-1] for c in candidates]
+    expected = full_vocab_logits(engine, llama_runner, tokens, ids)
+    assert answer["logits"][0] == pytest.approx(expected, abs=1e-4)
+    assert answer["input_tokens"] == len(tokens)
+    assert answer["cached_tokens"] == 0
+
+
+async def test_rows_sharing_a_prefix_equal_rows_scored_alone(client, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    questions = [" Is fire hot? A:", " Is ice cold? A:", " Is snow black? A:"]
+    rows = []
+    for q in questions:
+        rows.append(
+            {"prompt": PREFIX + q, "candidates": single_token_candidates(tokenizer, PREFIX + q, 3)}
+        )
+    together = await score(client, rows)
+    alone = [await score(client, [row]) for row in rows]
+    for i, single in enumerate(alone):
+        assert together["logits"][i] == pytest.approx(single["logits"][0], abs=1e-5)
+        assert single["cached_tokens"] == 0
+    token_rows = [tokenizer.encode(r["prompt"]) for r in rows]
+    shared = 0
+    while all(t[shared] == token_rows[0][shared] for t in token_rows):
+        shared += 1
+    assert shared >= len(tokenizer.encode(PREFIX)) - 1
+    assert together["cached_tokens"] == shared * (len(rows) - 1)
+    assert together["input_tokens"] == sum(len(t) for t in token_rows)
+
+
+async def test_row_that_is_the_shared_prefix_reuses_its_hidden_row(client, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    short = PREFIX
+    long = PREFIX + " Is fire hot? A:"
+    cands = single_token_candidates(tokenizer, short, 2)
+    cands_long = single_token_candidates(tokenizer, long, 2)
+    rows = [{"prompt": long, "candidates": cands_long}, {"prompt": short, "candidates": cands}]
+    together = await score(client, rows)
+    assert together["logits"][0] == pytest.approx(
+        (await score(client, rows[:1]))["logits"][0], abs=1e-5
+    )
+    assert together["logits"][1] == pytest.approx(
+        (await score(client, rows[1:]))["logits"][0], abs=1e-5
+    )
+    assert together["cached_tokens"] == len(tokenizer.encode(short))
+
+
+def test_chunked_prefill_equals_one_shot(engine, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    request = ScoreRequest(
+        rows=[
+            ScoreRow(PREFIX + q, single_token_candidates(tokenizer, PREFIX + q, 2))
+            for q in (" Is fire hot? A:", " Is mud dry? A:")
+        ],
+        maxtokens=512,
+    )
+    rows = prepare_rows(request, tokenizer, 512, llama_runner.model.vocab_size)
+    one_shot = engine.call(lambda job: Scorer(llama_runner.model).score(rows, job.check))
+    for chunk in (1, 3, 7):
+        chunked = engine.call(
+            lambda job, c=chunk: Scorer(llama_runner.model, chunk_tokens=c).score(rows, job.check)
+        )
+        for a, b in zip(chunked.logits, one_shot.logits, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert chunked.cached_tokens == one_shot.cached_tokens
+
+
+# --- cancellation -------------------------------------------------------------------------
+
+
+class StopAfter:
+    def __init__(self, n: int):
+        self.calls = 0
+        self.n = n
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls > self.n:
+            raise RuntimeError("stopped")
+
+
+def test_cancel_between_chunks_stops_and_next_request_is_exact(engine, llama_runner):
+    tokenizer = llama_runner.tokenizer
+    rows = [Row(tokenizer.encode(PREFIX), [tokenizer.encode(PREFIX + " Yes")[-1]])]
+    scorer = Scorer(llama_runner.model, chunk_tokens=2)
+    stop = StopAfter(3)
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.call(lambda job: scorer.score(rows, stop))
+    assert stop.calls == 4
+    again = engine.call(lambda job: scorer.score(rows, job.check))
+    fresh = engine.call(lambda job: Scorer(llama_runner.model).score(rows, job.check))
+    assert again.logits[0] == pytest.approx(fresh.logits[0], abs=1e-5)
+
+
+async def test_client_disconnect_cancels_queued_request(client, engine, llama_runner, monkeypatch):
+    calls = []
+    original = llama_runner.score
+    monkeypatch.setattr(
+        llama_runner, "score", lambda rows, job: calls.append(1) or original(rows, job)
+    )
+    gate = threading.Event()
+    blocker = engine.submit(lambda job: gate.wait(30))
+    body = {"rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes"]}], "max_tokens": 64}
+    request = asyncio.ensure_future(client.post("/v1/score", json=body))
+    await asyncio.sleep(0.3)
+    request.cancel()  # the client goes away while the job waits behind the blocker
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    await asyncio.sleep(0.3)
+    gate.set()
+    await asyncio.get_running_loop().run_in_executor(None, blocker.done.wait, 5)
+    for _ in range(50):
+        if engine.idle:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.idle
+    assert calls == []  # the cancelled job never ran
+    assert (await client.post("/v1/score", json=body)).status == 200
+    assert calls == [1]
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("limit", "kept"), [(0, False), (1 << 40, True)])
+async def test_scratch_memory_above_the_limit_is_released(client, engine, monkeypatch, limit, kept):
+    import runner.service
+
+    monkeypatch.setattr(runner.service, "SCRATCH_LIMIT_BYTES", limit)
+    body = {"rows": [{"prompt": PREFIX * 4, "candidates": [" Yes", " No"]}], "max_tokens": 512}
+    assert (await client.post("/v1/score", json=body)).status == 200
+    cached = engine.call(lambda job: mx.get_cache_memory())
+    assert (cached > 0) is kept
