@@ -3,16 +3,15 @@
 Two halves with different homes:
 - `prepare_rows` tokenizes and validates, off the MLX thread. Rules and messages are the Go
   handler's (shared/seed/score.go), checked in its order; the first failure is the answer.
-- `Scorer.score` runs on the MLX thread. It prefills each row in chunks of `chunk_tokens`
-  through `RunnerModel.hidden` (no vocabulary logits at prompt positions), then projects only
-  the candidate rows at the last position (`unembed_candidates`, float32). Rows that share a
-  token prefix compute it once: the prefix is prefilled, its caches are snapshotted exactly
-  at the prefix end (recurrent layers need that exact offset), and every row restores the
-  snapshot and computes only its own suffix. A row that *is* the prefix reuses the prefix's
-  last hidden row, so nothing is computed twice.
+- `Scorer.score` runs on the MLX thread. Each row opens a session of the scoring prefix
+  cache, which restores the longest stored prefix and prefills the rest in chunks through
+  `RunnerModel.hidden` (no vocabulary logits at prompt positions); then only the candidate
+  rows of the output projection are computed at the last position (`unembed_candidates`,
+  float32). The rows' shared prefix is scheduled as a snapshot point, so rows after the
+  first restore it exactly (recurrent layers need that exact offset); a row whose whole
+  prompt is stored reuses its stored hidden row and computes nothing.
 
-`cached_tokens` counts, per row, the tokens restored instead of computed: the first row
-computes the shared prefix, every other row restores it.
+`cached_tokens` counts, per row, the tokens restored instead of computed.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import snapshot
+from .cache.session import CacheSession
 from .errors import BadRequest, go_quote
 from .models import RunnerModel
 from .tokenizer import Tokenizer
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
 MAX_CANDIDATES = 26
-PREFILL_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -106,11 +104,16 @@ class ScoreResult:
 
 
 class Scorer:
-    """Computes candidate logits for validated rows; call only on the MLX thread."""
+    """Computes candidate logits for validated rows; call only on the MLX thread.
 
-    def __init__(self, model: RunnerModel, chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+    `begin(tokens, schedule)` opens a cache session per row (a PrefixCache's `begin`, or
+    fresh caches); the rows' shared prefix is scheduled as a snapshot point, so every row
+    after the first restores it instead of computing it.
+    """
+
+    def __init__(self, model: RunnerModel, begin: Callable[..., CacheSession]):
         self.model = model
-        self.chunk_tokens = chunk_tokens
+        self.begin = begin
 
     def score(self, rows: Sequence[Row], check: Callable[[], None]) -> ScoreResult:
         """`check` raises to stop (cancellation); it is called before every chunk."""
@@ -118,27 +121,19 @@ class Scorer:
         prefix = shared_prefix_length(rows)
         logits: list[list[float]] = []
         cached = 0
-        caches = self.model.make_caches()
-        shared_hidden: mx.array | None = None
-        shared_state: list | None = None
-        if prefix:
-            shared_hidden = self._prefill(rows[0].tokens[:prefix], caches, check)
-            shared_state = snapshot.take(caches)
-        for i, row in enumerate(rows):
-            if shared_state is not None:
-                if i > 0:
-                    snapshot.restore(caches, shared_state)
-                    cached += prefix
-                rest = row.tokens[prefix:]
-                hidden = self._prefill(rest, caches, check) if rest else shared_hidden
-            else:
-                if i > 0:
-                    caches = self.model.make_caches()
-                hidden = self._prefill(row.tokens, caches, check)
-            assert hidden is not None
-            ids = mx.array(row.candidates, dtype=mx.int32)
-            selected = self.model.unembed_candidates(hidden, ids)
-            logits.append(selected.astype(mx.float32).reshape(-1).tolist())
+        for row in rows:
+            check()
+            session = self.begin(row.tokens, [prefix] if prefix else [])
+            try:
+                cached += session.offset
+                hidden = session.hidden_row
+                if hidden is None:
+                    hidden = session.prefill(len(row.tokens), check)
+                ids = mx.array(row.candidates, dtype=mx.int32)
+                selected = self.model.unembed_candidates(hidden, ids)
+                logits.append(selected.astype(mx.float32).reshape(-1).tolist())
+            finally:
+                session.close()
         log.info(
             "scored rows=%d shared_prefix=%d cached=%d seconds=%.3f",
             len(rows),
@@ -147,15 +142,3 @@ class Scorer:
             time.perf_counter() - start,
         )
         return ScoreResult(logits, cached)
-
-    def _prefill(self, tokens: list[int], caches: list, check: Callable[[], None]) -> mx.array:
-        """Feed `tokens` through the caches chunk by chunk; the last position's hidden row."""
-        last: mx.array | None = None
-        for begin in range(0, len(tokens), self.chunk_tokens):
-            check()
-            chunk = mx.array(tokens[begin : begin + self.chunk_tokens], dtype=mx.int32)[None]
-            hidden = self.model.hidden(chunk, caches)
-            last = hidden[0, -1:, :]
-            mx.eval(last, *snapshot.arrays(caches))
-        assert last is not None, "prefill needs at least one token"
-        return last

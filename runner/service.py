@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from .cache.prefix_cache import ByteBudget, PrefixCache, budget_from_env
 from .engine import Engine, Job
 from .loader import load_model_source
 from .models import RunnerModel, build_model
@@ -35,12 +36,25 @@ def compute_dtype() -> mx.Dtype | None:
 
 
 class Runner:
-    def __init__(self, engine: Engine, model: RunnerModel, tokenizer: Tokenizer, name: str):
+    def __init__(
+        self,
+        engine: Engine,
+        model: RunnerModel,
+        tokenizer: Tokenizer,
+        name: str,
+        cache_budget: ByteBudget | None = None,
+    ):
         self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.scorer = Scorer(model)
+        # Scoring and generation keep separate prefix caches under one byte budget, so
+        # decisions never evict a chat's prefix and vice versa.
+        self.cache_budget = cache_budget or ByteBudget(budget_from_env())
+        self.score_cache = PrefixCache(
+            model, name="score", budget=self.cache_budget, keep_hidden=True
+        )
+        self.scorer = Scorer(model, self.score_cache.begin)
         self.memory = StatusMemory(engine)
 
     @property
@@ -48,7 +62,7 @@ class Runner:
         return self.model.context_length
 
     @classmethod
-    def load(cls, engine: Engine, name: str) -> Runner:
+    def load(cls, engine: Engine, name: str, cache_budget: ByteBudget | None = None) -> Runner:
         """Load `name` on the engine thread; raises ModelLoadError (or ValueError) on failure."""
 
         def load(_: Job) -> Runner:
@@ -76,7 +90,7 @@ class Runner:
                 model.context_length,
                 time.perf_counter() - started,
             )
-            return cls(engine, model, tokenizer, name)
+            return cls(engine, model, tokenizer, name, cache_budget)
 
         return engine.call(load)
 

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny real-format models on disk, a loaded runner, an HTTP client."""
+"""Shared fixtures: tiny real-format models on disk, loaded runners, an HTTP client.
+
+Models load once per session; every test that talks to a runner gets a fresh `Runner`
+around the loaded model, so prefix caches never leak between tests.
+"""
 
 from __future__ import annotations
 
@@ -23,12 +27,51 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def llama_runner(engine, tiny_llama_dir):
+def loaded_models(engine, tmp_path_factory):
+    """Runners loaded once per architecture; use `fresh_runner` for a clean cache."""
+    cache: dict[str, Runner] = {}
+
+    def get(arch: str) -> Runner:
+        if arch not in cache:
+            path = write_tiny_model(arch, tmp_path_factory.mktemp(arch))
+            cache[arch] = Runner.load(engine, str(path))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture
+def fresh_runner(engine, loaded_models):
+    def make(arch: str = "LlamaForCausalLM", **kwargs) -> Runner:
+        base = loaded_models(arch)
+        return engine.call(
+            lambda job: Runner(engine, base.model, base.tokenizer, base.name, **kwargs)
+        )
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_loaded(engine, tiny_llama_dir):
     return Runner.load(engine, str(tiny_llama_dir))
 
 
 @pytest.fixture
-async def client(aiohttp_client, llama_runner):
-    return await aiohttp_client(
-        build_app(llama_runner), server_kwargs={"handler_cancellation": True}
+def llama_runner(engine, llama_loaded):
+    return engine.call(
+        lambda job: Runner(engine, llama_loaded.model, llama_loaded.tokenizer, llama_loaded.name)
     )
+
+
+@pytest.fixture
+def make_client(aiohttp_client):
+    async def make(runner: Runner, **app_kwargs):
+        app = build_app(runner, **app_kwargs)
+        return await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+
+    return make
+
+
+@pytest.fixture
+async def client(make_client, llama_runner):
+    return await make_client(llama_runner)

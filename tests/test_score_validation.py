@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from runner.app import build_app
 from runner.score import prepare_rows
 from runner.wire import ScoreRequest, ScoreRow
 
@@ -206,8 +205,8 @@ async def test_bad_bodies_are_400_with_the_decoder_message(client, body, fragmen
     assert (await client.post("/v1/score", json=GOOD)).status == 200
 
 
-async def test_huge_body_is_400_and_runner_keeps_serving(aiohttp_client, llama_runner):
-    client = await aiohttp_client(build_app(llama_runner, max_body_bytes=4096))
+async def test_huge_body_is_400_and_runner_keeps_serving(make_client, llama_runner):
+    client = await make_client(llama_runner, max_body_bytes=4096)
     response = await client.post("/v1/score", data=b"{" + b" " * 10_000 + b"}")
     assert response.status == 400
     assert "request body too large" in await response.text()

@@ -9,6 +9,9 @@ import time
 import mlx.core as mx
 import pytest
 
+from runner.cache.prefix_cache import PrefixCache
+from runner.cache.session import fresh_sessions
+from runner.errors import Cancelled
 from runner.score import Row, Scorer, prepare_rows
 from runner.wire import ScoreRequest, ScoreRow
 from tests.test_score_validation import single_token_candidates
@@ -126,16 +129,17 @@ async def test_candidate_logits_equal_full_vocabulary_logits(client, engine, lla
     assert answer["cached_tokens"] == 0
 
 
-async def test_rows_sharing_a_prefix_equal_rows_scored_alone(client, llama_runner):
+async def test_rows_sharing_a_prefix_equal_rows_scored_alone(
+    client, llama_runner, fresh_runner, make_client
+):
     tokenizer = llama_runner.tokenizer
     questions = [" Is fire hot? A:", " Is ice cold? A:", " Is snow black? A:"]
-    rows = []
-    for q in questions:
-        rows.append(
-            {"prompt": PREFIX + q, "candidates": single_token_candidates(tokenizer, PREFIX + q, 3)}
-        )
+    rows = [
+        {"prompt": PREFIX + q, "candidates": single_token_candidates(tokenizer, PREFIX + q, 3)}
+        for q in questions
+    ]
     together = await score(client, rows)
-    alone = [await score(client, [row]) for row in rows]
+    alone = [await score(await make_client(fresh_runner()), [row]) for row in rows]
     for i, single in enumerate(alone):
         assert together["logits"][i] == pytest.approx(single["logits"][0], abs=1e-5)
         assert single["cached_tokens"] == 0
@@ -148,25 +152,48 @@ async def test_rows_sharing_a_prefix_equal_rows_scored_alone(client, llama_runne
     assert together["input_tokens"] == sum(len(t) for t in token_rows)
 
 
-async def test_row_that_is_the_shared_prefix_reuses_its_hidden_row(client, llama_runner):
+async def test_row_that_is_the_shared_prefix_reuses_its_hidden_row(
+    client, llama_runner, fresh_runner, make_client
+):
     tokenizer = llama_runner.tokenizer
     short = PREFIX
     long = PREFIX + " Is fire hot? A:"
-    cands = single_token_candidates(tokenizer, short, 2)
-    cands_long = single_token_candidates(tokenizer, long, 2)
-    rows = [{"prompt": long, "candidates": cands_long}, {"prompt": short, "candidates": cands}]
+    assert tokenizer.encode(long)[: len(tokenizer.encode(short))] == tokenizer.encode(short)
+    rows = [
+        {"prompt": long, "candidates": single_token_candidates(tokenizer, long, 2)},
+        {"prompt": short, "candidates": single_token_candidates(tokenizer, short, 2)},
+    ]
     together = await score(client, rows)
-    assert together["logits"][0] == pytest.approx(
-        (await score(client, rows[:1]))["logits"][0], abs=1e-5
-    )
-    assert together["logits"][1] == pytest.approx(
-        (await score(client, rows[1:]))["logits"][0], abs=1e-5
-    )
+    for i, row in enumerate(rows):
+        alone = await score(await make_client(fresh_runner()), [row])
+        assert together["logits"][i] == pytest.approx(alone["logits"][0], abs=1e-5)
+    # The short row is wholly stored: nothing of it is computed again.
     assert together["cached_tokens"] == len(tokenizer.encode(short))
+
+
+async def test_a_later_request_restores_an_earlier_prefix(
+    client, llama_runner, fresh_runner, make_client
+):
+    tokenizer = llama_runner.tokenizer
+    first = {"prompt": PREFIX + " Is fire hot? A:", "candidates": [" Yes", " No"]}
+    second = {"prompt": PREFIX + " Is ice hot? A:", "candidates": [" Yes", " No"]}
+    await score(client, [first])
+    warm = await score(client, [second])
+    cold = await score(await make_client(fresh_runner()), [second])
+    assert warm["logits"][0] == pytest.approx(cold["logits"][0], abs=1e-5)
+    shared = len(tokenizer.encode(PREFIX))
+    assert warm["cached_tokens"] >= shared - 1
+    assert cold["cached_tokens"] == 0
+
+
+def score_with(engine, model, begin, rows, check=None):
+    scorer = Scorer(model, begin)
+    return engine.call(lambda job: scorer.score(rows, check or job.check))
 
 
 def test_chunked_prefill_equals_one_shot(engine, llama_runner):
     tokenizer = llama_runner.tokenizer
+    model = llama_runner.model
     request = ScoreRequest(
         rows=[
             ScoreRow(PREFIX + q, single_token_candidates(tokenizer, PREFIX + q, 2))
@@ -174,15 +201,15 @@ def test_chunked_prefill_equals_one_shot(engine, llama_runner):
         ],
         maxtokens=512,
     )
-    rows = prepare_rows(request, tokenizer, 512, llama_runner.model.vocab_size)
-    one_shot = engine.call(lambda job: Scorer(llama_runner.model).score(rows, job.check))
+    rows = prepare_rows(request, tokenizer, 512, model.vocab_size)
+    one_shot = score_with(engine, model, fresh_sessions(model), rows)
     for chunk in (1, 3, 7):
-        chunked = engine.call(
-            lambda job, c=chunk: Scorer(llama_runner.model, chunk_tokens=c).score(rows, job.check)
+        cache = engine.call(
+            lambda job, c=chunk: PrefixCache(model, name="t", chunk_tokens=c, keep_hidden=True)
         )
+        chunked = score_with(engine, model, cache.begin, rows)
         for a, b in zip(chunked.logits, one_shot.logits, strict=True):
             assert a == pytest.approx(b, abs=1e-5)
-        assert chunked.cached_tokens == one_shot.cached_tokens
 
 
 # --- cancellation -------------------------------------------------------------------------
@@ -196,19 +223,22 @@ class StopAfter:
     def __call__(self) -> None:
         self.calls += 1
         if self.calls > self.n:
-            raise RuntimeError("stopped")
+            raise Cancelled()
 
 
-def test_cancel_between_chunks_stops_and_next_request_is_exact(engine, llama_runner):
+def test_cancel_between_chunks_keeps_progress_and_next_request_is_exact(engine, llama_runner):
     tokenizer = llama_runner.tokenizer
-    rows = [Row(tokenizer.encode(PREFIX), [tokenizer.encode(PREFIX + " Yes")[-1]])]
-    scorer = Scorer(llama_runner.model, chunk_tokens=2)
-    stop = StopAfter(3)
-    with pytest.raises(RuntimeError, match="stopped"):
-        engine.call(lambda job: scorer.score(rows, stop))
-    assert stop.calls == 4
-    again = engine.call(lambda job: scorer.score(rows, job.check))
-    fresh = engine.call(lambda job: Scorer(llama_runner.model).score(rows, job.check))
+    model = llama_runner.model
+    tokens = tokenizer.encode(PREFIX)
+    rows = [Row(tokens, [tokenizer.encode(PREFIX + " Yes")[-1]])]
+    cache = engine.call(lambda job: PrefixCache(model, name="t", chunk_tokens=2, keep_hidden=True))
+    stop = StopAfter(4)  # one check per row, then one per chunk: 3 chunks pass
+    with pytest.raises(Cancelled):
+        score_with(engine, model, cache.begin, rows, stop)
+    assert stop.calls == 5
+    again = score_with(engine, model, cache.begin, rows)
+    assert again.cached_tokens == 6  # the retry resumed where the cancelled prefill stopped
+    fresh = score_with(engine, model, fresh_sessions(model), rows)
     assert again.logits[0] == pytest.approx(fresh.logits[0], abs=1e-5)
 
 

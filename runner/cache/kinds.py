@@ -1,0 +1,285 @@
+"""Cache kinds: how each kind of per-layer cache is snapshotted, restored, split and merged.
+
+The live caches are mlx-lm's own objects (`KVCache`, `RotatingKVCache`, `ArraysCache`), so
+mlx-lm's model code writes into them unchanged; a `Kind` knows how to move one of them
+between states. Plus `HiddenRows`, our cache of the final hidden rows (scoring keeps them
+so a full prefix hit can score without recomputing).
+
+| kind      | snapshot covers             | live rewind to t        | restore from snapshots  |
+|-----------|-----------------------------|-------------------------|-------------------------|
+| KV        | its node's edge [start,end) | any t <= offset         | segments [0, t), any t  |
+| rotating  | whole window at `end`       | t == offset, or unwrapped | exactly at `end`      |
+| recurrent | whole state at `end`        | t == offset only        | exactly at `end`        |
+| hidden    | its node's edge [start,end) | any                     | never paged in          |
+
+Snapshots own their arrays (`mx.array(x)` copies): a snapshot that shared a live buffer
+would make every later in-place cache write copy the whole buffer (measured: 25x slower
+per decode write), and would be clobbered by it when not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+
+@dataclass
+class Snap:
+    """One slot's snapshot on one trie node: an edge segment, or a state at `end`."""
+
+    start: int
+    end: int
+    arrays: tuple[Any, ...]
+    extra: tuple[Any, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays if isinstance(a, mx.array))
+
+    def evaluate(self) -> list[mx.array]:
+        return [a for a in self.arrays if isinstance(a, mx.array)]
+
+
+def _own(x: mx.array | None) -> mx.array | None:
+    return None if x is None else mx.array(x)
+
+
+class Kind:
+    """Per-kind operations; `cache` is the live object, `offset` the tokens it holds."""
+
+    name = "kind"
+    point = False  # True: snapshots are whole states at one offset
+
+    def capture(self, cache: Any, start: int, end: int) -> Snap | None:
+        raise NotImplementedError
+
+    def can_rewind(self, cache: Any, offset: int, target: int) -> bool:
+        raise NotImplementedError
+
+    def rewind(self, cache: Any, offset: int, target: int) -> None:
+        raise NotImplementedError
+
+    def install(self, cache: Any, snaps: list[Snap], target: int) -> None:
+        """Make `cache` hold exactly [0, target) from `snaps` (segments in order, or the one
+        point snapshot ending at target); target 0 empties it."""
+        raise NotImplementedError
+
+    def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
+        """Split at absolute offset `at`: point kinds keep the whole state on the tail."""
+        return None, snap
+
+    def merge(self, parent: Snap | None, child: Snap | None) -> Snap | None:
+        """Join adjacent snapshots: point kinds keep the child's state."""
+        return child
+
+    def close(self, snap: Snap) -> None:
+        """A snapshot leaves the trie (dropped, or consumed by split/merge). Arrays are freed
+        by reference counting; fakes in the tests track that every snapshot is closed once."""
+
+
+class KVKind(Kind):
+    name = "kv"
+
+    def capture(self, cache: KVCache, start: int, end: int) -> Snap | None:
+        if end <= start or cache.keys is None:
+            return None
+        keys = mx.array(cache.keys[..., start:end, :])
+        values = mx.array(cache.values[..., start:end, :])
+        return Snap(start, end, (keys, values))
+
+    def can_rewind(self, cache: KVCache, offset: int, target: int) -> bool:
+        return target <= offset
+
+    def rewind(self, cache: KVCache, offset: int, target: int) -> None:
+        cache.offset = target
+
+    def install(self, cache: KVCache, snaps: list[Snap], target: int) -> None:
+        if target == 0:
+            cache.keys = cache.values = None
+            cache.offset = 0
+            return
+        parts = [s for s in snaps if s.start < target]
+        assert (
+            parts
+            and parts[0].start == 0
+            and all(a.end == b.start for a, b in itertools.pairwise(parts))
+        ), "KV segments must cover [0, target) without gaps"
+        keys = mx.concatenate([s.arrays[0] for s in parts], axis=2)[..., :target, :]
+        values = mx.concatenate([s.arrays[1] for s in parts], axis=2)[..., :target, :]
+        cache.keys, cache.values, cache.offset = keys, values, target
+
+    def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
+        if at <= snap.start:
+            return None, snap
+        if at >= snap.end:
+            return snap, None
+        cut = at - snap.start
+        k, v = snap.arrays
+        head = Snap(snap.start, at, (mx.array(k[..., :cut, :]), mx.array(v[..., :cut, :])))
+        tail = Snap(at, snap.end, (mx.array(k[..., cut:, :]), mx.array(v[..., cut:, :])))
+        return head, tail
+
+    def merge(self, parent: Snap | None, child: Snap | None) -> Snap | None:
+        if parent is None or child is None:
+            return None
+        keys = mx.concatenate([parent.arrays[0], child.arrays[0]], axis=2)
+        values = mx.concatenate([parent.arrays[1], child.arrays[1]], axis=2)
+        return Snap(parent.start, child.end, (keys, values))
+
+
+class RotatingKind(Kind):
+    """Sliding-window attention: a wrapped ring cannot be rewound or cut."""
+
+    name = "rotating"
+    point = True
+
+    def capture(self, cache: RotatingKVCache, start: int, end: int) -> Snap | None:
+        if cache.keys is None:
+            return None
+        return Snap(end, end, (_own(cache.keys), _own(cache.values)), (cache.offset, cache._idx))
+
+    def can_rewind(self, cache: RotatingKVCache, offset: int, target: int) -> bool:
+        return target == offset or (target < offset and cache.offset < cache.max_size)
+
+    def rewind(self, cache: RotatingKVCache, offset: int, target: int) -> None:
+        if target != offset:
+            cache.trim(offset - target)
+
+    def install(self, cache: RotatingKVCache, snaps: list[Snap], target: int) -> None:
+        if target == 0:
+            cache.keys = cache.values = None
+            cache.offset = cache._idx = 0
+            return
+        (snap,) = snaps
+        assert snap.end == target, "a window restores only where it was taken"
+        # Fresh views: the ring writes in place into the object it holds, and must not
+        # write into the snapshot's (MLX copies the shared buffer on that first write).
+        keys, values = snap.arrays
+        cache.keys, cache.values = keys[:], values[:]
+        cache.offset, cache._idx = snap.extra
+
+
+class RecurrentKind(Kind):
+    """Gated-delta / SSM state: intermediate states cannot be recovered."""
+
+    name = "recurrent"
+    point = True
+
+    def capture(self, cache: ArraysCache, start: int, end: int) -> Snap | None:
+        if cache.cache[0] is None:
+            return None
+        # mlx-lm's recurrent layers rebind their state arrays instead of writing into them,
+        # so holding references is safe and free.
+        return Snap(end, end, tuple(cache.cache))
+
+    def can_rewind(self, cache: ArraysCache, offset: int, target: int) -> bool:
+        return target == offset
+
+    def rewind(self, cache: ArraysCache, offset: int, target: int) -> None:
+        assert target == offset
+
+    def install(self, cache: ArraysCache, snaps: list[Snap], target: int) -> None:
+        if target == 0:
+            cache.cache = [None] * len(cache.cache)
+            return
+        (snap,) = snaps
+        assert snap.end == target, "a recurrent state restores only where it was taken"
+        cache.cache = list(snap.arrays)
+
+
+class HiddenRows:
+    """The final hidden rows of the positions fed since `base` ([1, n, H])."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.rows: mx.array | None = None
+
+    def append(self, hidden: mx.array) -> None:
+        self.rows = hidden if self.rows is None else mx.concatenate([self.rows, hidden], axis=1)
+
+    def reset(self, base: int) -> None:
+        self.base, self.rows = base, None
+
+    @property
+    def offset(self) -> int:
+        return self.base + (0 if self.rows is None else self.rows.shape[1])
+
+
+class HiddenKind(Kind):
+    name = "hidden"
+
+    def capture(self, cache: HiddenRows, start: int, end: int) -> Snap | None:
+        if end <= start or cache.rows is None or start < cache.base:
+            return None
+        rows = mx.array(cache.rows[:, start - cache.base : end - cache.base, :])
+        return Snap(start, end, (rows,))
+
+    def can_rewind(self, cache: HiddenRows, offset: int, target: int) -> bool:
+        return True
+
+    def rewind(self, cache: HiddenRows, offset: int, target: int) -> None:
+        if cache.rows is not None and cache.base <= target <= cache.offset:
+            cache.rows = cache.rows[:, : target - cache.base, :]
+        else:
+            cache.reset(target)
+
+    def install(self, cache: HiddenRows, snaps: list[Snap], target: int) -> None:
+        cache.reset(target)  # rows before the restore point are read from the trie, not paged in
+
+    def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
+        return KV_ROWS.split(snap, at)
+
+    def merge(self, parent: Snap | None, child: Snap | None) -> Snap | None:
+        if parent is None or child is None:
+            return None
+        return Snap(
+            parent.start, child.end, (mx.concatenate([parent.arrays[0], child.arrays[0]], axis=1),)
+        )
+
+    @staticmethod
+    def row(snap: Snap, position: int) -> mx.array:
+        return snap.arrays[0][0, position - snap.start : position - snap.start + 1, :]
+
+
+class _RowSplitter:
+    """Split for snapshots whose one array is [1, n, H] along the token axis."""
+
+    def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
+        if at <= snap.start:
+            return None, snap
+        if at >= snap.end:
+            return snap, None
+        cut = at - snap.start
+        (rows,) = snap.arrays
+        return (
+            Snap(snap.start, at, (mx.array(rows[:, :cut, :]),)),
+            Snap(at, snap.end, (mx.array(rows[:, cut:, :]),)),
+        )
+
+
+KV_ROWS = _RowSplitter()
+KV = KVKind()
+ROTATING = RotatingKind()
+RECURRENT = RecurrentKind()
+HIDDEN = HiddenKind()
+
+
+def kind_of(cache: Any) -> Kind:
+    """The kind of an mlx-lm cache object (checked most specific first). A cache may name
+    its own kind (`prefix_kind`), as the test fakes do."""
+    own = getattr(cache, "prefix_kind", None)
+    if isinstance(own, Kind):
+        return own
+    if isinstance(cache, RotatingKVCache):
+        return ROTATING
+    if isinstance(cache, KVCache):
+        return KV
+    if isinstance(cache, ArraysCache):
+        return RECURRENT
+    if isinstance(cache, HiddenRows):
+        return HIDDEN
+    raise TypeError(f"no prefix-cache kind for {type(cache).__name__}")

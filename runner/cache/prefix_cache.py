@@ -1,0 +1,337 @@
+"""The prefix cache: a trie of snapshots over one set of live model caches.
+
+A request calls `begin(tokens)`; the cache finds the longest stored prefix, makes the live
+caches hold the longest part of it every cache kind can restore, and hands back a session
+that feeds the rest (`prefill`), records decode tokens (`append`) and stores what it crossed
+(`close`). Scoring and generation each own one `PrefixCache`; a shared `ByteBudget` counts
+both, and each evicts only its own nodes.
+
+Invariants (each tested in tests/test_prefix_cache.py):
+1. The live caches hold exactly `live_tokens` (every slot at the same offset); nodes on
+   the path of `live_tokens` are the active path.
+2. Every non-root node holds, for every edge kind (KV, hidden rows), a snapshot spanning
+   exactly its edge; point kinds (sliding window, recurrent) hold states only at node ends.
+3. At least one prompt token is computed at `begin`, except when stored hidden rows cover
+   the whole prompt (scoring only): then the session carries that row and computes nothing.
+4. No node claims tokens the caches never computed: nodes are only created from live
+   caches at the offset they reached, after that chunk was evaluated.
+5. A cancelled prefill keeps every node it crossed (the next request resumes there); an
+   exception inside a forward empties the live caches and adds no node.
+6. `nbytes` equals the sum of the node snapshots' bytes; eviction brings the budget's
+   total under its limit unless only protected nodes remain. Eviction never takes a node
+   on the active path or a branch point (>1 child); oldest first, then deepest, then
+   largest; a leaf is removed, a single-child node is merged into its child.
+7. Snapshots are scheduled at branch points (where a request leaves the stored path), at
+   offsets the caller asks for (the rows' shared prefix), every `interval` tokens, and at
+   the end of what a session fed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import mlx.core as mx
+
+from . import trie
+from .kinds import HIDDEN, HiddenRows, Kind, Snap, kind_of
+from .live import live_arrays
+from .session import PREFILL_CHUNK_TOKENS, CacheSession
+from .trie import Node
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 8 << 30
+BUDGET_ENV = "OLLAMA_MLX_RUNNER_CACHE_BYTES"
+SNAPSHOT_INTERVAL_TOKENS = 8192
+
+
+def budget_from_env(default: int = DEFAULT_BUDGET_BYTES) -> int:
+    value = os.environ.get(BUDGET_ENV, "").strip()
+    return int(value) if value else default
+
+
+class ByteBudget:
+    """One byte limit for every prefix cache of the runner."""
+
+    def __init__(self, limit: int = DEFAULT_BUDGET_BYTES):
+        self.limit = limit
+        self.members: list[PrefixCache] = []
+
+    @property
+    def used(self) -> int:
+        return sum(c.nbytes for c in self.members)
+
+    @property
+    def over(self) -> bool:
+        return self.used > self.limit
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        name: str,
+        budget: ByteBudget | None = None,
+        keep_hidden: bool = False,
+        interval: int = SNAPSHOT_INTERVAL_TOKENS,
+        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.model = model
+        self.name = name
+        self.budget = budget or ByteBudget()
+        self.budget.members.append(self)
+        self.interval = interval
+        self.chunk_tokens = chunk_tokens
+        self.clock = clock
+        self.caches: list[Any] = model.make_caches()
+        self.hidden = HiddenRows() if keep_hidden else None
+        self.slots: list[Any] = [*self.caches, *([self.hidden] if self.hidden else [])]
+        self.kinds: list[Kind] = [kind_of(c) for c in self.slots]
+        self.root = Node([], 0, None, len(self.slots), clock())
+        self.live_tokens: list[int] = []
+        self.nbytes = 0
+        self.ops = _Ops(self.kinds)
+
+    # --- begin: restore the longest usable prefix ---------------------------------------
+    def begin(self, tokens: list[int], schedule: Iterable[int] = ()) -> PrefixSession:
+        assert tokens, "a session needs at least one token"
+        path, matched = trie.match(self.root, tokens)
+        n = len(tokens)
+        if self.hidden is not None and matched == n and path[-1].snapshots[-1] is not None:
+            node = path[-1]
+            row = HIDDEN.row(node.snapshots[-1], n - 1)
+            node.last_used = self.clock()
+            self._log("hit", n, matched, n)
+            return PrefixSession(self, tokens, n, [], hidden_row=row)
+        target = min(matched, n - 1)
+        offset = self._restore_offset(path, tokens, target)
+        self._switch(path, tokens, offset)
+        self._touch_landing(path, offset)
+        captures = {p for p in schedule if offset < p <= n}
+        if offset < target:
+            captures.add(target)  # a branch point: later requests leaving here restore exactly
+        captures.update(range(self.interval, n + 1, self.interval))
+        self._log("hit" if offset else "miss", n, matched, offset)
+        return PrefixSession(self, tokens, offset, sorted(c for c in captures if c > offset))
+
+    def _restore_offset(self, path: list[Node], tokens: list[int], target: int) -> int:
+        """The deepest offset <= target that every kind can restore."""
+        if target <= 0:
+            return 0
+        points = [i for i, k in enumerate(self.kinds) if k.point]
+        if not points:
+            return target
+        best = 0
+        for node in path[1:]:
+            if node.end <= target and all(node.snapshots[i] is not None for i in points):
+                best = max(best, node.end)
+        live = len(self.live_tokens)
+        if best < live <= target and self.live_tokens == tokens[:live]:
+            best = live
+        return best
+
+    def _switch(self, path: list[Node], tokens: list[int], offset: int) -> None:
+        """Make the live caches hold tokens[:offset]: rewind where the live state allows,
+        page snapshots in where it does not."""
+        live = len(self.live_tokens)
+        shared = trie.common_prefix(self.live_tokens, tokens[:offset]) >= offset
+        for slot, (kind, cache) in enumerate(zip(self.kinds, self.slots, strict=True)):
+            if shared and kind.can_rewind(cache, live, offset):
+                kind.rewind(cache, live, offset)
+            elif kind.point:
+                snaps = [n.snapshots[slot] for n in path[1:] if n.end == offset]
+                kind.install(cache, snaps[-1:] if offset else [], offset)
+            else:
+                segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
+                kind.install(cache, segments, offset)
+        self.live_tokens = list(tokens[:offset])
+        mx.eval(*self._live_arrays())
+
+    def _touch_landing(self, path: list[Node], offset: int) -> None:
+        """LRU: only the node the restore landed in counts as used."""
+        for node in reversed(path[1:]):
+            if node.start < offset <= node.end:
+                node.last_used = self.clock()
+                return
+
+    # --- storing what a session computed ------------------------------------------------
+    def _capture(self, user: bool) -> Node | None:
+        """Store the live state as the node ending at the live offset (creating or
+        splitting nodes along the way); returns that node."""
+        offset = len(self.live_tokens)
+        if offset == 0:
+            return None
+        now = self.clock()
+        path, matched = trie.match(self.root, self.live_tokens)
+        node = path[-1]
+        if matched < offset or node.end > matched:
+            if node.end > matched:  # the stored edge goes on past us: cut it here
+                node = self._split(node, matched)
+            if matched < offset:
+                node = self._add(node, offset)
+        for slot, kind in enumerate(self.kinds):
+            if kind.point and node.snapshots[slot] is None:
+                self._set(node, slot, kind.capture(self.slots[slot], offset, offset))
+        node.user = node.user or user
+        node.last_used = now
+        return node
+
+    def _split(self, node: Node, at: int) -> Node:
+        before = _node_bytes(node)
+        head = trie.split(node, at, self.ops)
+        self.nbytes += _node_bytes(head) + _node_bytes(node) - before
+        return head
+
+    def _add(self, parent: Node, end: int) -> Node:
+        child = trie.add_child(parent, self.live_tokens[parent.end : end], self.clock())
+        for slot, kind in enumerate(self.kinds):
+            if not kind.point:
+                self._set(child, slot, kind.capture(self.slots[slot], parent.end, end))
+        return child
+
+    def _set(self, node: Node, slot: int, snap: Snap | None) -> None:
+        old = node.snapshots[slot]
+        self.nbytes += (snap.nbytes if snap else 0) - (old.nbytes if old else 0)
+        node.snapshots[slot] = snap
+        if old is not None:
+            self.ops.close(slot, old)
+
+    # --- eviction -------------------------------------------------------------------------
+    def evict(self) -> None:
+        while self.budget.over:
+            protected = {id(n) for n in trie.match(self.root, self.live_tokens)[0]}
+            candidates = [
+                n for n in trie.walk(self.root) if id(n) not in protected and len(n.children) <= 1
+            ]
+            if not candidates:
+                return
+            victim = min(candidates, key=lambda n: (n.last_used, -n.end, -_node_bytes(n)))
+            before = _node_bytes(victim)
+            if victim.children:
+                (child,) = victim.children.values()
+                before += _node_bytes(child)
+                merged = trie.merge_with_child(victim, self.ops)
+                self.nbytes += _node_bytes(merged) - before
+            else:
+                trie.remove_leaf(victim, self.ops)
+                self.nbytes -= before
+            log.debug("prefix cache %s evicted [%d,%d)", self.name, victim.start, victim.end)
+
+    # --- live state -----------------------------------------------------------------------
+    def _live_arrays(self) -> list[mx.array]:
+        return live_arrays(self.caches) + (
+            [self.hidden.rows] if self.hidden and self.hidden.rows is not None else []
+        )
+
+    def _reset_live(self) -> None:
+        """After a failed forward some layers may have written and others not."""
+        self.caches = self.model.make_caches()
+        self.slots[: len(self.caches)] = self.caches
+        if self.hidden is not None:
+            self.hidden.reset(0)
+        self.live_tokens = []
+
+    def _log(self, what: str, total: int, matched: int, cached: int) -> None:
+        log.info(
+            "prefix cache %s %s total=%d matched=%d cached=%d left=%d",
+            self.name,
+            "hit" if what == "hit" else "miss",
+            total,
+            matched,
+            cached,
+            total - cached,
+        )
+
+
+class PrefixSession(CacheSession):
+    """One request's use of a PrefixCache (see CacheSession for the contract)."""
+
+    def __init__(
+        self,
+        owner: PrefixCache,
+        tokens: list[int],
+        offset: int,
+        captures: list[int],
+        hidden_row: mx.array | None = None,
+    ):
+        self.owner = owner
+        self.tokens = list(tokens)
+        self.offset = offset
+        self.captures = captures
+        self.hidden_row = hidden_row
+        self.closed = False
+
+    @property
+    def caches(self) -> list[Any]:
+        return self.owner.caches
+
+    def prefill(self, end: int, check: Callable[[], None]) -> mx.array:
+        owner = self.owner
+        fed = len(owner.live_tokens)
+        last: mx.array | None = None
+        while fed < end:
+            check()
+            stop = min(fed + owner.chunk_tokens, end, *(c for c in self.captures if c > fed))
+            try:
+                hidden = owner.model.hidden(mx.array(self.tokens[fed:stop])[None], owner.caches)
+                if owner.hidden is not None:
+                    owner.hidden.append(hidden)
+                last = hidden[0, -1:, :]
+                mx.eval(last, *owner._live_arrays())
+            except BaseException:
+                owner._reset_live()
+                raise
+            owner.live_tokens.extend(self.tokens[fed:stop])
+            fed = stop
+            if fed in self.captures:
+                owner._capture(user=True)
+                owner.evict()
+        assert last is not None, "prefill needs at least one token to feed"
+        return last
+
+    def append(self, token: int) -> None:
+        self.owner.live_tokens.append(token)
+
+    def fail(self) -> None:
+        self.owner._reset_live()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.hidden_row is None:
+            self.owner._capture(user=False)
+            self.owner.evict()
+
+
+class _Ops:
+    """Kind operations by slot, closing every snapshot a split or merge does not keep."""
+
+    def __init__(self, kinds: list[Kind]):
+        self.kinds = kinds
+
+    def split(self, slot: int, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
+        head, tail = self.kinds[slot].split(snap, at)
+        if snap is not head and snap is not tail:
+            self.close(slot, snap)
+        return head, tail
+
+    def merge(self, slot: int, parent: Snap | None, child: Snap | None) -> Snap | None:
+        merged = self.kinds[slot].merge(parent, child)
+        for snap in (parent, child):
+            if snap is not None and snap is not merged:
+                self.close(slot, snap)
+        return merged
+
+    def close(self, slot: int, snap: Snap) -> None:
+        self.kinds[slot].close(snap)
+
+
+def _node_bytes(node: Node) -> int:
+    return sum(s.nbytes for s in node.snapshots if s is not None)

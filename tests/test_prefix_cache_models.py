@@ -1,0 +1,71 @@
+"""The prefix cache on real tiny models of every cache kind: numbers never change.
+
+Llama has only KV caches, Gemma3 adds sliding-window rings (window 8, so they wrap),
+Qwen3.5 adds recurrent gated-delta states; each restores differently.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runner.cache.prefix_cache import PrefixCache
+from runner.cache.session import fresh_sessions
+from runner.score import Row, Scorer
+from tests.tiny import TINY_ARCHITECTURES
+
+SHARED = "You are a careful judge. Answer each question with Yes or No. " * 22
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
+    runner = loaded_models(arch)
+    model = runner.model
+    rng = random.Random(7)
+    cache = engine.call(
+        lambda job: PrefixCache(model, name="prop", keep_hidden=True, chunk_tokens=5)
+    )
+    cached_scorer = Scorer(model, cache.begin)
+    fresh_scorer = Scorer(model, fresh_sessions(model))
+    alphabet = [5, 17, 42, 99]
+    history: list[list[int]] = []
+    restored = 0
+    for _ in range(12):
+        rows = []
+        for _ in range(rng.randint(1, 3)):
+            base = rng.choice(history) if history and rng.random() < 0.8 else []
+            tokens = base[: rng.randint(0, len(base))] + rng.choices(alphabet, k=rng.randint(1, 9))
+            rows.append(Row(tokens, [3, 7, 11]))
+            history.append(tokens)
+        warm = engine.call(lambda job, r=rows: cached_scorer.score(r, job.check))
+        cold = engine.call(lambda job, r=rows: fresh_scorer.score(r, job.check))
+        restored += warm.cached_tokens
+        for a, b in zip(warm.logits, cold.logits, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+    assert restored > 0  # the cache was actually used
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+async def test_second_request_sharing_300_tokens_restores_them(fresh_runner, make_client, arch):
+    runner = fresh_runner(arch)
+    client = await make_client(runner)
+    assert len(runner.tokenizer.encode(SHARED)) >= 300
+
+    def request(questions):
+        return {
+            "rows": [{"prompt": SHARED + q, "candidates": [" Yes", " No"]} for q in questions],
+            "max_tokens": 1024,
+        }
+
+    first = await client.post("/v1/score", json=request(["Is fire hot?", "Is ice hot?"]))
+    assert first.status == 200, await first.text()
+    second_request = request(["Is snow white?", "Is coal white?", "Is milk white?"])
+    second = await (await client.post("/v1/score", json=second_request)).json()
+    assert second["cached_tokens"] >= 300 * 3
+    cold = await (
+        await (await make_client(fresh_runner(arch))).post("/v1/score", json=second_request)
+    ).json()
+    assert cold["cached_tokens"] < second["cached_tokens"]
+    for warm_row, cold_row in zip(second["logits"], cold["logits"], strict=True):
+        assert warm_row == pytest.approx(cold_row, abs=1e-4)
