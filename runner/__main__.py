@@ -29,6 +29,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-model", "--model", required=True, help="Ollama model name or a directory")
     parser.add_argument("-port", "--port", type=int, default=0, help="TCP port on 127.0.0.1")
     parser.add_argument("-verbose", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-cache-bytes",
+        "--cache-bytes",
+        type=int,
+        default=None,
+        help="byte budget of the prefix caches (default: $OLLAMA_MLX_RUNNER_CACHE_BYTES or 8 GiB)",
+    )
     return parser.parse_args(args)
 
 
@@ -47,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # Imported late so that `--help` and flag errors do not pay for MLX start-up.
+    from .cache.prefix_cache import ByteBudget, budget_from_env
     from .engine import Engine
     from .service import Runner
 
     logging.getLogger(__name__).info("CPU BLAS: %s", blas.describe())
     engine = Engine()
     try:
-        runner = Runner.load(engine, args.model)
+        budget = ByteBudget(args.cache_bytes if args.cache_bytes is not None else budget_from_env())
+        runner = Runner.load(engine, args.model, cache_budget=budget)
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"Error: {message}", file=sys.stderr, flush=True)

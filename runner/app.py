@@ -20,11 +20,21 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import EngineStopped
+from .completions import prepare_completion
+from .engine import EngineStopped, Job
 from .errors import BadRequest, Cancelled, RequestError
 from .score import prepare_rows
 from .service import Runner
-from .wire import DecodeError, ScoreResponse, StatusResponse, decode_score_request, encode_json
+from .wire import (
+    CompletionResponse,
+    DecodeError,
+    ScoreResponse,
+    StatusError,
+    StatusResponse,
+    decode_completion_request,
+    decode_score_request,
+    encode_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +46,7 @@ REDIRECTS = {
     ("GET", "/health"): "/v1/status",
     ("POST", "/load"): "/v1/models",
     ("POST", "/score"): "/v1/score",
+    ("POST", "/completion"): "/v1/completions",
 }
 
 
@@ -124,8 +135,92 @@ async def score(request: web.Request) -> web.Response:
     )
 
 
-async def completions(request: web.Request) -> web.Response:
-    return error_response("completions are not implemented yet", 501)
+async def completions(request: web.Request) -> web.StreamResponse:
+    runner = request.app[RUNNER_KEY]
+    try:
+        completion = decode_completion_request(await request.read())
+    except DecodeError:
+        raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
+    loop = asyncio.get_running_loop()
+    tokens, options = await loop.run_in_executor(
+        None, prepare_completion, completion, runner.tokenizer, runner.context_length
+    )
+    return await stream_jsonl(
+        request, lambda job, emit: runner.generator.generate(tokens, options, job, emit)
+    )
+
+
+_STARTED, _FINISHED, _DISCONNECTED = object(), object(), object()
+
+
+async def stream_jsonl(
+    request: web.Request, work: Callable[[Job, Callable[[Any], None]], None]
+) -> web.StreamResponse:
+    """Run `work(job, emit)` on the engine and stream what it emits, one JSON line each.
+
+    The 200 header goes out when the job starts running (it is accepted), so a request still
+    queued can end without one. Emitted items cross from the MLX thread in order through
+    `call_soon_threadsafe`, followed by the job's completion. A failure after the header is
+    one `Error` line, sent only while the client is still there; a disconnect cancels the job
+    (it stops before its next token) and nothing more is written.
+    """
+    runner = request.app[RUNNER_KEY]
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def emit(item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def job_fn(job: Job) -> None:
+        emit(_STARTED)
+        work(job, emit)
+
+    try:
+        job = runner.engine.submit(job_fn, loop)
+    except EngineStopped as e:
+        raise RequestError(str(e), 503) from None
+    assert job.future is not None
+    job.future.add_done_callback(lambda _: queue.put_nowait(_FINISHED))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(lambda w: w.cancelled() or queue.put_nowait(_DISCONNECTED))
+    response: web.StreamResponse | None = None
+    try:
+        while (item := await queue.get()) not in (_FINISHED, _DISCONNECTED):
+            if item is _STARTED:
+                response = web.StreamResponse(status=200)
+                response.content_type = "application/jsonl"
+                await response.prepare(request)
+            else:
+                assert response is not None
+                await response.write(encode_json(item))
+        error = job.error if item is _FINISHED else None
+        if response is not None and error is not None and not isinstance(error, Cancelled):
+            log.error("Request terminated: %s", error, exc_info=error)
+            if not _gone(request):
+                await response.write(encode_json(_error_line(error)))
+    except ConnectionError:
+        log.info("client disconnected; cancelling %s", request.path)
+    finally:
+        watcher.cancel()
+        job.cancel()  # a no-op when it has finished; otherwise it stops before its next step
+        job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    if response is None:
+        raise Cancelled()  # gone (or the runner stopped) before the job started
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
+
+
+def _error_line(error: BaseException) -> CompletionResponse:
+    """Go wraps an error that is not an api.StatusError as a 500; Status stays empty."""
+    if isinstance(error, RequestError):
+        return CompletionResponse(Error=StatusError(error.status, "", error.message))
+    return CompletionResponse(Error=StatusError(500, "", str(error) or type(error).__name__))
+
+
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def run_cancellable(request: web.Request, fn: Callable[..., Any]) -> Any:

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .cache.prefix_cache import ByteBudget, PrefixCache, budget_from_env
 from .engine import Engine, Job
+from .generate import Generator
 from .loader import load_model_source
 from .models import RunnerModel, build_model
 from .score import Row, Scorer, ScoreResult
@@ -55,6 +56,8 @@ class Runner:
             model, name="score", budget=self.cache_budget, keep_hidden=True
         )
         self.scorer = Scorer(model, self.score_cache.begin)
+        self.generate_cache = PrefixCache(model, name="generate", budget=self.cache_budget)
+        self.generator = Generator(model, tokenizer, self.generate_cache.begin)
         self.memory = StatusMemory(engine)
 
     @property

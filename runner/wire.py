@@ -78,3 +78,97 @@ _json_encoder = msgspec.json.Encoder()
 def encode_json(value: Any) -> bytes:
     """JSON plus the trailing newline that Go's json.Encoder writes."""
     return _json_encoder.encode(value) + b"\n"
+
+
+# --- /v1/completions ------------------------------------------------------------------------
+# CompletionRequest and CompletionResponse have no JSON tags in Go, so their keys are the Go
+# field names; api.Options keys are its snake_case tags. Go matches keys case-insensitively
+# but, unlike /v1/score, does not drop underscores: `decode_completion_request` lowercases keys
+# only, and these structs spell every field in lowercase.
+
+
+class Options(msgspec.Struct):
+    """api.Options with its embedded Runner options. Fields the runner does not use are
+    declared anyway so that a value of the wrong type fails decoding as it does in Go."""
+
+    num_ctx: int = 0
+    num_batch: int = 0
+    num_gpu: int = 0
+    main_gpu: int = 0
+    use_mmap: bool = False
+    num_thread: int = 0
+    draft_num_predict: int = 0
+    num_keep: int = 0
+    seed: int = 0
+    num_predict: int = 0
+    top_k: int = 0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    typical_p: float = 0.0
+    repeat_last_n: int = 0
+    temperature: float = 0.0
+    repeat_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = msgspec.field(default_factory=list)
+
+
+class CompletionRequest(msgspec.Struct):
+    prompt: str = ""
+    media: list[MediaItem] = msgspec.field(default_factory=list)
+    options: Options = msgspec.field(default_factory=Options)
+    logprobs: bool = False
+    toplogprobs: int = 0
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+
+
+class Logprob(msgspec.Struct, omit_defaults=True):
+    """llm.Logprob: TokenLogprob's fields promoted, `top_logprobs` omitted when empty."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class StatusError(msgspec.Struct):
+    StatusCode: int
+    Status: str
+    error: str
+
+
+class CompletionResponse(msgspec.Struct):
+    Content: str = ""
+    Done: bool = False
+    DoneReason: int = 0
+    PromptEvalCount: int = 0
+    PromptEvalDuration: int = 0  # nanoseconds, as Go's time.Duration
+    EvalCount: int = 0
+    EvalDuration: int = 0
+    Logprobs: list[Logprob] | None = None  # Go's nil slice: null, never []
+    Error: StatusError | None = None
+
+
+def _lower_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k.lower(): _lower_keys(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_lower_keys(v) for v in value]
+    return value
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    if not body.strip():
+        raise DecodeError("EOF")
+    try:
+        document = msgspec.json.decode(body)
+        if document is None:  # Go decodes `null` into a struct as a no-op
+            return CompletionRequest()
+        if not isinstance(document, dict):
+            raise DecodeError(f"expected a JSON object, got {type(document).__name__}")
+        return msgspec.convert(_lower_keys(document), CompletionRequest, strict=True)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DecodeError(str(e)) from None

@@ -1,0 +1,158 @@
+"""Greedy generation of every tiny architecture equals Hugging Face transformers', token for
+token.
+
+Default tier: the stored goldens (tests/data/golden/generate_<arch>.json, written by
+tests/golden/make_generate_goldens.py): from a 20-token prompt (longer than Gemma3's sliding
+window of 8, so its ring wraps while decoding), 12 new tokens at temperature 0, plain and with
+a repeat penalty over the whole sequence. `-m reference` recomputes them with transformers.
+Also here: the pipeline records every token it feeds through the cache session.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.cache.session import FreshSession
+from runner.engine import Job
+from runner.errors import Cancelled
+from runner.generate import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator, Stats
+from runner.loader import load_local_dir
+from runner.models import build_model
+from runner.sampling import SamplerOptions
+from runner.tokenizer import Tokenizer
+from tests.golden.make_generate_goldens import reference_cases
+from tests.tiny import GOLDEN, TINY_ARCHITECTURES, write_tiny_model
+
+
+def tiny_generator(path: Path, arch: str, **kwargs: Any) -> Generator:
+    source = load_local_dir(write_tiny_model(arch, path))
+    tokenizer = Tokenizer(
+        source.tokenizer_json,
+        config=source.config,
+        tokenizer_config=source.tokenizer_config,
+        generation_config=source.generation_config,
+    )
+    return Generator(build_model(source), tokenizer, **kwargs)
+
+
+def generate(generator: Generator, prompt: list[int], n: int, options: dict) -> tuple[list, Stats]:
+    stats = Stats()
+    job = Job(lambda _: None, None)
+    sampler = SamplerOptions(**options)  # temperature 0: greedy
+    steps = generator.steps(prompt, GenerateOptions(num_predict=n, sampler=sampler), job, stats)
+    return [step.token for step in steps], stats
+
+
+def assert_matches(generator: Generator, golden: dict[str, Any]) -> None:
+    for case in golden["cases"]:
+        tokens, stats = generate(
+            generator, golden["prompt"], golden["max_new_tokens"], case["options"]
+        )
+        assert tokens == case["generated"], case["options"]
+        assert stats.generated == len(case["generated"])
+        assert stats.done_reason == (DONE_STOP if case["eos"] else DONE_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def generators(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Generator]:
+    root = tmp_path_factory.mktemp("tiny-generate")
+    return {arch: tiny_generator(root / arch, arch) for arch in TINY_ARCHITECTURES}
+
+
+def stored(arch: str) -> dict[str, Any]:
+    return json.loads((GOLDEN / f"generate_{arch}.json").read_text())
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_greedy_generation_matches_stored_goldens(generators, arch):
+    """Temperature 0 (and with repeat_penalty, repeat_last_n < 0) gives transformers' tokens."""
+    golden = stored(arch)
+    assert len(golden["prompt"]) > 8  # past Gemma3's window
+    assert_matches(generators[arch], golden)
+
+
+class RecordingSession(FreshSession):
+    def __init__(self, model: Any, tokens: list[int]):
+        super().__init__(model, tokens)
+        self.appended: list[int] = []
+        self.offsets: list[int | None] = []  # per cache at close: what it really holds
+
+    def append(self, token: int) -> None:
+        self.appended.append(token)
+
+    def close(self) -> None:
+        self.offsets = [getattr(c, "offset", None) for c in self.caches]
+        super().close()
+
+
+def recording(generator: Generator) -> list[RecordingSession]:
+    sessions: list[RecordingSession] = []
+
+    def begin(tokens: list[int], schedule=()) -> RecordingSession:
+        sessions.append(RecordingSession(generator.model, tokens))
+        return sessions[-1]
+
+    generator.begin = begin
+    return sessions
+
+
+def assert_caches_hold_what_was_recorded(session: RecordingSession, prompt: list[int]) -> None:
+    assert session.fed == len(prompt) - 1  # prefill stops before the decode seed
+    held = len(prompt) - 1 + len(session.appended)
+    assert session.offsets and all(o in (None, held) for o in session.offsets)
+    assert session.caches == []  # closed
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "Qwen3_5ForCausalLM"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_session_records_every_fed_token(tmp_path, arch, n):
+    """Decode feeds the seed (the last prompt token), then each generated token but the last
+    (the budget needs no forward after it); each is recorded with `append`."""
+    generator = tiny_generator(tmp_path, arch)
+    sessions = recording(generator)
+    prompt = stored(arch)["prompt"]
+    tokens, _ = generate(generator, prompt, n, {})
+    (session,) = sessions
+    assert session.appended == [prompt[-1], *tokens[:-1]]
+    assert_caches_hold_what_was_recorded(session, prompt)
+
+
+def test_cancelling_records_the_forward_in_flight(tmp_path):
+    """A cancelled decode stops before its next step, after waiting for the forward already
+    dispatched, so the caches never hold a token the session was not told about."""
+    generator = tiny_generator(tmp_path, "LlamaForCausalLM")
+    sessions = recording(generator)
+    prompt = stored("LlamaForCausalLM")["prompt"]
+    job = Job(lambda _: None, None)
+    seen = []
+    steps = generator.steps(prompt, GenerateOptions(num_predict=10), job)
+    with pytest.raises(Cancelled):
+        for step in steps:
+            seen.append(step.token)
+            if len(seen) == 3:
+                job.cancel()
+    (session,) = sessions
+    assert session.appended == [prompt[-1], *seen]  # the third token's forward was in flight
+    assert_caches_hold_what_was_recorded(session, prompt)
+
+
+@pytest.mark.reference
+class TestReference:
+    @pytest.fixture(autouse=True)
+    def _needs_torch(self) -> None:
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
+
+    @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+    def test_live_transformers_generation_matches(self, generators, tmp_path, arch):
+        """Goldens recomputed now agree with the stored ones and with ours."""
+        live = reference_cases(write_tiny_model(arch, tmp_path))
+        golden = stored(arch)
+        assert live["prompt"] == golden["prompt"]
+        for now, then in zip(live["cases"], golden["cases"], strict=True):
+            assert now["generated"] == then["generated"], "transformers drifted"
+        assert_matches(generators[arch], live)
