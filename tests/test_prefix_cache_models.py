@@ -26,7 +26,7 @@ def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
     cache = engine.call(
         lambda job: PrefixCache(model, name="prop", keep_hidden=True, chunk_tokens=5)
     )
-    cached_scorer = Scorer(model, cache.begin)
+    cached_scorer = Scorer(model, cache)
     fresh_scorer = Scorer(model, fresh_sessions(model))
     alphabet = [5, 17, 42, 99]
     history: list[list[int]] = []
@@ -69,3 +69,32 @@ async def test_second_request_sharing_300_tokens_restores_them(fresh_runner, mak
     assert cold["cached_tokens"] < second["cached_tokens"]
     for warm_row, cold_row in zip(second["logits"], cold["logits"], strict=True):
         assert warm_row == pytest.approx(cold_row, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # one batch; one row per batch
+def test_batched_suffixes_equal_rows_one_by_one(
+    engine, loaded_models, monkeypatch, arch, batch_bytes
+):
+    import runner.score
+
+    monkeypatch.setattr(runner.score, "BATCH_BYTES", batch_bytes)
+    model = loaded_models(arch).model
+    rng = random.Random(3)
+    shared = rng.choices(range(3, 300), k=40)  # past Gemma3's window of 8
+    suffixes = [rng.choices(range(3, 300), k=n) for n in (1, 5, 12, 3, 12, 0)]
+    rows = [Row(shared + s, [3, 7, 11]) for s in suffixes]
+    cache = engine.call(lambda job: PrefixCache(model, name="batch", keep_hidden=True))
+    batched = engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
+    alone = [
+        engine.call(lambda job, r=r: Scorer(model, fresh_sessions(model)).score([r], job.check))
+        for r in rows
+    ]
+    for got, want in zip(batched.logits, alone, strict=True):
+        assert got == pytest.approx(want.logits[0], abs=1e-4)
+    assert batched.cached_tokens == 40 * (len(rows) - 1)
+    # Every row is stored now: the same request again computes nothing.
+    again = engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
+    assert again.cached_tokens == sum(len(r.tokens) for r in rows)
+    for got, want in zip(again.logits, batched.logits, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)

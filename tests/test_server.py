@@ -207,7 +207,7 @@ def test_chunked_prefill_equals_one_shot(engine, llama_runner):
         cache = engine.call(
             lambda job, c=chunk: PrefixCache(model, name="t", chunk_tokens=c, keep_hidden=True)
         )
-        chunked = score_with(engine, model, cache.begin, rows)
+        chunked = score_with(engine, model, cache, rows)
         for a, b in zip(chunked.logits, one_shot.logits, strict=True):
             assert a == pytest.approx(b, abs=1e-5)
 

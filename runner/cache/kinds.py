@@ -80,6 +80,16 @@ class Kind:
         """A snapshot leaves the trie (dropped, or consumed by split/merge). Arrays are freed
         by reference counting; fakes in the tests track that every snapshot is closed once."""
 
+    def broadcast(self, cache: Any, batch: int) -> Any:
+        """A new cache of the same kind whose state is `cache`'s repeated over `batch` rows
+        (a lazy broadcast: rows are materialised only when the batch writes)."""
+        raise NotImplementedError(f"{self.name} caches cannot be batched")
+
+    def row_segment(self, cache: Any, row: int, start: int, end: int) -> Snap | None:
+        """Row `row` of a batched cache as this kind's snapshot of [start, end), or None when
+        the kind keeps no such snapshot (point kinds: a padded batch ran past the row's end)."""
+        return None
+
 
 class KVKind(Kind):
     name = "kv"
@@ -112,6 +122,21 @@ class KVKind(Kind):
         values = mx.concatenate([s.arrays[1] for s in parts], axis=2)[..., :target, :]
         cache.keys, cache.values, cache.offset = keys, values, target
 
+    def broadcast(self, cache: KVCache, batch: int) -> KVCache:
+        out = KVCache()
+        if cache.keys is not None:
+            k = cache.keys[..., : cache.offset, :]
+            v = cache.values[..., : cache.offset, :]
+            out.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
+            out.values = mx.broadcast_to(v, (batch, *v.shape[1:]))
+            out.offset = cache.offset
+        return out
+
+    def row_segment(self, cache: KVCache, row: int, start: int, end: int) -> Snap | None:
+        keys = mx.array(cache.keys[row : row + 1, :, start:end, :])
+        values = mx.array(cache.values[row : row + 1, :, start:end, :])
+        return Snap(start, end, (keys, values))
+
     def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
         if at <= snap.start:
             return None, snap
@@ -141,6 +166,14 @@ class RotatingKind(Kind):
         if cache.keys is None:
             return None
         return Snap(end, end, (_own(cache.keys), _own(cache.values)), (cache.offset, cache._idx))
+
+    def broadcast(self, cache: RotatingKVCache, batch: int) -> RotatingKVCache:
+        out = RotatingKVCache(cache.max_size, cache.keep)
+        if cache.keys is not None:
+            out.keys = mx.broadcast_to(cache.keys, (batch, *cache.keys.shape[1:]))
+            out.values = mx.broadcast_to(cache.values, (batch, *cache.values.shape[1:]))
+            out.offset, out._idx = cache.offset, cache._idx
+        return out
 
     def can_rewind(self, cache: RotatingKVCache, offset: int, target: int) -> bool:
         return target == offset or (target < offset and cache.offset < cache.max_size)
@@ -175,6 +208,13 @@ class RecurrentKind(Kind):
         # mlx-lm's recurrent layers rebind their state arrays instead of writing into them,
         # so holding references is safe and free.
         return Snap(end, end, tuple(cache.cache))
+
+    def broadcast(self, cache: ArraysCache, batch: int) -> ArraysCache:
+        out = ArraysCache(len(cache.cache))
+        out.cache = [
+            None if a is None else mx.broadcast_to(a, (batch, *a.shape[1:])) for a in cache.cache
+        ]
+        return out
 
     def can_rewind(self, cache: ArraysCache, offset: int, target: int) -> bool:
         return target == offset

@@ -99,14 +99,19 @@ class PrefixCache:
         self.ops = _Ops(self.kinds)
 
     # --- begin: restore the longest usable prefix ---------------------------------------
-    def begin(self, tokens: list[int], schedule: Iterable[int] = ()) -> PrefixSession:
+    def begin(
+        self, tokens: list[int], schedule: Iterable[int] = (), *, need_state: bool = False
+    ) -> PrefixSession:
+        """A session whose live caches hold the longest restorable prefix of `tokens`.
+
+        With `need_state` the caller wants the live caches at the end of `tokens` after
+        prefill, so a stored hidden row never stands in for computing.
+        """
         assert tokens, "a session needs at least one token"
         path, matched = trie.match(self.root, tokens)
         n = len(tokens)
-        if self.hidden is not None and matched == n and path[-1].snapshots[-1] is not None:
-            node = path[-1]
-            row = HIDDEN.row(node.snapshots[-1], n - 1)
-            node.last_used = self.clock()
+        if not need_state and (row := self.stored_hidden_row(tokens, path, matched)) is not None:
+            path[-1].last_used = self.clock()
             self._log("hit", n, matched, n)
             return PrefixSession(self, tokens, n, [], hidden_row=row)
         target = min(matched, n - 1)
@@ -119,6 +124,45 @@ class PrefixCache:
         captures.update(range(self.interval, n + 1, self.interval))
         self._log("hit" if offset else "miss", n, matched, offset)
         return PrefixSession(self, tokens, offset, sorted(c for c in captures if c > offset))
+
+    def stored_hidden_row(
+        self, tokens: list[int], path: list[Node] | None = None, matched: int | None = None
+    ) -> mx.array | None:
+        """The stored final hidden row of the last token when the whole of `tokens` is in the
+        trie with hidden rows (scoring's full hit); changes nothing."""
+        if self.hidden is None:
+            return None
+        if path is None or matched is None:
+            path, matched = trie.match(self.root, tokens)
+        snap = path[-1].snapshots[-1]
+        if matched != len(tokens) or snap is None:
+            return None
+        return HIDDEN.row(snap, len(tokens) - 1)
+
+    def store_rows(
+        self, rows: list[list[int]], start: int, batch: list[Any], hidden: mx.array
+    ) -> None:
+        """Store rows computed together from the live state at `start` (their shared prefix):
+        row i's tokens [start, len) are in row i of the batched caches `batch` and of
+        `hidden` [B, L, H]. Edge kinds get their segments; point kinds none (the padded
+        batch ran past shorter rows' ends), so these nodes serve full hits and KV restores."""
+        assert self.hidden is not None, "only a cache that keeps hidden rows stores batches"
+        for i, tokens in enumerate(rows):
+            path, matched = trie.match(self.root, tokens)
+            if matched >= len(tokens) or matched < start:
+                continue
+            node = path[-1]
+            if node.end > matched:
+                node = self._split(node, matched)
+            child = trie.add_child(node, tokens[matched:], self.clock())
+            for slot, kind in enumerate(self.kinds):
+                if kind is HIDDEN:
+                    rows_i = hidden[i : i + 1, matched - start : len(tokens) - start, :]
+                    self._set(child, slot, Snap(matched, len(tokens), (mx.array(rows_i),)))
+                elif not kind.point:
+                    segment = kind.row_segment(batch[slot], i, matched, len(tokens))
+                    self._set(child, slot, segment)
+        self.evict()
 
     def _restore_offset(self, path: list[Node], tokens: list[int], target: int) -> int:
         """The deepest offset <= target that every kind can restore."""
