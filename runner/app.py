@@ -23,6 +23,7 @@ from aiohttp import web
 from .completions import prepare_completion
 from .engine import EngineStopped, Job
 from .errors import BadRequest, Cancelled, RequestError
+from .models import ScoresRequests
 from .score import prepare_rows
 from .service import Runner
 from .wire import (
@@ -116,6 +117,11 @@ async def score(request: web.Request) -> web.Response:
         score_request = decode_score_request(await request.read())
     except DecodeError as e:
         raise BadRequest(str(e)) from None
+    if isinstance(runner.model, ScoresRequests):  # the model validates and scores itself
+        answer = await run_cancellable(
+            request, lambda job: runner.score_by_model(score_request, job)
+        )
+        return json_response(answer)
     loop = asyncio.get_running_loop()
     rows = await loop.run_in_executor(
         None,

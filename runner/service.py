@@ -18,9 +18,10 @@ from .cache.prefix_cache import ByteBudget, PrefixCache, budget_from_env
 from .engine import Engine, Job
 from .generate import Generator
 from .loader import load_model_source
-from .models import RunnerModel, build_model
+from .models import RunnerModel, ScoresRequests, build_model
 from .score import Row, Scorer, ScoreResult
 from .tokenizer import Tokenizer
+from .wire import ScoreRequest, ScoreResponse
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,28 @@ class Runner:
         return engine.call(load)
 
     # --- work that runs on the engine thread -------------------------------------------
+    def score_by_model(self, request: ScoreRequest, job: Job) -> ScoreResponse:
+        """The model's own scoring hook, with hidden rows from the scoring prefix cache."""
+        assert isinstance(self.model, ScoresRequests)
+
+        def hidden_row(tokens: list[int]) -> tuple[mx.array, int]:
+            session = self.score_cache.begin(tokens)
+            try:
+                row = session.hidden_row
+                if row is None:
+                    row = session.prefill(len(tokens), job.check)
+                return row, session.offset
+            finally:
+                session.close()
+
+        failed = True
+        try:
+            response = self.model.score_request(request, self.tokenizer, hidden_row)
+            failed = False
+            return response
+        finally:
+            release_scratch(force=failed)
+
     def score(self, rows: Sequence[Row], job: Job) -> ScoreResult:
         failed = True
         try:

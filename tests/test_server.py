@@ -281,3 +281,38 @@ async def test_scratch_memory_above_the_limit_is_released(client, engine, monkey
     assert (await client.post("/v1/score", json=body)).status == 200
     cached = engine.call(lambda job: mx.get_cache_memory())
     assert (cached > 0) is kept
+
+
+# --- a model's own scoring hook -----------------------------------------------------------
+
+
+async def test_a_model_with_its_own_scoring_hook_answers_score(llama_runner, make_client, engine):
+    from runner.wire import ScoreResponse
+
+    class HookedModel(type(llama_runner.model)):
+        """Scores the first candidate only, through the runner's hidden rows."""
+
+        def score_request(self, request, tokenizer, hidden_row):
+            logits, cached = [], 0
+            for row in request.rows:
+                tokens = tokenizer.encode(row.prompt)
+                hidden, restored = hidden_row(tokens)
+                cached += restored
+                ids = mx.array([tokenizer.encode(row.prompt + row.candidates[0])[-1]])
+                logits.append(self.unembed_candidates(hidden, ids).reshape(-1).tolist())
+            return ScoreResponse(logits, len(request.rows), cached)
+
+    base = llama_runner.model
+    hooked = HookedModel.__new__(HookedModel)
+    hooked.__dict__.update(base.__dict__)
+    runner = engine.call(
+        lambda job: type(llama_runner)(engine, hooked, llama_runner.tokenizer, "hooked")
+    )
+    client = await make_client(runner)
+    body = {"rows": [{"prompt": PREFIX, "candidates": [" Yes", " No"]}]}
+    first = await score(client, body["rows"])
+    assert len(first["logits"][0]) == 1 and first["cached_tokens"] == 0
+    plain = await score(await make_client(llama_runner), body["rows"])
+    assert first["logits"][0][0] == pytest.approx(plain["logits"][0][0], abs=1e-5)
+    again = await score(client, body["rows"])
+    assert again["cached_tokens"] == len(llama_runner.tokenizer.encode(PREFIX))

@@ -2,7 +2,7 @@
 
 # The family modules are imported for their `@register` side effect.
 from runner.models import gemma3, llama, qwen3, qwen3_5  # noqa: F401
-from runner.models.base import RunnerModel
+from runner.models.base import RunnerModel, ScoresRequests
 from runner.models.registry import build_model, registered_architectures
 
-__all__ = ["RunnerModel", "build_model", "registered_architectures"]
+__all__ = ["RunnerModel", "ScoresRequests", "build_model", "registered_architectures"]
