@@ -98,3 +98,29 @@ def test_batched_suffixes_equal_rows_one_by_one(
     assert again.cached_tokens == sum(len(r.tokens) for r in rows)
     for got, want in zip(again.logits, batched.logits, strict=True):
         assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_memory_held_is_the_memory_counted(engine, loaded_models):
+    """Snapshots are materialised when stored: a lazy copy would keep its whole source
+    buffer alive while the budget counts only the copy (the byte budget would then never
+    evict enough)."""
+    import mlx.core as mx
+
+    model = loaded_models("LlamaForCausalLM").model
+    rng = random.Random(11)
+
+    def run(job):
+        mx.clear_cache()
+        cache = PrefixCache(model, name="memory", keep_hidden=True)
+        before = mx.get_active_memory()
+        for _ in range(20):
+            shared = rng.choices(range(3, 300), k=150)
+            rows = [Row(shared + rng.choices(range(3, 300), k=5), [3, 7]) for _ in range(4)]
+            Scorer(model, cache).score(rows, job.check)
+        mx.clear_cache()
+        live = sum(a.nbytes for a in cache._live_arrays())
+        return mx.get_active_memory() - before, cache.nbytes, live
+
+    held, counted, live = engine.call(run)
+    assert counted > 0
+    assert held <= 1.25 * (counted + live) + (1 << 20)

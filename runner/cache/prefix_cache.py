@@ -240,6 +240,10 @@ class PrefixCache:
         return child
 
     def _set(self, node: Node, slot: int, snap: Snap | None) -> None:
+        if snap is not None:
+            # A lazy copy would keep its whole source (a live or batched buffer) alive
+            # until evaluated: materialise it now, so the bytes counted are the bytes held.
+            mx.eval(*snap.evaluate())
         old = node.snapshots[slot]
         self.nbytes += (snap.nbytes if snap else 0) - (old.nbytes if old else 0)
         node.snapshots[slot] = snap
@@ -364,6 +368,7 @@ class _Ops:
         head, tail = self.kinds[slot].split(snap, at)
         if snap is not head and snap is not tail:
             self.close(slot, snap)
+        mx.eval(*(a for part in (head, tail) if part is not None for a in part.evaluate()))
         return head, tail
 
     def merge(self, slot: int, parent: Snap | None, child: Snap | None) -> Snap | None:
@@ -371,6 +376,8 @@ class _Ops:
         for snap in (parent, child):
             if snap is not None and snap is not merged:
                 self.close(slot, snap)
+        if merged is not None:
+            mx.eval(*merged.evaluate())
         return merged
 
     def close(self, slot: int, snap: Snap) -> None:
