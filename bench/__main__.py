@@ -1,0 +1,232 @@
+"""`python -m bench`: named workloads against several systems, with ratios to ours.
+
+    python -m bench --size small
+    python -m bench --workloads decisions,choices --systems ours,ours-rows,mlx-lm --repeats 3
+    python -m bench --sample-rows 8 --repeats-for transformers=1 --json results.json
+
+Like the runner, the process re-executes itself once with OpenBLAS preloaded when the
+machine has it (runner/blas.py), before MLX is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runner import blas
+
+DEFAULT_REPEATS = 3
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _repeats_for(text: str) -> dict[str, int]:
+    out = {}
+    for item in _names(text):
+        name, _, count = item.partition("=")
+        if not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"expected SYSTEM=N, got {item!r}")
+        out[name] = int(count)
+    return out
+
+
+def _param(text: str) -> tuple[str, str, int]:
+    name, dot, rest = text.partition(".")
+    key, eq, value = rest.partition("=")
+    if not (dot and eq and name and key and value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError(f"expected WORKLOAD.KEY=N, got {text!r}")
+    return name, key, int(value)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from bench.systems import NAMES as SYSTEM_NAMES
+    from bench.workloads import NAMES as WORKLOAD_NAMES
+    from bench.workloads import SIZES
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--workloads",
+        type=_names,
+        default=list(WORKLOAD_NAMES),
+        help=f"comma list of {', '.join(WORKLOAD_NAMES)} (default: all)",
+    )
+    p.add_argument(
+        "--systems",
+        type=_names,
+        default=list(SYSTEM_NAMES),
+        help=f"comma list of {', '.join(SYSTEM_NAMES)} (default: all)",
+    )
+    p.add_argument(
+        "--size",
+        choices=("small", "default"),
+        default="default",
+        help="model and workload size: small (quick) or default (Qwen3-0.6B shape)",
+    )
+    p.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="WORKLOAD.KEY=N",
+        help="replace one workload parameter, e.g. decisions.rows=16 (see bench/workloads.py)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed trials per system and workload, after a warm-up (median)",
+    )
+    p.add_argument(
+        "--repeats-for",
+        type=_repeats_for,
+        default={},
+        metavar="SYS=N,...",
+        help="per-system trial counts, e.g. transformers=1,mlx-lm=1",
+    )
+    p.add_argument(
+        "--sample-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mlx-lm and transformers time only the first N rows; scaled to the total",
+    )
+    p.add_argument("--baseline-url", default=None, help="an Ollama-compatible runner's URL")
+    p.add_argument(
+        "--baseline-mode",
+        choices=("auto", "score", "completions"),
+        default="auto",
+        help="how to score with the baseline (auto: /v1/score when it answers)",
+    )
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="build the model here and reuse it on later runs (default: a temp dir)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results here")
+    args = p.parse_args(argv)
+    for given, known, what in (
+        (args.workloads, WORKLOAD_NAMES, "workload"),
+        (args.systems, SYSTEM_NAMES, "system"),
+        (list(args.repeats_for), SYSTEM_NAMES, "system"),
+    ):
+        unknown = [n for n in given if n not in known]
+        if unknown:
+            p.error(f"unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
+    for name, key, _ in args.param:
+        if name not in args.workloads or key not in SIZES[name][args.size]:
+            p.error(f"--param {name}.{key}: not a parameter of a workload being run")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.sample_rows is not None and args.sample_rows < 1:
+        p.error("--sample-rows must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    env = blas.preload_env(dict(os.environ))
+    if env is not None:  # LD_PRELOAD acts only at process start, before MLX loads
+        os.execve(sys.executable, [sys.executable, "-m", "bench", *argv], env)
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        return run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    from bench import machine, report
+    from bench.base import Context
+    from bench.harness import log, run_system
+    from bench.models import SHAPES, load_tokenizer, write_model_dir
+    from bench.systems import make_systems
+    from bench.workloads import build_workloads
+    from runner.engine import Engine
+
+    started = time.perf_counter()
+    systems = make_systems(args.systems)
+    shape = SHAPES[args.size]
+    log(f"building {shape.name} model directory")
+    model_dir = write_model_dir(shape, args.model_dir or tmp / "model", args.seed)
+    engine = Engine()
+    try:
+        ctx = Context(
+            model_dir=model_dir,
+            engine=engine,
+            work_dir=tmp,
+            max_tokens=shape.context,
+            baseline_url=args.baseline_url,
+            baseline_mode=args.baseline_mode,
+        )
+        tokenizer = load_tokenizer(model_dir)
+        overrides: dict[str, dict[str, int]] = {}
+        for name, key, value in args.param:
+            overrides.setdefault(name, {})[key] = value
+        workloads = build_workloads(
+            args.workloads, args.size, tokenizer.encode, args.seed, overrides
+        )
+        info = machine.describe()
+        rates = machine.matmul_rates(engine, args.size)
+        params = shape.params(embedding=False)
+        header = [
+            *machine.format_machine(info, rates),
+            f"model: {shape.name} random weights (hidden {shape.hidden}, {shape.layers} layers, "
+            f"vocab {shape.vocab}; {shape.params() / 1e6:.0f}M params, "
+            f"{params / 1e6:.0f}M without the embedding); float16 on disk, float32 compute",
+        ]
+        print("\n".join(header), flush=True)
+        results = {w.name: [] for w in workloads}
+        for system in systems:
+            repeats = args.repeats_for.get(system.name, args.repeats)
+            for r in run_system(system, workloads, ctx, repeats, args.sample_rows):
+                results[r.workload].append(r)
+        peak = machine.peak_gflops(rates)
+        sections = []
+        for variants in workloads:
+            w = variants.get(1)
+            report.compute_metrics(w, results[w.name], params, peak)
+            print("\n" + "\n".join(report.format_workload(w, results[w.name])), flush=True)
+            sections.append((w, results[w.name]))
+        setups: dict[str, float] = {}
+        for rs in results.values():
+            for r in rs:
+                if r.setup_seconds is not None:
+                    setups[r.system] = max(setups.get(r.system, 0.0), r.setup_seconds)
+        elapsed = time.perf_counter() - started
+        print(
+            "\nsetup (load or spawn to ready, longest): "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in setups.items())
+            + f"; whole run {elapsed:.0f} s",
+            flush=True,
+        )
+        if args.json:
+            options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            report.write_json(
+                args.json,
+                {
+                    "machine": info,
+                    "matmul_gflops": rates,
+                    "model": {
+                        "shape": shape.__dict__,
+                        "params": shape.params(),
+                        "params_without_embedding": params,
+                    },
+                    "options": options,
+                    "elapsed_seconds": elapsed,
+                },
+                sections,
+            )
+            log(f"wrote {args.json}")
+    finally:
+        engine.stop(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""What a benchmarked system is, what it returns, and what the run shares with it.
+
+A `System` is prepared once (load a model, spawn a process), then asked to `score` a list of
+requests (each a list of rows) or to `generate`, once per trial, then closed. Systems that
+handle rows one at a time set `one_by_one` (their warm-up is one row). Those whose rows
+each cost the same whatever ran before (no prefix cache: mlx-lm, transformers) also set
+`sampled_ok`: they honour a row limit (`--sample-rows`) and the harness scales their time
+up to the whole workload, which is then exact up to noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.workloads import GenerateWorkload, Row, Workload
+
+if TYPE_CHECKING:
+    from runner.engine import Engine
+    from runner.service import Runner
+
+
+class Skipped(Exception):
+    """The system cannot run here at all (a package is missing, no URL was given)."""
+
+
+class Unavailable(Exception):
+    """The system runs, but not this workload (e.g. its endpoint answers 501)."""
+
+
+@dataclass
+class ScoreOutcome:
+    # One list per computed row (the first `rows_done` rows in workload order), in candidate
+    # order; None where the system could not give a value (not in its top-k).
+    values: list[list[float | None]]
+    rows_done: int
+    computed_tokens: int  # prompt tokens run through the model (shared prefixes once)
+    kind: str = "logits"  # or "logprobs": comparable only up to a per-row constant
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateOutcome:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float | None = None
+    decode_seconds: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    model_dir: Path
+    engine: Engine
+    work_dir: Path  # logs of spawned processes
+    max_tokens: int  # the max_tokens of every /v1/score request
+    baseline_url: str | None = None
+    baseline_mode: str = "auto"  # auto | score | completions
+
+    def load_runner(self) -> Runner:
+        """A fresh Runner over the benchmark model: each in-process system has its own, so
+        no system is served from a prefix cache another one filled."""
+        from runner.service import Runner
+
+        return Runner.load(self.engine, str(self.model_dir))
+
+
+class System:
+    name = ""
+    description = ""
+    one_by_one = False
+    sampled_ok = False
+    fresh_per_workload = False
+
+    def prepare(self, ctx: Context) -> None:
+        """Load or start; raise Skipped when the system cannot run on this machine."""
+
+    def close(self) -> None:
+        """Release what `prepare` took."""
+
+    def memory_bytes(self) -> int | None:
+        """Memory the system holds now (model, caches), where it can say; None otherwise."""
+        return None
+
+    def supports(self, workload: Workload) -> str | None:
+        """Why this system does not run `workload`, or None when it does."""
+        return None
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        raise NotImplementedError
+
+    def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
+        raise NotImplementedError
+
+
+def limited(requests: list[list[Row]], limit: int | None) -> list[Row]:
+    """The first `limit` rows of `requests` in order (all of them when limit is None)."""
+    rows = [row for request in requests for row in request]
+    return rows if limit is None else rows[:limit]
+
+
+def mlx_memory_bytes(engine: Engine) -> int:
+    """MLX active + cached bytes of this process, read on the MLX thread."""
+
+    def read(_job) -> int:
+        import mlx.core as mx
+
+        return int(mx.get_active_memory() + mx.get_cache_memory())
+
+    return engine.call(read)

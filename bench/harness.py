@@ -1,0 +1,145 @@
+"""Time every system on every workload: prepare, warm up, N trials, median, close.
+
+One system at a time, all its workloads, then the next (so one model at a time is in
+memory besides a spawned runner). The warm-up is a small request on variant 0 of the
+workload (the first two rows of the first request, one row for one-by-one systems; two new
+tokens for generation), so a slow system does not pay a whole extra run; trial k runs
+variant k (bench/workloads.py `Variants`), and the answers kept for checking are trial 1's,
+which every system runs. Given `sample_rows`, a system whose rows are independent
+(`sampled_ok`) times only that many rows and its median is scaled to the whole workload
+(marked `sampled`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bench.base import Context, GenerateOutcome, ScoreOutcome, Skipped, System, Unavailable
+from bench.workloads import Variants, Workload
+
+WARMUP_ROWS = 2
+WARMUP_NEW_TOKENS = 2
+
+
+@dataclass
+class Result:
+    workload: str
+    system: str
+    status: str  # ok | skipped | unavailable | n/a | error
+    reason: str = ""
+    description: str = ""
+    setup_seconds: float | None = None
+    trials: list[float] = field(default_factory=list)
+    measured_seconds: float | None = None  # median of the trials
+    seconds: float | None = None  # the same, scaled to the whole workload when sampled
+    sampled: bool = False
+    memory_bytes: int | None = None  # what the system holds after its trials, if it says
+    outcome: ScoreOutcome | GenerateOutcome | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # filled in by bench/report.py
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_system(
+    system: System,
+    workloads: list[Variants],
+    ctx: Context,
+    repeats: int,
+    sample_rows: int | None,
+) -> list[Result]:
+    """All workloads on one system; a `fresh_per_workload` system is prepared again (a new
+    runner, empty caches) before each workload."""
+    results: list[Result] = []
+    prepared = False
+    try:
+        for variants in workloads:
+            reason = system.supports(variants.get(1))
+            if reason is not None:  # nothing to prepare for
+                results.append(Result(variants.name, system.name, "n/a", reason))
+                continue
+            if prepared and system.fresh_per_workload:
+                system.close()
+                prepared = False
+            setup = None
+            if not prepared:
+                started = time.perf_counter()
+                failure = _prepare(system, ctx)
+                if failure is not None:
+                    results += [
+                        replace(failure, workload=w.name) for w in workloads[len(results) :]
+                    ]
+                    return results
+                prepared = True
+                setup = time.perf_counter() - started
+            results.append(_run_one(system, variants, repeats, sample_rows, setup))
+        return results
+    finally:
+        if prepared:
+            system.close()
+
+
+def _prepare(system: System, ctx: Context) -> Result | None:
+    """None when prepared, else the result to report for every remaining workload."""
+    try:
+        log(f"[{system.name}] preparing")
+        system.prepare(ctx)
+        return None
+    except Skipped as e:
+        log(f"[{system.name}] skipped: {e}")
+        return Result("", system.name, "skipped", str(e))
+    except Exception as e:
+        traceback.print_exc()
+        return Result("", system.name, "error", f"prepare: {e!r}")
+
+
+def _call(system: System, workload: Workload, limit: int | None, warmup: bool) -> Any:
+    if workload.kind == "generate":
+        new_tokens = WARMUP_NEW_TOKENS if warmup else workload.new_tokens
+        return system.generate(workload, new_tokens)
+    requests = [workload.requests[0][:WARMUP_ROWS]] if warmup else workload.requests
+    return system.score(requests, 1 if warmup and system.one_by_one else limit)
+
+
+def _run_one(
+    system: System, variants: Variants, repeats: int, sample_rows: int | None, setup: float | None
+) -> Result:
+    workload = variants.get(1)
+    result = Result(workload.name, system.name, "ok", setup_seconds=setup)
+    result.description = system.description
+    limit = sample_rows if system.sampled_ok else None
+    try:
+        _call(system, variants.get(0), limit, warmup=True)
+        for trial in range(1, repeats + 1):
+            started = time.perf_counter()
+            outcome = _call(system, variants.get(trial), limit, warmup=False)
+            result.trials.append(time.perf_counter() - started)
+            result.outcome = result.outcome or outcome
+            log(
+                f"[{system.name}] {workload.name} trial {trial}/{repeats}: "
+                f"{result.trials[-1]:.3f} s"
+            )
+    except Unavailable as e:
+        log(f"[{system.name}] {workload.name} unavailable: {e}")
+        result.status, result.reason = "unavailable", str(e)
+        return result
+    except Exception as e:
+        traceback.print_exc()
+        result.status, result.reason = "error", repr(e)
+        return result
+    result.memory_bytes = system.memory_bytes()
+    result.measured_seconds = statistics.median(result.trials)
+    result.seconds = result.measured_seconds
+    outcome = result.outcome
+    if isinstance(outcome, ScoreOutcome):
+        total = len(workload.rows)
+        if outcome.rows_done < total:
+            result.sampled = True
+            result.seconds = result.measured_seconds * total / outcome.rows_done
+    return result

@@ -1,0 +1,146 @@
+"""Random-weight Qwen3 model directories in the Hugging Face layout, for the benchmarks.
+
+`write_model_dir(shape, path)` writes config.json (transformers 5's Qwen3 key set, copied from
+tests/data/configs/Qwen3ForCausalLM.json, with the shape's dimensions), model.safetensors
+(float16 from seeded numpy normals), tokenizer.json (bench/text.py's byte-level BPE, its
+vocabulary padded to the model's so every id the model can emit decodes to distinct text)
+and tokenizer_config.json, so the runner, mlx-lm and transformers all load the same directory.
+A directory that already holds the same shape and seed (bench-model.json) is reused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.text import TOKENIZER_VOCAB, pad_vocabulary, train_tokenizer
+
+CONFIG_TEMPLATE = Path(__file__).parents[1] / "tests/data/configs/Qwen3ForCausalLM.json"
+STAMP = "bench-model.json"
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    context: int = 40960
+
+    def params(self, embedding: bool = True) -> int:
+        """Weights of the model (tied embeddings); without the embedding when asked."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q * 2 + h * kv * 2 + 2 * self.head_dim
+        layer = attention + 3 * h * self.intermediate + 2 * h
+        body = self.layers * layer + h
+        return body + (self.vocab * h if embedding else 0)
+
+
+SHAPES = {
+    # Qwen3-0.6B's shape.
+    "default": Shape("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936),
+    "small": Shape("qwen3-small", 256, 4, 4, 2, 64, 768, 4096),
+}
+
+TOKENIZER_CONFIG = {
+    "add_bos_token": False,
+    "bos_token": "<|endoftext|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "model_max_length": 40960,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+
+
+def model_config(shape: Shape) -> dict[str, Any]:
+    config = json.loads(CONFIG_TEMPLATE.read_text())
+    config.update(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        max_position_embeddings=shape.context,
+        layer_types=["full_attention"] * shape.layers,
+        tie_word_embeddings=True,
+    )
+    return config
+
+
+def weight_shapes(shape: Shape) -> dict[str, tuple[tuple[int, ...], float | None]]:
+    """Hugging Face names -> (shape, std); std None means a norm (1 + small noise)."""
+    h, d, i = shape.hidden, shape.head_dim, shape.intermediate
+    q, kv = shape.heads * d, shape.kv_heads * d
+    spec: dict[str, tuple[tuple[int, ...], float | None]] = {
+        "model.embed_tokens.weight": ((shape.vocab, h), 0.02),
+        "model.norm.weight": ((h,), None),
+    }
+    for n in range(shape.layers):
+        p = f"model.layers.{n}"
+        spec |= {
+            f"{p}.self_attn.q_proj.weight": ((q, h), 0.1),  # q/k larger: non-uniform attention
+            f"{p}.self_attn.k_proj.weight": ((kv, h), 0.1),
+            f"{p}.self_attn.v_proj.weight": ((kv, h), 0.02),
+            f"{p}.self_attn.o_proj.weight": ((h, q), 0.02),
+            f"{p}.self_attn.q_norm.weight": ((d,), None),
+            f"{p}.self_attn.k_norm.weight": ((d,), None),
+            f"{p}.mlp.gate_proj.weight": ((i, h), 0.02),
+            f"{p}.mlp.up_proj.weight": ((i, h), 0.02),
+            f"{p}.mlp.down_proj.weight": ((h, i), 0.02),
+            f"{p}.input_layernorm.weight": ((h,), None),
+            f"{p}.post_attention_layernorm.weight": ((h,), None),
+        }
+    return spec
+
+
+def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, (dims, std) in sorted(weight_shapes(shape).items()):
+        w = rng.standard_normal(dims, dtype=np.float32)
+        w *= 0.1 if std is None else std
+        if std is None:
+            w += 1.0
+        weights[name] = w.astype(np.float16)
+    return weights
+
+
+def write_model_dir(shape: Shape, path: Path, seed: int = 0) -> Path:
+    """Write (or reuse) a random `shape` model directory at `path`; returns `path`."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    stamp = {"shape": asdict(shape), "seed": seed, "format": FORMAT_VERSION}
+    if (path / STAMP).exists() and json.loads((path / STAMP).read_text()) == stamp:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(shape), indent=2, sort_keys=True))
+    trained = train_tokenizer(min(shape.vocab, TOKENIZER_VOCAB), seed)
+    (path / "tokenizer.json").write_text(pad_vocabulary(trained, shape.vocab))
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    save_file(random_weights(shape, seed), str(path / "model.safetensors"), {"format": "pt"})
+    (path / STAMP).write_text(json.dumps(stamp))
+    return path
+
+
+def load_tokenizer(path: Path):
+    """Our runner's tokenizer for a model directory, without loading the weights."""
+    from runner.tokenizer import Tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    return Tokenizer(
+        (path / "tokenizer.json").read_text(),
+        config=config,
+        tokenizer_config=json.loads((path / "tokenizer_config.json").read_text()),
+    )

@@ -1,0 +1,191 @@
+"""Our runner, three ways: in process, rows one by one in process, and over HTTP.
+
+- `ours`: each workload request is one `prepare_rows` + `Runner.score` call on the engine
+  thread, exactly what the /v1/score handler does, without HTTP.
+- `ours-rows`: the same path with one request per row, the "one-by-one" baseline for
+  batched scoring (the runner's prefix cache still serves later rows the shared prefix).
+- `ours-http`: `python -m runner --model DIR --port P` spawned as a supervisor would, one
+  POST /v1/score per workload request; generation through POST /v1/completions (Go wire
+  format, application/jsonl), reported as unavailable while that endpoint answers 501.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from bench.base import (
+    Context,
+    GenerateOutcome,
+    ScoreOutcome,
+    System,
+    Unavailable,
+    limited,
+    mlx_memory_bytes,
+)
+from bench.http import MISSING_ENDPOINT, HTTPStatus, SpawnedRunner, post_json, post_jsonl
+from bench.workloads import GenerateWorkload, Row, Workload
+
+NANOSECONDS = 1e9
+
+
+# Every workload starts on a freshly loaded runner: no workload is served from what another
+# stored, and (as of this writing) the prefix cache holds more memory than its byte budget
+# counts (~150 MB a row at 0.6B), so a whole run would otherwise not fit in 23 GB.
+FRESH_PER_WORKLOAD = True
+
+
+class Ours(System):
+    name = "ours"
+    description = "runner in process: prepare_rows + Runner.score, one call per request"
+    fresh_per_workload = FRESH_PER_WORKLOAD
+
+    def prepare(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.runner = ctx.load_runner()
+
+    def close(self) -> None:
+        def release(_job) -> None:
+            import mlx.core as mx
+
+            self.runner = None
+            gc.collect()  # the runner's caches reference each other
+            mx.clear_cache()
+
+        self.ctx.engine.call(release)
+
+    def memory_bytes(self) -> int | None:
+        return mlx_memory_bytes(self.ctx.engine)
+
+    def supports(self, workload: Workload) -> str | None:
+        if workload.kind == "generate":
+            return "generation is measured over HTTP (ours-http)"
+        return None
+
+    def _score_one(self, rows: list[Row]) -> tuple[list[list[float]], int, float]:
+        from runner.score import prepare_rows
+        from runner.wire import ScoreRequest, ScoreRow
+
+        runner = self.runner
+        started = time.perf_counter()
+        request = ScoreRequest(
+            rows=[ScoreRow(prompt=r.prompt, candidates=list(r.candidates)) for r in rows],
+            maxtokens=self.ctx.max_tokens,
+        )
+        prepared = prepare_rows(
+            request, runner.tokenizer, runner.context_length, runner.model.vocab_size
+        )
+        prepare_seconds = time.perf_counter() - started
+        result = runner.engine.call(lambda job: runner.score(prepared, job))
+        computed = sum(len(r.tokens) for r in prepared) - result.cached_tokens
+        return result.logits, computed, prepare_seconds
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        values: list[list[float | None]] = []
+        computed = 0
+        prepare_seconds = 0.0
+        for rows in requests:
+            logits, tokens, seconds = self._score_one(rows)
+            values += logits
+            computed += tokens
+            prepare_seconds += seconds
+        notes = {"prepare_rows_s": round(prepare_seconds, 4)}
+        return ScoreOutcome(values, len(values), computed, notes=notes)
+
+
+class OursRows(Ours):
+    name = "ours-rows"
+    description = "runner in process, one request per row (its prefix cache still applies)"
+    one_by_one = True
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        rows = limited(requests, limit)
+        return super().score([[row] for row in rows], None)
+
+
+def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOutcome:
+    """One POST /v1/score per request; raises Unavailable when the endpoint is missing."""
+    values: list[list[float | None]] = []
+    computed = 0
+    for rows in requests:
+        body = {
+            "rows": [{"prompt": r.prompt, "candidates": list(r.candidates)} for r in rows],
+            "max_tokens": max_tokens,
+        }
+        try:
+            answer = post_json(url + "/v1/score", body)
+        except HTTPStatus as e:
+            if e.status in MISSING_ENDPOINT:
+                raise Unavailable(str(e)) from None
+            raise
+        values += answer["logits"]
+        computed += answer["input_tokens"] - answer.get("cached_tokens", 0)
+    return ScoreOutcome(values, len(values), computed)
+
+
+def completion_body(prompt: str, num_predict: int, top_logprobs: int = 0) -> dict:
+    """The Go supervisor's CompletionRequest (UPSTREAM.md §1.5.1): greedy, `num_predict`."""
+    return {
+        "Prompt": prompt,
+        "Media": None,
+        "Options": {"temperature": 0, "num_predict": num_predict},
+        "Logprobs": top_logprobs > 0,
+        "TopLogprobs": top_logprobs,
+    }
+
+
+def completion_lines(url: str, body: dict) -> list[dict]:
+    """The JSONL lines of one POST /v1/completions, up to the `Done` line."""
+    try:
+        lines = []
+        for line in post_jsonl(url + "/v1/completions", body):
+            if line.get("Error"):
+                raise RuntimeError(f"completion failed: {line['Error']}")
+            lines.append(line)
+            if line.get("Done"):
+                return lines
+    except HTTPStatus as e:
+        if e.status in MISSING_ENDPOINT:
+            raise Unavailable(str(e)) from None
+        raise
+    raise RuntimeError("completion stream ended without a Done line")
+
+
+def http_generate(url: str, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
+    lines = completion_lines(url, completion_body(workload.prompt, new_tokens))
+    done = lines[-1]
+    return GenerateOutcome(
+        text="".join(line.get("Content", "") for line in lines),
+        prompt_tokens=done.get("PromptEvalCount", 0),
+        new_tokens=done.get("EvalCount", 0),
+        prefill_seconds=done.get("PromptEvalDuration", 0) / NANOSECONDS or None,
+        decode_seconds=done.get("EvalDuration", 0) / NANOSECONDS or None,
+        notes={"done_reason": done.get("DoneReason")},
+    )
+
+
+class OursHTTP(System):
+    name = "ours-http"
+    description = "python -m runner spawned as a supervisor would; /v1/score, /v1/completions"
+    fresh_per_workload = FRESH_PER_WORKLOAD
+
+    def prepare(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.process = SpawnedRunner(ctx.model_dir, ctx.work_dir / "ours-http.log")
+        try:
+            self.process.wait_ready()
+        except BaseException:
+            self.process.stop()
+            raise
+
+    def close(self) -> None:
+        self.process.stop()
+
+    def memory_bytes(self) -> int | None:
+        return self.process.memory_bytes()
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        return http_score(self.process.url, requests, self.ctx.max_tokens)
+
+    def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
+        return http_generate(self.process.url, workload, new_tokens)

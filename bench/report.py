@@ -1,0 +1,213 @@
+"""Check every system against ours, compute rates and ratios, print tables, write JSON.
+
+Per workload the reference is `ours` (scoring) or `ours-http` (generation: ours generates
+only over HTTP). ratio = system seconds / reference seconds, so > 1 means ours is faster.
+Answers are checked against the reference where it ran, else against the first system that
+did: candidate logits (max |Δ| and the share of rows whose best candidate agrees), logprobs
+after removing each row's mean over the candidates both have (a constant per row separates
+them from logits), and generated text (the share of the reference text that is a common
+prefix, leading spaces aside). GFLOP/s counts 2 x non-embedding parameters x prompt tokens
+actually run through the model; %matmul divides it by the best float32 MLX matmul rate
+measured in this run (bench/machine.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.base import GenerateOutcome, ScoreOutcome
+from bench.harness import Result
+from bench.workloads import Workload
+
+REFERENCE = {"score": "ours", "generate": "ours-http"}
+
+
+def compare_scores(a: ScoreOutcome, ref: ScoreOutcome) -> dict[str, Any]:
+    centered = a.kind != "logits" or ref.kind != "logits"
+    worst, agree, compared, present, total = 0.0, 0, 0, 0, 0
+    for x, y in zip(a.values, ref.values, strict=False):
+        keep = [j for j, v in enumerate(x) if v is not None and y[j] is not None]
+        total += len(x)
+        present += len(keep)
+        if not keep:
+            continue
+        xs = [float(x[j]) for j in keep]  # type: ignore[arg-type]
+        ys = [float(y[j]) for j in keep]  # type: ignore[arg-type]
+        if centered:
+            mx_, my_ = sum(xs) / len(xs), sum(ys) / len(ys)
+            xs, ys = [v - mx_ for v in xs], [v - my_ for v in ys]
+        worst = max(worst, *(abs(p - q) for p, q in zip(xs, ys, strict=True)))
+        agree += xs.index(max(xs)) == ys.index(max(ys))
+        compared += 1
+    return {
+        "max_abs_diff": worst if compared else None,
+        "argmax_agree": agree / compared if compared else None,
+        "coverage": present / total if total else None,
+        "compared_rows": compared,
+        "centered": centered,
+    }
+
+
+def compare_text(a: GenerateOutcome, ref: GenerateOutcome) -> dict[str, Any]:
+    """Share of the reference text that `a` starts with; leading spaces are ignored, as
+    mlx-lm's streaming detokenizer drops the first token's."""
+    x, y = a.text.lstrip(), ref.text.lstrip()
+    common = 0
+    for p, q in zip(x, y, strict=False):
+        if p != q:
+            break
+        common += 1
+    return {"text_match": common / len(y) if y else float(x == y)}
+
+
+def compute_metrics(
+    workload: Workload, results: list[Result], params: int, peak_gflops: float | None
+) -> None:
+    ok = [r for r in results if r.status == "ok" and r.outcome is not None]
+    ref = next((r for r in ok if r.system == REFERENCE[workload.kind]), None)
+    for r in ok:
+        m = r.metrics
+        assert r.seconds is not None and r.measured_seconds is not None
+        m["ratio"] = r.seconds / ref.seconds if ref is not None and ref.seconds else None
+        check = ref if ref is not None else next((o for o in ok if o is not r), None)
+        if check is r:
+            check = None
+        if isinstance(r.outcome, ScoreOutcome):
+            out = r.outcome
+            m["rows_per_s"] = len(workload.rows) / r.seconds  # type: ignore[union-attr]
+            m["tokens_per_s"] = workload.prompt_tokens / r.seconds  # type: ignore[union-attr]
+            m["rows_timed"] = out.rows_done
+            m["computed_tokens"] = out.computed_tokens
+            gflops = 2 * params * out.computed_tokens / r.measured_seconds / 1e9
+            if check is not None and isinstance(check.outcome, ScoreOutcome):
+                m |= compare_scores(out, check.outcome)
+        else:
+            assert isinstance(r.outcome, GenerateOutcome)
+            out = r.outcome
+            m["prompt_tokens"], m["new_tokens"] = out.prompt_tokens, out.new_tokens
+            m["decode_tokens_per_s"] = (
+                out.new_tokens / out.decode_seconds if out.decode_seconds else None
+            )
+            m["prefill_tokens_per_s"] = (
+                out.prompt_tokens / out.prefill_seconds if out.prefill_seconds else None
+            )
+            gflops = (
+                2 * params * out.prompt_tokens / out.prefill_seconds / 1e9
+                if out.prefill_seconds
+                else None
+            )
+            if check is not None and isinstance(check.outcome, GenerateOutcome):
+                m |= compare_text(out, check.outcome)
+        m["gflops"] = gflops
+        m["matmul_fraction"] = gflops / peak_gflops if gflops and peak_gflops else None
+        m["checked_against"] = check.system if check is not None else None
+        m["notes"] = r.outcome.notes
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+SCORE_COLUMNS = ("rows/s", "tok/s", "ratio", "max|Δ|", "argmax")
+GENERATE_COLUMNS = ("prefill/s", "decode/s", "ratio", "text=")
+COMMON_COLUMNS = ("GFLOP/s", "%matmul", "mem GiB")
+
+
+def _cells(workload: Workload, r: Result) -> tuple[str, ...]:
+    m = r.metrics
+    if workload.kind == "score":
+        values = (
+            _f(m["rows_per_s"], ".2f"),
+            _f(m["tokens_per_s"], ".0f"),
+            _f(m["ratio"], ".2f"),
+            _f(m.get("max_abs_diff"), ".1e"),
+            _pct(m.get("argmax_agree")),
+        )
+    else:
+        values = (
+            _f(m["prefill_tokens_per_s"], ".1f"),
+            _f(m["decode_tokens_per_s"], ".2f"),
+            _f(m["ratio"], ".2f"),
+            _pct(m.get("text_match")),
+        )
+    memory = r.memory_bytes / 2**30 if r.memory_bytes is not None else None
+    return (*values, _f(m["gflops"], ".1f"), _pct(m["matmul_fraction"]), _f(memory, ".1f"))
+
+
+def _notes(workload: Workload, r: Result) -> str:
+    m = r.metrics
+    notes = []
+    if r.sampled:
+        notes.append(f"{m['rows_timed']}/{len(workload.rows)} rows timed, scaled")  # type: ignore[union-attr]
+    if m.get("checked_against") and m["checked_against"] != REFERENCE[workload.kind]:
+        notes.append(f"checked vs {m['checked_against']}")
+    if m.get("centered"):
+        notes.append(f"logprobs, centred; coverage {_pct(m.get('coverage'))}")
+    notes += [f"{k} {v}" for k, v in (m.get("notes") or {}).items()]
+    return "; ".join(notes)
+
+
+def format_workload(workload: Workload, results: list[Result]) -> list[str]:
+    """One table: a row per system, `~` marking seconds scaled up from sampled rows."""
+    ref = REFERENCE[workload.kind]
+    head = f"== {workload.name} ({workload.describe()})"
+    if workload.kind == "score":
+        head += f": {len(workload.rows)} rows, {workload.prompt_tokens} prompt tokens"
+    middle = SCORE_COLUMNS if workload.kind == "score" else GENERATE_COLUMNS
+    cols = ("system", "seconds", *middle, *COMMON_COLUMNS, "notes")
+    table = [cols]
+    for r in results:
+        if r.status != "ok":
+            table.append((r.system, r.status, *["-"] * (len(cols) - 3), r.reason[:100]))
+            continue
+        seconds = ("~" if r.sampled else "") + _f(r.seconds, ".2f")
+        table.append((r.system, seconds, *_cells(workload, r), _notes(workload, r)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols) - 1)]
+    lines = [head + f"; ratio = seconds / {ref} seconds (> 1: ours faster)"]
+    for row in table:
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:-1], widths[1:], strict=True)]
+        lines.append("  ".join(cells) + "  " + row[-1])
+    return lines
+
+
+def result_json(r: Result) -> dict[str, Any]:
+    out = {
+        "system": r.system,
+        "status": r.status,
+        "reason": r.reason or None,
+        "description": r.description,
+        "setup_seconds": r.setup_seconds,
+        "seconds": r.seconds,
+        "measured_seconds": r.measured_seconds,
+        "trials": r.trials,
+        "sampled": r.sampled,
+        "memory_bytes": r.memory_bytes,
+        **r.metrics,
+    }
+    if isinstance(r.outcome, GenerateOutcome):
+        out["text"] = r.outcome.text
+    return out
+
+
+def write_json(path: Path, header: dict[str, Any], sections: list[tuple[Workload, list[Result]]]):
+    document = {
+        **header,
+        "workloads": [
+            {
+                "name": w.name,
+                "kind": w.kind,
+                "params": w.params,
+                "reference": REFERENCE[w.kind],
+                "results": [result_json(r) for r in results],
+            }
+            for w, results in sections
+        ],
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")

@@ -1,0 +1,20 @@
+"""The systems a run can compare, by name, in the order they run (ours first: the others
+are checked against it)."""
+
+from __future__ import annotations
+
+from bench.base import System
+from bench.ours import Ours, OursHTTP, OursRows
+from bench.peers import Baseline, MlxLm, Transformers
+
+SYSTEMS: dict[str, type[System]] = {
+    cls.name: cls for cls in (Ours, OursRows, OursHTTP, Baseline, MlxLm, Transformers)
+}
+NAMES = tuple(SYSTEMS)
+
+
+def make_systems(names: list[str]) -> list[System]:
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown} (known: {', '.join(NAMES)})")
+    return [SYSTEMS[n]() for n in NAMES if n in names]  # always in the canonical order

@@ -1,0 +1,237 @@
+"""Smoke test of `python -m bench` (bench/README.md) on the small model, so it does not rot.
+
+Every workload runs once per system; the assertions are about the results' structure and
+about every system agreeing with ours (candidate logits, generated text), never timing.
+The in-process systems run through the CLI's own `run` (without the BLAS re-exec); the HTTP
+systems spawn runners and are marked slow. A stand-in Ollama runner without /v1/score
+(stdlib HTTP server, answers computed by our model) covers the baseline's completions path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench.__main__ import parse_args, run
+from bench.base import Context
+from bench.harness import run_system
+from bench.http import SpawnedRunner
+from bench.models import SHAPES, load_tokenizer, write_model_dir
+from bench.ours import Ours, OursHTTP
+from bench.peers import Baseline
+from bench.report import compute_metrics, format_workload
+from bench.workloads import NAMES, build_workloads
+from runner.engine import Engine
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+LOGIT_TOLERANCE = 1e-3
+SCORE_WORKLOADS = ("decisions", "choices", "families")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(SHAPES["small"], tmp_path_factory.mktemp("bench-model"))
+
+
+@pytest.fixture(scope="module")
+def bench_engine():
+    engine = Engine(name="bench-mlx")
+    yield engine
+    engine.stop(timeout=10)
+
+
+def _by_system(section: dict) -> dict[str, dict]:
+    return {r["system"]: r for r in section["results"]}
+
+
+def _assert_agrees(result: dict, kind: str) -> None:
+    assert result["status"] == "ok", result
+    assert result["seconds"] > 0 and len(result["trials"]) == 1
+    if kind == "score":
+        assert result["max_abs_diff"] < LOGIT_TOLERANCE, result
+        assert result["argmax_agree"] == 1.0, result
+        assert result["rows_per_s"] > 0 and result["tokens_per_s"] > 0
+    else:
+        assert result["text_match"] == 1.0, result
+        assert result["new_tokens"] > 0
+
+
+def test_cli_in_process_systems(model_dir, tmp_path, capsys):
+    systems = ["ours", "ours-rows", "mlx-lm"] + (["transformers"] if HAS_TORCH else [])
+    out = tmp_path / "results.json"
+    args = parse_args(
+        [
+            *("--size", "small", "--repeats", "1", "--sample-rows", "3"),
+            *("--systems", ",".join(systems), "--json", str(out), "--model-dir", str(model_dir)),
+        ]
+    )
+    assert run(args, tmp_path) == 0
+
+    document = json.loads(out.read_text())
+    assert document["machine"]["cores"] >= 1 and document["machine"]["blas"]
+    assert all(rate > 0 for rate in document["matmul_gflops"].values())
+    assert [w["name"] for w in document["workloads"]] == list(NAMES)
+    for section in document["workloads"]:
+        results = _by_system(section)
+        assert list(results) == systems
+        if section["kind"] == "score":
+            ours = results["ours"]
+            assert ours["status"] == "ok" and ours["ratio"] == 1.0
+            assert ours["computed_tokens"] > 0
+            for name in systems[1:]:
+                _assert_agrees(results[name], "score")
+                assert results[name]["checked_against"] == "ours"
+            # one-by-one systems timed 3 rows and scaled; ours-rows too
+            assert results["mlx-lm"]["sampled"] and results["mlx-lm"]["rows_timed"] == 3
+        else:
+            assert results["ours"]["status"] == "n/a"
+            for name in systems[2:]:
+                assert results[name]["status"] == "ok"
+            if "transformers" in results:
+                _assert_agrees(results["transformers"], "generate")
+    printed = capsys.readouterr().out
+    for name in (*NAMES, *systems):
+        assert name in printed
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """An Ollama runner of the old kind: no /v1/score, and completions only for one token with
+    logprobs (anything else answers 501). It returns every token's logprob, not just the top
+    20 asked for: a random model rarely ranks the candidates that high, and the test compares
+    values."""
+
+    runner = None  # set per test: our Runner, used to compute the answers
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/status":
+            self._send(200, b'{"Status":0,"Progress":100,"ContextLength":4096,"Memory":0}\n')
+        else:
+            self._send(404, b"404 page not found\n", "text/plain")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions":
+            self._send(404, b"404 page not found\n", "text/plain")
+            return
+        if not body.get("Logprobs") or body["Options"].get("num_predict") != 1:
+            self._send(501, b"completions are not implemented yet\n", "text/plain")
+            return
+        runner = self.runner
+        tokens = runner.tokenizer.encode(body["Prompt"])
+        top = runner.engine.call(lambda _job: _top_logprobs(runner, tokens))
+        entries = [{"token": runner.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
+        first = {**entries[0], "top_logprobs": entries}
+        lines = [
+            {"Content": first["token"], "Done": False, "Logprobs": [first], "Error": None},
+            {
+                "Content": "",
+                "Done": True,
+                "DoneReason": 1,
+                "PromptEvalCount": len(tokens),
+                "EvalCount": 1,
+                "Logprobs": None,
+                "Error": None,
+            },
+        ]
+        payload = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        self._send(200, payload, "application/jsonl")
+
+
+def _top_logprobs(runner, tokens: list[int]) -> list[tuple[int, float]]:
+    import mlx.core as mx
+
+    model = runner.model
+    hidden = model.hidden(mx.array(tokens)[None], model.make_caches())[0, -1:]
+    logits = model.unembed(hidden).astype(mx.float32)[0]
+    logprobs = logits - mx.logsumexp(logits)
+    order = mx.argsort(-logprobs).tolist()
+    values = logprobs.tolist()
+    return [(i, values[i]) for i in order]
+
+
+def _run(systems, model_dir, engine, tmp_path, baseline_url=None):
+    tokenizer = load_tokenizer(model_dir)
+    workloads = build_workloads(list(NAMES), "small", tokenizer.encode)
+    ctx = Context(model_dir, engine, tmp_path, SHAPES["small"].context, baseline_url)
+    results: dict[str, list] = {w.name: [] for w in workloads}
+    for system in systems:
+        for r in run_system(system, workloads, ctx, repeats=1, sample_rows=None):
+            results[r.workload].append(r)
+    params = SHAPES["small"].params(embedding=False)
+    for variants in workloads:
+        compute_metrics(variants.get(1), results[variants.name], params, 100.0)
+        assert format_workload(variants.get(1), results[variants.name])
+    return results
+
+
+def test_baseline_without_score_endpoint(model_dir, bench_engine, tmp_path):
+    """The baseline falls back to one completion per row with the top 20 logprobs."""
+    from runner.service import Runner
+
+    handler = type("StandIn", (_StandIn,), {"runner": Runner.load(bench_engine, str(model_dir))})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        results = _run([Ours(), Baseline()], model_dir, bench_engine, tmp_path, url)
+    finally:
+        server.shutdown()
+    for name in SCORE_WORKLOADS:
+        ours, baseline = results[name]
+        assert baseline.status == "ok", baseline.reason
+        assert baseline.outcome.kind == "logprobs"
+        assert "completions" in baseline.metrics["notes"]["via"]
+        m = baseline.metrics
+        assert m["centered"] and m["max_abs_diff"] < LOGIT_TOLERANCE, m
+        assert m["coverage"] == 1
+        # log-softmax differs from logits by one constant per row
+        for got, want in zip(baseline.outcome.values, ours.outcome.values, strict=True):
+            pairs = [(g, w) for g, w in zip(got, want, strict=True) if g is not None]
+            shift = pairs[0][1] - pairs[0][0]
+            assert all(math.isclose(w - g, shift, abs_tol=LOGIT_TOLERANCE) for g, w in pairs)
+    assert results["generate"][1].status == "unavailable"  # the stand-in answered 501
+
+
+@pytest.mark.slow
+def test_http_systems(model_dir, bench_engine, tmp_path):
+    """ours-http spawns `python -m runner`; the baseline is a second runner of ours, which
+    has /v1/score, so it must take that path."""
+    other = SpawnedRunner(model_dir, tmp_path / "baseline.log")
+    ours_http = OursHTTP()
+    ours_http.fresh_per_workload = False  # one spawn is enough here
+    try:
+        other.wait_ready()
+        results = _run(
+            [Ours(), ours_http, Baseline()], model_dir, bench_engine, tmp_path, other.url
+        )
+    finally:
+        other.stop()
+    for name in SCORE_WORKLOADS:
+        _, http, baseline = results[name]
+        for r in (http, baseline):
+            assert r.status == "ok", r.reason
+            assert r.metrics["max_abs_diff"] < LOGIT_TOLERANCE
+            assert r.metrics["argmax_agree"] == 1.0
+        assert baseline.outcome.notes["via"] == "/v1/score"
+    _, http, baseline = results["generate"]
+    if http.status == "unavailable":  # /v1/completions still answers 501
+        assert "501" in http.reason
+    else:
+        assert http.status == "ok", http.reason
+        assert http.metrics["new_tokens"] > 0 and http.metrics["ratio"] == 1.0
+        assert baseline.status == "ok" and baseline.metrics["text_match"] == 1.0
