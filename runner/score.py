@@ -183,7 +183,9 @@ class Scorer:
         session = cache.begin(rows[which[0]].tokens[:prefix], need_state=True)
         try:
             restored = session.offset
-            prefix_hidden = session.prefill(prefix, check)
+            prefix_hidden = session.hidden_row
+            if prefix_hidden is None:
+                prefix_hidden = session.prefill(prefix, check)
         finally:
             session.close()
         cached = restored + prefix * (len(which) - 1)
@@ -198,8 +200,11 @@ class Scorer:
         begin = 0
         while begin < len(suffixed):
             check()
-            longest = len(rows[suffixed[-1]].tokens)
-            size = max(1, BATCH_BYTES // max(1, per_token * longest))
+            width = len(rows[suffixed[-1]].tokens) - prefix
+            # Per row: its own K/V (the prefix is shared) and the attention scores over the
+            # prefix, for a generous 32 query heads.
+            per_row = per_token * width + 12 * 32 * width * prefix
+            size = max(1, BATCH_BYTES // max(1, per_row))
             chunk = suffixed[begin : begin + size]
             self._forward_batch(rows, chunk, prefix, hidden)
             begin += size

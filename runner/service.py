@@ -56,7 +56,7 @@ class Runner:
         self.score_cache = PrefixCache(
             model, name="score", budget=self.cache_budget, keep_hidden=True
         )
-        self.scorer = Scorer(model, self.score_cache.begin)
+        self.scorer = Scorer(model, self.score_cache)
         self.generate_cache = PrefixCache(model, name="generate", budget=self.cache_budget)
         self.generator = Generator(model, tokenizer, self.generate_cache.begin)
         self.memory = StatusMemory(engine)

@@ -316,3 +316,20 @@ async def test_a_model_with_its_own_scoring_hook_answers_score(llama_runner, mak
     assert first["logits"][0][0] == pytest.approx(plain["logits"][0][0], abs=1e-5)
     again = await score(client, body["rows"])
     assert again["cached_tokens"] == len(llama_runner.tokenizer.encode(PREFIX))
+
+
+async def test_the_runner_scores_rows_sharing_a_prefix_in_one_batch(
+    client, llama_runner, monkeypatch
+):
+    batches = []
+    original = Scorer._forward_batch
+
+    def counting(self, rows, chunk, prefix, hidden):
+        batches.append(len(chunk))
+        return original(self, rows, chunk, prefix, hidden)
+
+    monkeypatch.setattr(Scorer, "_forward_batch", counting)
+    rows = [{"prompt": PREFIX + q, "candidates": [" Yes", " No"]} for q in (" A?", " B?", " C?")]
+    answer = await score(client, rows)
+    assert batches == [3]
+    assert len(answer["logits"]) == 3

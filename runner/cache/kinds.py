@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from runner.models.attention import SharedPrefixKV
+
 
 @dataclass
 class Snap:
@@ -123,19 +125,20 @@ class KVKind(Kind):
         cache.keys, cache.values, cache.offset = keys, values, target
 
     def broadcast(self, cache: KVCache, batch: int) -> KVCache:
-        out = KVCache()
-        if cache.keys is not None:
-            k = cache.keys[..., : cache.offset, :]
-            v = cache.values[..., : cache.offset, :]
-            out.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
-            out.values = mx.broadcast_to(v, (batch, *v.shape[1:]))
-            out.offset = cache.offset
-        return out
+        if cache.keys is None:
+            return KVCache()
+        # The prefix stays one copy; attention reads it once for every row.
+        keys = cache.keys[..., : cache.offset, :]
+        values = cache.values[..., : cache.offset, :]
+        return SharedPrefixKV(keys, values, batch)
 
     def row_segment(self, cache: KVCache, row: int, start: int, end: int) -> Snap | None:
-        keys = mx.array(cache.keys[row : row + 1, :, start:end, :])
-        values = mx.array(cache.values[row : row + 1, :, start:end, :])
-        return Snap(start, end, (keys, values))
+        if isinstance(cache, SharedPrefixKV):
+            keys, values = cache.segment(row, start, end)
+        else:
+            keys = cache.keys[row : row + 1, :, start:end, :]
+            values = cache.values[row : row + 1, :, start:end, :]
+        return Snap(start, end, (mx.array(keys), mx.array(values)))
 
     def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
         if at <= snap.start:
@@ -314,6 +317,8 @@ def kind_of(cache: Any) -> Kind:
     own = getattr(cache, "prefix_kind", None)
     if isinstance(own, Kind):
         return own
+    if isinstance(cache, SharedPrefixKV):
+        raise TypeError("a batched cache is never a prefix cache's live cache")
     if isinstance(cache, RotatingKVCache):
         return ROTATING
     if isinstance(cache, KVCache):

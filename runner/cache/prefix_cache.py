@@ -104,17 +104,19 @@ class PrefixCache:
     ) -> PrefixSession:
         """A session whose live caches hold the longest restorable prefix of `tokens`.
 
-        With `need_state` the caller wants the live caches at the end of `tokens` after
-        prefill, so a stored hidden row never stands in for computing.
+        With `need_state` the caller wants the live caches at the end of `tokens`: a stored
+        hidden row never stands in for them, but when both the states at the very end and
+        its hidden row are stored, the session restores all of `tokens` (hidden_row set).
         """
         assert tokens, "a session needs at least one token"
         path, matched = trie.match(self.root, tokens)
         n = len(tokens)
-        if not need_state and (row := self.stored_hidden_row(tokens, path, matched)) is not None:
+        stored_row = self.stored_hidden_row(tokens, path, matched)
+        if not need_state and stored_row is not None:
             path[-1].last_used = self.clock()
             self._log("hit", n, matched, n)
-            return PrefixSession(self, tokens, n, [], hidden_row=row)
-        target = min(matched, n - 1)
+            return PrefixSession(self, tokens, n, [], hidden_row=stored_row)
+        target = min(matched, n if stored_row is not None else n - 1)
         offset = self._restore_offset(path, tokens, target)
         self._switch(path, tokens, offset)
         self._touch_landing(path, offset)
@@ -123,7 +125,10 @@ class PrefixCache:
             captures.add(target)  # a branch point: later requests leaving here restore exactly
         captures.update(range(self.interval, n + 1, self.interval))
         self._log("hit" if offset else "miss", n, matched, offset)
-        return PrefixSession(self, tokens, offset, sorted(c for c in captures if c > offset))
+        row = stored_row if offset == n else None
+        return PrefixSession(
+            self, tokens, offset, sorted(c for c in captures if c > offset), hidden_row=row
+        )
 
     def stored_hidden_row(
         self, tokens: list[int], path: list[Node] | None = None, matched: int | None = None

@@ -1,0 +1,108 @@
+"""Attention of a batch of suffixes over one shared prefix, without a copy of it per row.
+
+Scoring rows that share a prefix runs their suffixes as one batch. Broadcasting the prefix
+KV into an ordinary cache makes every layer write B copies of it and attend to them one row
+at a time (measured on Qwen3-0.6B, CPU: 0.16 s per 16-token row of extra work over a
+512-token prefix, against 0.13 s for the row's whole MLP and projections). `SharedPrefixKV`
+keeps the prefix once ([1, Hkv, P, D]) and the suffixes per row; `attention` then scores
+all rows' queries against the prefix in one matmul per KV head and combines that with the
+causal attention over the suffix through a shared softmax maximum (the log-sum-exp split).
+
+`install()` points the attention call of the mlx-lm modules our families use at `attention`,
+which handles `SharedPrefixKV` and hands every other cache to mlx-lm's own function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base, gemma3_text, llama, qwen3, qwen3_next
+from mlx_lm.models.cache import KVCache
+
+_MLX_LM_ATTENTION = base.scaled_dot_product_attention
+_MODULES = (llama, qwen3, gemma3_text, qwen3_next)
+
+
+class SharedPrefixKV(KVCache):
+    """A full-attention cache for B rows: one shared prefix, then each row's own tokens.
+
+    `offset` counts the prefix and the suffix tokens written so far (RoPE positions and
+    masks see one sequence per row); `update_and_fetch` stores and returns suffix K/V only.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, batch: int):
+        super().__init__()
+        self.prefix_keys, self.prefix_values = keys, values
+        self.prefix_len = keys.shape[2]
+        self.batch = batch
+        self.suffix = KVCache()
+        self.offset = self.prefix_len
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = self.suffix.update_and_fetch(keys, values)
+        self.offset = self.prefix_len + self.suffix.offset
+        return k, v
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return self.suffix.state
+
+    def segment(self, row: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Row `row`'s keys and values for absolute positions [start, end) past the prefix."""
+        a, b = start - self.prefix_len, end - self.prefix_len
+        assert a >= 0, "the shared prefix is not a row's own"
+        return (
+            self.suffix.keys[row : row + 1, :, a:b, :],
+            self.suffix.values[row : row + 1, :, a:b, :],
+        )
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    if not isinstance(cache, SharedPrefixKV) or sinks is not None or isinstance(mask, mx.array):
+        if isinstance(cache, SharedPrefixKV):  # an explicit mask: attend to a full copy
+            keys, values = _materialise(cache, keys, values)
+        return _MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+    b, hq, n, d = queries.shape
+    hkv, s, p = keys.shape[1], keys.shape[2], cache.prefix_len
+    rep = hq // hkv
+    dtype = queries.dtype
+    q = (queries.astype(mx.float32) * scale).reshape(b, hkv, rep, n, d)
+    # Prefix: every query sees every prefix key; one [B*rep*n, D] x [D, P] matmul per KV head.
+    qp = q.transpose(1, 0, 2, 3, 4).reshape(hkv, b * rep * n, d)
+    kp = cache.prefix_keys[0].astype(mx.float32)
+    s1 = (qp @ kp.swapaxes(-1, -2)).reshape(hkv, b, rep, n, p).transpose(1, 0, 2, 3, 4)
+    # Suffix: causal, the n queries being the last n of the s suffix keys.
+    s2 = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    visible = mx.arange(s)[None, :] <= (s - n + mx.arange(n))[:, None]
+    s2 = mx.where(visible, s2, -mx.inf)
+    top = mx.maximum(s1.max(axis=-1, keepdims=True), s2.max(axis=-1, keepdims=True))
+    e1, e2 = mx.exp(s1 - top), mx.exp(s2 - top)
+    total = e1.sum(axis=-1, keepdims=True) + e2.sum(axis=-1, keepdims=True)
+    vp = cache.prefix_values[0].astype(mx.float32)
+    o1 = e1.transpose(1, 0, 2, 3, 4).reshape(hkv, b * rep * n, p) @ vp
+    o1 = o1.reshape(hkv, b, rep, n, d).transpose(1, 0, 2, 3, 4)
+    o2 = e2 @ values.astype(mx.float32)[:, :, None]
+    return ((o1 + o2) / total).reshape(b, hq, n, d).astype(dtype)
+
+
+def _materialise(cache: SharedPrefixKV, keys: mx.array, values: mx.array):
+    def full(prefix: mx.array, suffix: mx.array) -> mx.array:
+        shared = mx.broadcast_to(prefix, (cache.batch, *prefix.shape[1:]))
+        return mx.concatenate([shared, suffix], axis=2)
+
+    return full(cache.prefix_keys, keys), full(cache.prefix_values, values)
+
+
+def install() -> None:
+    """Route the families' attention through `attention` (idempotent)."""
+    for module in _MODULES:
+        module.scaled_dot_product_attention = attention
