@@ -141,22 +141,10 @@ class KVKind(Kind):
         return Snap(start, end, (mx.array(keys), mx.array(values)))
 
     def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
-        if at <= snap.start:
-            return None, snap
-        if at >= snap.end:
-            return snap, None
-        cut = at - snap.start
-        k, v = snap.arrays
-        head = Snap(snap.start, at, (mx.array(k[..., :cut, :]), mx.array(v[..., :cut, :])))
-        tail = Snap(at, snap.end, (mx.array(k[..., cut:, :]), mx.array(v[..., cut:, :])))
-        return head, tail
+        return _split_along(snap, at, axis=2)
 
     def merge(self, parent: Snap | None, child: Snap | None) -> Snap | None:
-        if parent is None or child is None:
-            return None
-        keys = mx.concatenate([parent.arrays[0], child.arrays[0]], axis=2)
-        values = mx.concatenate([parent.arrays[1], child.arrays[1]], axis=2)
-        return Snap(parent.start, child.end, (keys, values))
+        return _merge_along(parent, child, axis=2)
 
 
 class RotatingKind(Kind):
@@ -274,37 +262,44 @@ class HiddenKind(Kind):
         cache.reset(target)  # rows before the restore point are read from the trie, not paged in
 
     def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
-        return KV_ROWS.split(snap, at)
+        return _split_along(snap, at, axis=1)
 
     def merge(self, parent: Snap | None, child: Snap | None) -> Snap | None:
-        if parent is None or child is None:
-            return None
-        return Snap(
-            parent.start, child.end, (mx.concatenate([parent.arrays[0], child.arrays[0]], axis=1),)
-        )
+        return _merge_along(parent, child, axis=1)
 
     @staticmethod
     def row(snap: Snap, position: int) -> mx.array:
         return snap.arrays[0][0, position - snap.start : position - snap.start + 1, :]
 
 
-class _RowSplitter:
-    """Split for snapshots whose one array is [1, n, H] along the token axis."""
+def _split_along(snap: Snap, at: int, axis: int) -> tuple[Snap | None, Snap | None]:
+    """Cut an edge snapshot at absolute offset `at`; its arrays run along `axis`."""
+    if at <= snap.start:
+        return None, snap
+    if at >= snap.end:
+        return snap, None
+    cut = at - snap.start
 
-    def split(self, snap: Snap, at: int) -> tuple[Snap | None, Snap | None]:
-        if at <= snap.start:
-            return None, snap
-        if at >= snap.end:
-            return snap, None
-        cut = at - snap.start
-        (rows,) = snap.arrays
-        return (
-            Snap(snap.start, at, (mx.array(rows[:, :cut, :]),)),
-            Snap(at, snap.end, (mx.array(rows[:, cut:, :]),)),
-        )
+    def part(a: mx.array, which: slice) -> mx.array:
+        index = [slice(None)] * a.ndim
+        index[axis] = which
+        return mx.array(a[tuple(index)])
+
+    head = tuple(part(a, slice(None, cut)) for a in snap.arrays)
+    tail = tuple(part(a, slice(cut, None)) for a in snap.arrays)
+    return Snap(snap.start, at, head), Snap(at, snap.end, tail)
 
 
-KV_ROWS = _RowSplitter()
+def _merge_along(parent: Snap | None, child: Snap | None, axis: int) -> Snap | None:
+    """Join adjacent edge snapshots (nothing when either side is missing)."""
+    if parent is None or child is None:
+        return None
+    joined = tuple(
+        mx.concatenate([a, b], axis=axis) for a, b in zip(parent.arrays, child.arrays, strict=True)
+    )
+    return Snap(parent.start, child.end, joined)
+
+
 KV = KVKind()
 ROTATING = RotatingKind()
 RECURRENT = RecurrentKind()
