@@ -29,9 +29,8 @@ from bench.workloads import GenerateWorkload, Row, Workload
 NANOSECONDS = 1e9
 
 
-# Every workload starts on a freshly loaded runner: no workload is served from what another
-# stored, and (as of this writing) the prefix cache holds more memory than its byte budget
-# counts (~150 MB a row at 0.6B), so a whole run would otherwise not fit in 23 GB.
+# Every workload starts on a freshly loaded runner, so no workload is served from what
+# another one stored in the prefix cache.
 FRESH_PER_WORKLOAD = True
 
 
