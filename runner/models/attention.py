@@ -8,12 +8,19 @@ keeps the prefix once ([1, Hkv, P, D]) and the suffixes per row; `attention` the
 all rows' queries against the prefix in one matmul per KV head and combines that with the
 causal attention over the suffix through a shared softmax maximum (the log-sum-exp split).
 
+On MLX's CPU backend, plain causal attention (prefill chunks) is computed here too: the
+backend's `exp` is scalar (~12.5 ns an element) while `power(2, x)` is ~2.7x faster, and
+query blocks of 256 skip the keys the causal mask would hide. Measured on [1, 16, L, 128]:
+L=512 74 -> 46 ms, L=1024 321 -> 234 ms before the blocking. Everywhere else (Metal, CUDA,
+masks given as arrays, quantized caches, decode steps) mlx-lm's fused call runs unchanged.
+
 `install()` points the attention call of the mlx-lm modules our families use at `attention`,
-which handles `SharedPrefixKV` and hands every other cache to mlx-lm's own function.
+which handles `SharedPrefixKV` and CPU causal prefill, and hands the rest to mlx-lm.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +29,9 @@ from mlx_lm.models.cache import KVCache
 
 _MLX_LM_ATTENTION = base.scaled_dot_product_attention
 _MODULES = (llama, qwen3, gemma3_text, qwen3_next)
+_LOG2E = math.log2(math.e)
+CPU_MIN_QUERIES = 16  # below this (decode) the fused call's fewer ops win
+CPU_QUERY_BLOCK = 256
 
 
 class SharedPrefixKV(KVCache):
@@ -67,15 +77,30 @@ def attention(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    if not isinstance(cache, SharedPrefixKV) or sinks is not None or isinstance(mask, mx.array):
-        if isinstance(cache, SharedPrefixKV):  # an explicit mask: attend to a full copy
-            keys, values = _materialise(cache, keys, values)
-        return _MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+    shared = isinstance(cache, SharedPrefixKV)
+    plain = sinks is None and not isinstance(mask, mx.array) and not hasattr(cache, "bits")
+    if shared and plain:
+        return _shared_prefix(queries, keys, values, cache, scale)
+    if shared:  # an explicit mask: attend to a full copy of the prefix
+        keys, values = _materialise(cache, keys, values)
+    elif plain and queries.shape[2] >= CPU_MIN_QUERIES and mx.default_device() == mx.cpu:
+        return _cpu_causal(queries, keys, values, scale, causal=mask is not None)
+    return _MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+
+
+def _exp2(x: mx.array) -> mx.array:
+    return mx.power(2.0, x)
+
+
+def _shared_prefix(
+    queries: mx.array, keys: mx.array, values: mx.array, cache: SharedPrefixKV, scale: float
+) -> mx.array:
     b, hq, n, d = queries.shape
     hkv, s, p = keys.shape[1], keys.shape[2], cache.prefix_len
     rep = hq // hkv
     dtype = queries.dtype
-    q = (queries.astype(mx.float32) * scale).reshape(b, hkv, rep, n, d)
+    # Scores in base 2 (scale * log2 e folded into q), so the softmax uses power(2, x).
+    q = (queries.astype(mx.float32) * (scale * _LOG2E)).reshape(b, hkv, rep, n, d)
     # Prefix: every query sees every prefix key; one [B*rep*n, D] x [D, P] matmul per KV head.
     qp = q.transpose(1, 0, 2, 3, 4).reshape(hkv, b * rep * n, d)
     kp = cache.prefix_keys[0].astype(mx.float32)
@@ -85,13 +110,38 @@ def attention(
     visible = mx.arange(s)[None, :] <= (s - n + mx.arange(n))[:, None]
     s2 = mx.where(visible, s2, -mx.inf)
     top = mx.maximum(s1.max(axis=-1, keepdims=True), s2.max(axis=-1, keepdims=True))
-    e1, e2 = mx.exp(s1 - top), mx.exp(s2 - top)
+    e1, e2 = _exp2(s1 - top), _exp2(s2 - top)
     total = e1.sum(axis=-1, keepdims=True) + e2.sum(axis=-1, keepdims=True)
     vp = cache.prefix_values[0].astype(mx.float32)
     o1 = e1.transpose(1, 0, 2, 3, 4).reshape(hkv, b * rep * n, p) @ vp
     o1 = o1.reshape(hkv, b, rep, n, d).transpose(1, 0, 2, 3, 4)
     o2 = e2 @ values.astype(mx.float32)[:, :, None]
     return ((o1 + o2) / total).reshape(b, hq, n, d).astype(dtype)
+
+
+def _cpu_causal(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool
+) -> mx.array:
+    """Attention of n queries that are the last n of the s keys, in query blocks that only
+    read the keys they may see."""
+    b, hq, n, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    rep = hq // hkv
+    q = (queries.astype(mx.float32) * (scale * _LOG2E)).reshape(b, hkv, rep, n, d)
+    k = keys.astype(mx.float32)[:, :, None]
+    v = values.astype(mx.float32)[:, :, None]
+    blocks = []
+    for start in range(0, n, CPU_QUERY_BLOCK):
+        end = min(n, start + CPU_QUERY_BLOCK)
+        seen = s - n + end if causal else s  # the keys any query of this block may see
+        scores = q[:, :, :, start:end] @ k[..., :seen, :].swapaxes(-1, -2)
+        if causal:
+            rows = s - n + mx.arange(start, end)
+            scores = mx.where(mx.arange(seen)[None, :] <= rows[:, None], scores, -mx.inf)
+        weights = _exp2(scores - scores.max(axis=-1, keepdims=True))
+        blocks.append((weights @ v[..., :seen, :]) / weights.sum(axis=-1, keepdims=True))
+    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
+    return out.reshape(b, hq, n, d).astype(queries.dtype)
 
 
 def _materialise(cache: SharedPrefixKV, keys: mx.array, values: mx.array):
