@@ -87,15 +87,18 @@ class MlxLm(System):
         def run(_job) -> ScoreOutcome:
             import mlx.core as mx
 
+            from runner.models.attention import stock_attention
+
             values: list[list[float | None]] = []
             computed = 0
-            for row in rows:
-                ids = self.tokenizer.encode(row.prompt)
-                wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
-                logits = self.model(mx.array(ids)[None])
-                picked = logits[0, -1, mx.array(wanted)].astype(mx.float32)
-                values.append(picked.tolist())
-                computed += len(ids)
+            with stock_attention():  # importing runner re-routed mlx-lm's attention
+                for row in rows:
+                    ids = self.tokenizer.encode(row.prompt)
+                    wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
+                    logits = self.model(mx.array(ids)[None])
+                    picked = logits[0, -1, mx.array(wanted)].astype(mx.float32)
+                    values.append(picked.tolist())
+                    computed += len(ids)
             return ScoreOutcome(values, len(values), computed)
 
         return self.engine.call(run)
@@ -107,12 +110,15 @@ class MlxLm(System):
         def run(_job) -> GenerateOutcome:
             from mlx_lm import stream_generate
 
+            from runner.models.attention import stock_attention
+
             text = []
             last = None
-            for last in stream_generate(
-                self.model, self.tokenizer, workload.prompt, max_tokens=new_tokens
-            ):
-                text.append(last.text)
+            with stock_attention():  # importing runner re-routed mlx-lm's attention
+                for last in stream_generate(
+                    self.model, self.tokenizer, workload.prompt, max_tokens=new_tokens
+                ):
+                    text.append(last.text)
             assert last is not None
             return GenerateOutcome(
                 text="".join(text),

@@ -39,3 +39,12 @@ def test_shared_prefix_attention_equals_attention_over_a_full_copy():
     full_k, full_v = attn._materialise(cache, keys, values)
     expected = fused(q, full_k, full_v, 0.25, "causal")
     assert np.abs(np.array(ours) - np.array(expected)).max() < 1e-5
+
+
+def test_stock_attention_restores_mlx_lm_for_the_duration():
+    from mlx_lm.models import llama
+
+    assert llama.scaled_dot_product_attention is attn.attention
+    with attn.stock_attention():
+        assert llama.scaled_dot_product_attention is attn._MLX_LM_ATTENTION
+    assert llama.scaled_dot_product_attention is attn.attention

@@ -20,7 +20,9 @@ which handles `SharedPrefixKV` and CPU causal prefill, and hands the rest to mlx
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -156,3 +158,16 @@ def install() -> None:
     """Route the families' attention through `attention` (idempotent)."""
     for module in _MODULES:
         module.scaled_dot_product_attention = attention
+
+
+@contextlib.contextmanager
+def stock_attention() -> Iterator[None]:
+    """mlx-lm's own attention for the duration (benchmarks of plain mlx-lm use this)."""
+    saved = [module.scaled_dot_product_attention for module in _MODULES]
+    for module in _MODULES:
+        module.scaled_dot_product_attention = _MLX_LM_ATTENTION
+    try:
+        yield
+    finally:
+        for module, function in zip(_MODULES, saved, strict=True):
+            module.scaled_dot_product_attention = function
