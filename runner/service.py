@@ -8,9 +8,10 @@ safe from the event loop or a CPU executor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
@@ -113,26 +114,24 @@ class Runner:
             finally:
                 session.close()
 
-        failed = True
-        try:
-            response = self.model.score_request(request, self.tokenizer, hidden_row)
-            failed = False
-            return response
-        finally:
-            release_scratch(force=failed)
+        with scratch_released():
+            return self.model.score_request(request, self.tokenizer, hidden_row)
 
     def score(self, rows: Sequence[Row], job: Job) -> ScoreResult:
-        failed = True
-        try:
-            result = self.scorer.score(rows, job.check)
-            failed = False
-            return result
-        finally:
-            release_scratch(force=failed)
+        with scratch_released():
+            return self.scorer.score(rows, job.check)
 
 
-def release_scratch(force: bool = False) -> None:
-    if force or mx.get_cache_memory() > SCRATCH_LIMIT_BYTES:
+@contextlib.contextmanager
+def scratch_released() -> Iterator[None]:
+    """After a request: release MLX scratch memory above the limit, or all of it when the
+    request failed (its working set is no use to the next one)."""
+    try:
+        yield
+    except BaseException:
+        mx.clear_cache()
+        raise
+    if mx.get_cache_memory() > SCRATCH_LIMIT_BYTES:
         mx.clear_cache()
 
 

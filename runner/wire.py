@@ -8,9 +8,12 @@ normalising every object key before msgspec converts the document into typed str
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 
 class MediaItem(msgspec.Struct):
@@ -47,29 +50,36 @@ class DecodeError(ValueError):
     """The body is not JSON of the expected shape; the message is the decoder's."""
 
 
-def _normalise_keys(value: Any) -> Any:
+def _normalise_keys(value: Any, key: Callable[[str], str]) -> Any:
+    """Keys through `key`, recursively; nulls dropped (Go leaves the zero value for null)."""
     if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            if item is None:  # Go leaves the zero value in place for null
-                continue
-            out[key.replace("_", "").lower()] = _normalise_keys(item)
-        return out
+        return {key(k): _normalise_keys(v, key) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_normalise_keys(v) for v in value]
+        return [_normalise_keys(v, key) for v in value]
     return value
 
 
-def decode_score_request(body: bytes) -> ScoreRequest:
+def _decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
+    """Go's json.Decoder into a zero-valued struct: keys matched through `key`."""
     if not body.strip():
         raise DecodeError("EOF")
     try:
         document = msgspec.json.decode(body)
+        if document is None:  # Go decodes `null` into a struct as a no-op
+            return kind()
         if not isinstance(document, dict):
             raise DecodeError(f"expected a JSON object, got {type(document).__name__}")
-        return msgspec.convert(_normalise_keys(document), ScoreRequest, strict=True)
+        return msgspec.convert(_normalise_keys(document, key), kind, strict=True)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise DecodeError(str(e)) from None
+
+
+def _score_key(key: str) -> str:
+    return key.replace("_", "").lower()
+
+
+def decode_score_request(body: bytes) -> ScoreRequest:
+    return _decode(body, ScoreRequest, _score_key)
 
 
 _json_encoder = msgspec.json.Encoder()
@@ -152,23 +162,5 @@ class CompletionResponse(msgspec.Struct):
     Error: StatusError | None = None
 
 
-def _lower_keys(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k.lower(): _lower_keys(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_lower_keys(v) for v in value]
-    return value
-
-
 def decode_completion_request(body: bytes) -> CompletionRequest:
-    if not body.strip():
-        raise DecodeError("EOF")
-    try:
-        document = msgspec.json.decode(body)
-        if document is None:  # Go decodes `null` into a struct as a no-op
-            return CompletionRequest()
-        if not isinstance(document, dict):
-            raise DecodeError(f"expected a JSON object, got {type(document).__name__}")
-        return msgspec.convert(_lower_keys(document), CompletionRequest, strict=True)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise DecodeError(str(e)) from None
+    return _decode(body, CompletionRequest, str.lower)

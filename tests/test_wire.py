@@ -73,3 +73,8 @@ def test_bad_bodies_raise_decoder_message(body, fragment):
 )
 def test_go_quote_matches_strconv_quote(text, quoted):
     assert go_quote(text) == quoted
+
+
+def test_null_body_is_the_zero_request_as_go_decodes_it():
+    request = decode_score_request(b"null")
+    assert request.rows == [] and request.maxtokens == 0
