@@ -87,11 +87,11 @@ class MlxLm(System):
         def run(_job) -> ScoreOutcome:
             import mlx.core as mx
 
-            from runner.models.attention import stock_attention
+            from runner.models import stock_mlx_lm
 
             values: list[list[float | None]] = []
             computed = 0
-            with stock_attention():  # importing runner re-routed mlx-lm's attention
+            with stock_mlx_lm():  # importing runner re-routed mlx-lm's attention
                 for row in rows:
                     ids = self.tokenizer.encode(row.prompt)
                     wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
@@ -110,11 +110,11 @@ class MlxLm(System):
         def run(_job) -> GenerateOutcome:
             from mlx_lm import stream_generate
 
-            from runner.models.attention import stock_attention
+            from runner.models import stock_mlx_lm
 
             text = []
             last = None
-            with stock_attention():  # importing runner re-routed mlx-lm's attention
+            with stock_mlx_lm():  # importing runner re-routed mlx-lm's attention
                 for last in stream_generate(
                     self.model, self.tokenizer, workload.prompt, max_tokens=new_tokens
                 ):

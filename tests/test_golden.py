@@ -73,6 +73,23 @@ def test_logits_match_stored_goldens(tiny_models: dict[str, RunnerModel], arch: 
         assert_matches(tiny_models[arch], tokens, expected)
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_goldens_hold_with_every_block_through_numpy(
+    tiny_models: dict[str, RunnerModel], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tiny blocks normally stay in MLX; forced through numpy's SwiGLU (as prefill of a real
+    model is on the CPU) the logits still equal transformers'."""
+    from runner.models import cpu_ufuncs
+
+    crossed = []
+    numpy_view = cpu_ufuncs._numpy
+    monkeypatch.setattr(cpu_ufuncs, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_ufuncs, "_numpy", lambda *a: crossed.append(1) or numpy_view(*a))
+    for tokens, expected in stored_golden(arch):
+        assert_matches(tiny_models[arch], tokens, expected)
+    assert crossed
+
+
 def test_unknown_architecture_is_refused() -> None:
     source = ModelSource(name="x", config={"architectures": ["FooForCausalLM"]}, tokenizer_json="")
     with pytest.raises(ModelLoadError, match=r"^unsupported architecture: FooForCausalLM$"):
