@@ -47,6 +47,12 @@ class GenerateOutcome:
     new_tokens: int
     prefill_seconds: float | None = None
     decode_seconds: float | None = None
+    # Tokens whose forward passes `decode_seconds` spans. Systems time decode differently:
+    # the Go wire format's EvalDuration spans every generated token's forward (the first
+    # included), while mlx-lm and transformers start their decode clock once the first token
+    # is out, so their window holds one token fewer than they generated. Decode tokens/s is
+    # decode_tokens / decode_seconds, the same steady-state rate for all.
+    decode_tokens: int | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
 

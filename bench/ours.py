@@ -159,6 +159,7 @@ def http_generate(url: str, workload: GenerateWorkload, new_tokens: int) -> Gene
         new_tokens=done.get("EvalCount", 0),
         prefill_seconds=done.get("PromptEvalDuration", 0) / NANOSECONDS or None,
         decode_seconds=done.get("EvalDuration", 0) / NANOSECONDS or None,
+        decode_tokens=done.get("EvalCount", 0),
         notes={"done_reason": done.get("DoneReason")},
     )
 

@@ -125,7 +125,10 @@ class MlxLm(System):
                 prompt_tokens=last.prompt_tokens,
                 new_tokens=last.generation_tokens,
                 prefill_seconds=last.prompt_tokens / last.prompt_tps,
+                # mlx-lm's clock starts when the first token is out: the window holds the
+                # forwards of tokens 2..n, though it divides all n tokens by it.
                 decode_seconds=last.generation_tokens / last.generation_tps,
+                decode_tokens=last.generation_tokens - 1,
                 notes={"finish_reason": last.finish_reason},
             )
 
@@ -208,6 +211,7 @@ class Transformers(System):
             new_tokens=len(new),
             prefill_seconds=first - started,
             decode_seconds=ended - first,
+            decode_tokens=len(new) - 1,  # the first token came before `first`
         )
 
 

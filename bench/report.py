@@ -87,8 +87,9 @@ def compute_metrics(
             assert isinstance(r.outcome, GenerateOutcome)
             out = r.outcome
             m["prompt_tokens"], m["new_tokens"] = out.prompt_tokens, out.new_tokens
+            decode_tokens = out.new_tokens if out.decode_tokens is None else out.decode_tokens
             m["decode_tokens_per_s"] = (
-                out.new_tokens / out.decode_seconds if out.decode_seconds else None
+                decode_tokens / out.decode_seconds if out.decode_seconds and decode_tokens else None
             )
             m["prefill_tokens_per_s"] = (
                 out.prompt_tokens / out.prefill_seconds if out.prefill_seconds else None

@@ -5,6 +5,13 @@ float32 matmul here); libmlx resolves `cblas_sgemm` dynamically, so preloading O
 (Debian's `libopenblas0-pthread`) makes the same code ~30x faster with the same results.
 `LD_PRELOAD` only works at process start, so the runner re-executes itself once with it set.
 `OLLAMA_MLX_RUNNER_BLAS=reference` keeps the bundled BLAS.
+
+Two OpenBLAS thread pools then live in the process: MLX's (preloaded) and numpy's own, which
+decode steps use (runner/models/cpu_gemv.py). An idle OpenBLAS thread spins on sched_yield
+for 2**28 cycles (~0.1 s) before sleeping, so each pool's spinning took the cores from the
+other's work and from MLX's single-threaded element-wise ops: with both pools busy, a
+16-token forward of Qwen3-0.6B took 1892 ms against 338 ms with `OPENBLAS_THREAD_TIMEOUT=4`
+(2**4 cycles: threads sleep at once). The re-exec sets it too, unless it is already set.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 MARKER = "OLLAMA_MLX_RUNNER_BLAS"
+THREAD_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def optimised_blas() -> str | None:
@@ -33,10 +41,16 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     library = optimised_blas()
     if library is None or env.get(MARKER):
         return None
+    changes = {}
     preloaded = env.get("LD_PRELOAD", "")
-    if library in preloaded.split(":"):
+    if library not in preloaded.split(":"):
+        changes["LD_PRELOAD"] = ":".join(p for p in (library, preloaded) if p)
+    name, value = THREAD_TIMEOUT
+    if name not in env:
+        changes[name] = value
+    if not changes:
         return None
-    return {**env, "LD_PRELOAD": ":".join(p for p in (library, preloaded) if p), MARKER: library}
+    return {**env, **changes, MARKER: library}
 
 
 def describe() -> str:

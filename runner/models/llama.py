@@ -26,6 +26,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 
+from runner.models import cpu_gemv
 from runner.models.base import RunnerModel
 from runner.models.registry import register
 from runner.source import ModelLoadError
@@ -162,7 +163,12 @@ class DecoderModel(RunnerModel):
 
     def unembed(self, hidden: mx.array) -> mx.array:
         head = self._head
-        logits = head.as_linear(hidden) if self._tied else head(hidden)
+        if not self._tied:
+            logits = head(hidden)
+        elif cpu_gemv.one_row(hidden, head.weight):  # a decode step on the CPU
+            logits = cpu_gemv.matvec(hidden, head.weight)
+        else:
+            logits = head.as_linear(hidden)
         return self.postprocess(logits)
 
     def unembed_candidates(self, hidden: mx.array, ids: mx.array) -> mx.array:

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import infer_quant_config
 
+from runner.models import cpu_gemv
 from runner.models.base import RunnerModel
 from runner.source import ModelLoadError, ModelSource
 
@@ -88,6 +89,8 @@ def build_model(source: ModelSource, dtype: mx.Dtype | None = None) -> RunnerMod
     if dtype is not None:
         _cast(module, dtype)
     mx.eval(module.parameters())
+    if mx.default_device() == mx.cpu:
+        cpu_gemv.install(module)  # one-row (decode) products through numpy's gemv
     return family(module, source.config, architecture)
 
 
