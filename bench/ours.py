@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 from bench.base import (
@@ -83,12 +84,21 @@ class Ours(System):
         values: list[list[float | None]] = []
         computed = 0
         prepare_seconds = 0.0
+        request_seconds = []
         for rows in requests:
+            started = time.perf_counter()
             logits, tokens, seconds = self._score_one(rows)
+            request_seconds.append(time.perf_counter() - started)
             values += logits
             computed += tokens
             prepare_seconds += seconds
-        notes = {"prepare_rows_s": round(prepare_seconds, 4)}
+        notes: dict[str, float] = {"prepare_rows_s": round(prepare_seconds, 4)}
+        if len(requests) > 1 and not self.one_by_one:
+            # families: the first request is cold, later ones restore the shared prompt
+            later = statistics.median(request_seconds[1:])
+            notes["first_request_s"] = round(request_seconds[0], 3)
+            notes["later_request_s"] = round(later, 3)
+            notes["cold_over_warm"] = round(request_seconds[0] / later, 1)
         return ScoreOutcome(values, len(values), computed, notes=notes)
 
 
