@@ -5,7 +5,9 @@
   prompt is prefilled up to its last token, which is kept as the decode seed as Go does;
 - decode is pipelined one step ahead like mlx-lm's `generate_step`: the forward for token n
   is dispatched (`mx.async_eval`) before the host reads token n, so graph building and the
-  device overlap the host's detokenizing and streaming;
+  device overlap the host's detokenizing and streaming (on the CPU backend the one-row
+  products run in numpy as they are built, runner/models/cpu_gemv.py, so the step is
+  computed there and then: twice as fast as the overlap it gives up);
 - every token fed through the caches in decode (the seed included) is recorded with
   `session.append` once its forward is evaluated; when decode stops, the forward still in
   flight is waited for and recorded too, so the caches never hold an unrecorded token; a
