@@ -32,6 +32,13 @@ def test_softmax_numerators_in_place_over_two_parts_with_a_mask():
     np.testing.assert_allclose(total[..., 0], expected.sum(axis=-1), rtol=1e-6)
 
 
+def test_empty_parts_are_ignored():
+    part = np.array([[0.0, 1.0]], dtype=np.float32)
+    total = cpu_ufuncs.exp2_softmax_inplace([part[:, :0], part], [None, None])
+    np.testing.assert_allclose(part, [[0.5, 1.0]])
+    np.testing.assert_allclose(total, [[1.5]])
+
+
 def test_host_views_write_through_to_the_mlx_array():
     fresh = mx.ones((4, 8)) @ mx.ones((8, 16))
     (view,) = cpu_ufuncs.host_views(fresh)

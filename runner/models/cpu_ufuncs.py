@@ -63,9 +63,12 @@ def host_views(*arrays: mx.array) -> list[np.ndarray]:
 def exp2_softmax_inplace(parts: list[np.ndarray], hidden: list[np.ndarray | None]) -> np.ndarray:
     """Softmax numerators in base 2, in place: every part becomes 2**(x - m) (0 where
     `hidden` is True), m being the row maximum over all parts' last axes, which together are
-    one softmax row; returns the row sums ([..., 1]). Parts share their leading shape; a
-    `hidden` mask broadcasts against its part. Rows must keep at least one visible entry."""
-    for part, mask in zip(parts, hidden, strict=True):
+    one softmax row; returns the row sums ([..., 1]). Parts share their leading shape (empty
+    parts are ignored); a `hidden` mask broadcasts against its part. Rows must keep at least
+    one visible entry."""
+    kept = [(p, m) for p, m in zip(parts, hidden, strict=True) if p.shape[-1]]  # drop empties
+    parts = [p for p, _ in kept]
+    for part, mask in kept:
         if mask is not None:
             np.copyto(part, -np.inf, where=mask)
     top = parts[0].max(axis=-1, keepdims=True)
