@@ -106,10 +106,12 @@ class ScoreResult:
 
 BATCH_BYTES = 1 << 30  # the batched caches of one chunk of rows
 BATCH_MAX_SUFFIX = 256  # rows with longer unshared parts are prefilled one by one
-# Suffix tokens per batched forward. On a CPU wide batches fall out of the caches: 64 rows of
-# 13 tokens over a 515-token prefix (Qwen3-0.6B shape) took 15.0 s in one batch, 9.9 s in
-# batches of 16 and 11.2 s in batches of 8. GPUs want them wide.
-BATCH_TOKENS_CPU = 256
+# Suffix tokens per batched forward. On a CPU very wide batches fall out of the caches:
+# 64 rows of 16 tokens over a 512-token prefix (Qwen3-0.6B shape) took 15.0 s in one batch
+# and 9.9 s in batches of 16 with MLX's softmax; with numpy's (runner/models/cpu_ufuncs.py)
+# the batches' forwards take 6.5 s in batches of 16 and 5.9 s in batches of 32. GPUs want
+# them wide.
+BATCH_TOKENS_CPU = 512
 BATCH_TOKENS_GPU = 8192
 
 
