@@ -24,7 +24,9 @@ def test_cpu_block_attention_equals_fused(n, past, mask):
     assert np.abs(np.array(ours) - np.array(fused(q, k, v, 32**-0.5, mask))).max() < 1e-5
 
 
-def test_shared_prefix_attention_equals_attention_over_a_full_copy():
+@pytest.mark.parametrize("numpy_softmax", [True, False], ids=["cpu-numpy", "mlx-gpu-branch"])
+def test_shared_prefix_attention_equals_attention_over_a_full_copy(numpy_softmax, monkeypatch):
+    monkeypatch.setattr(attn, "_softmax_in_numpy", lambda: numpy_softmax)
     rng = np.random.default_rng(0)
     b, n, p = 3, 5, 40
     prefix_k = mx.array(rng.standard_normal((1, 2, p, 16)).astype(np.float32))

@@ -115,7 +115,7 @@ def _shared_prefix(
     # Suffix: causal, the n queries being the last n of the s suffix keys.
     s2 = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # [b, hkv, rep, n, s]
     v2 = values.astype(mx.float32)[:, :, None]
-    if mx.default_device() == mx.cpu:
+    if _softmax_in_numpy():
         # numpy turns both score blocks into softmax numerators in place (see cpu_ufuncs).
         h1, h2 = cpu_ufuncs.host_views(s1, s2)
         total = cpu_ufuncs.exp2_softmax_inplace(
@@ -134,6 +134,12 @@ def _shared_prefix(
     o1 = (e1 @ vp).reshape(hkv, b, rep, n, d).transpose(1, 0, 2, 3, 4)
     o2 = e2 @ v2
     return ((o1 + o2) / total).reshape(b, hq, n, d).astype(dtype)
+
+
+def _softmax_in_numpy() -> bool:
+    """Whether softmax numerators are made by numpy in place (the CPU backend) rather than
+    by MLX (Metal, CUDA); one place so tests can run the MLX branch on a CPU."""
+    return mx.default_device() == mx.cpu
 
 
 def _hidden_keys(n: int, s: int, start: int = 0, end: int | None = None) -> np.ndarray:
