@@ -60,6 +60,12 @@ def training_corpus(seed: int, words: int = CORPUS_WORDS) -> list[str]:
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB, seed: int = 0) -> str:
     """tokenizer.json text of a byte-level BPE with at most `vocab_size` entries."""
+    return train_byte_level_bpe(training_corpus(seed), vocab_size)
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int) -> str:
+    """tokenizer.json text of a GPT-2 style byte-level BPE trained on `texts`, with
+    SPECIAL_TOKENS first (ids 0, 1, 2). The tests' tiny tokenizer is trained here too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -71,7 +77,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB, seed: int = 0) -> str:
         special_tokens=list(SPECIAL_TOKENS),
         show_progress=False,
     )
-    tok.train_from_iterator(training_corpus(seed), trainer)
+    tok.train_from_iterator(texts, trainer)
     return tok.to_str()
 
 

@@ -75,3 +75,10 @@ def make_client(aiohttp_client):
 @pytest.fixture
 async def client(make_client, llama_runner):
     return await make_client(llama_runner)
+
+
+@pytest.fixture
+def reference_libraries() -> None:
+    """The `reference` tier recomputes goldens with PyTorch + transformers: skip without."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")

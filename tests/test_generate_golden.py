@@ -141,12 +141,8 @@ def test_cancelling_records_the_forward_in_flight(tmp_path):
 
 
 @pytest.mark.reference
+@pytest.mark.usefixtures("reference_libraries")
 class TestReference:
-    @pytest.fixture(autouse=True)
-    def _needs_torch(self) -> None:
-        pytest.importorskip("torch")
-        pytest.importorskip("transformers")
-
     @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
     def test_live_transformers_generation_matches(self, generators, tmp_path, arch):
         """Goldens recomputed now agree with the stored ones and with ours."""

@@ -243,12 +243,8 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 
 @pytest.mark.reference
+@pytest.mark.usefixtures("reference_libraries")
 class TestReference:
-    @pytest.fixture(autouse=True)
-    def _needs_torch(self) -> None:
-        pytest.importorskip("torch")
-        pytest.importorskip("transformers")
-
     @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
     def test_live_transformers_matches(self, tmp_path: Path, arch: str) -> None:
         """Goldens recomputed now agree with ours and with the stored ones."""

@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,18 @@ def spawn(models_dir: Path, *args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@contextlib.contextmanager
+def running(models_dir: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """`spawn`, killed on the way out if the test did not stop it."""
+    process = spawn(models_dir, *args)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def wait_until_running(port: int, process: subprocess.Popen, timeout: float = 120) -> dict:
@@ -88,10 +101,8 @@ def ollama_store(tmp_path_factory, tiny_llama_dir):
 
 def test_supervisor_lifecycle(ollama_store, llama_runner):
     port = free_port()
-    process = spawn(
-        ollama_store, "runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port)
-    )
-    try:
+    args = ("runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port))
+    with running(ollama_store, *args) as process:
         status = wait_until_running(port, process)
         assert status["ContextLength"] == llama_runner.context_length
         prompt = "Is the sky blue?"
@@ -108,16 +119,11 @@ def test_supervisor_lifecycle(ollama_store, llama_runner):
         started = time.monotonic()
         assert process.wait(timeout=5) == 0
         assert time.monotonic() - started < 5
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_sigterm_during_a_long_request_exits_promptly(ollama_store, llama_runner):
     port = free_port()
-    process = spawn(ollama_store, "--model=tiny-llama", "-port", str(port))
-    try:
+    with running(ollama_store, "--model=tiny-llama", "-port", str(port)) as process:
         wait_until_running(port, process)
         rows = [
             {"prompt": "Is the sky blue? " * 60 + f"Q{i}", "candidates": ["?"]} for i in range(64)
@@ -128,10 +134,6 @@ def test_sigterm_during_a_long_request_exits_promptly(ollama_store, llama_runner
         time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=5) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def _ignore_errors(request) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.ollama_store import write_ollama_model
-from tests.test_subprocess import free_port, spawn, wait_until_running
+from tests.test_subprocess import free_port, running, wait_until_running
 
 pytestmark = pytest.mark.slow
 MAX_LINE_BYTES = 64 << 10  # bufio.Scanner's default limit: a longer line fails the stream
@@ -58,8 +58,8 @@ def scan(response: http.client.HTTPResponse) -> Iterator[dict]:
 
 def test_completion_through_the_legacy_path(store, llama_runner):
     port = free_port()
-    process = spawn(store, "runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port))
-    try:
+    args = ("runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port))
+    with running(store, *args) as process:
         wait_until_running(port, process)
         prompt = "Is the sky blue? Yes. The cat sat on"
         body = json.dumps(
@@ -86,7 +86,3 @@ def test_completion_through_the_legacy_path(store, llama_runner):
 
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=5) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

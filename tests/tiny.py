@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from bench.text import train_byte_level_bpe
+
 DATA = Path(__file__).parent / "data"
 CONFIGS = DATA / "configs"
 GOLDEN = DATA / "golden"
@@ -32,7 +34,6 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
 )
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",
 # " a", " is" become single tokens (the /v1/score tests append them as candidates).
 CORPUS = (
@@ -56,19 +57,7 @@ def tiny_config(arch: str) -> dict[str, Any]:
 
 @functools.cache
 def tokenizer_json(vocab_size: int = 340) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer)
-    return tok.to_str()
+    return train_byte_level_bpe([CORPUS], vocab_size)
 
 
 TOKENIZER_CONFIG = {

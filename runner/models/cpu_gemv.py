@@ -36,10 +36,10 @@ def one_row(x: mx.array, weight: mx.array) -> bool:
 
 def matvec(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """`x @ weight.T (+ bias)` for a one-row `x` (see `one_row`), computed by numpy."""
-    mx.eval(x, weight)
+    mx.eval(x, weight, *([] if bias is None else [bias]))
     out = np.asarray(weight) @ np.asarray(x).reshape(-1)
     if bias is not None:
-        out += np.asarray(bias.astype(mx.float32))
+        out += np.asarray(bias)
     return mx.array(out).reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -39,8 +39,13 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 def on_host(*arrays: mx.array) -> bool:
-    """Whether these arrays are worth computing in numpy (CPU backend, a large block)."""
-    return mx.default_device() == mx.cpu and arrays[0].size >= MIN_ELEMENTS
+    """Whether an element-wise op over these float32 arrays is worth computing in numpy (the
+    CPU backend, a block of at least MIN_ELEMENTS)."""
+    return (
+        mx.default_device() == mx.cpu
+        and arrays[0].size >= MIN_ELEMENTS
+        and all(a.dtype == mx.float32 for a in arrays)
+    )
 
 
 def _numpy(*arrays: mx.array) -> list[np.ndarray]:
@@ -84,7 +89,7 @@ def exp2_softmax_inplace(parts: list[np.ndarray], hidden: list[np.ndarray | None
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, as mlx-lm's `swiglu`."""
-    if not on_host(gate) or gate.dtype != mx.float32 or x.dtype != mx.float32:
+    if not on_host(gate, x):
         return _MLX_LM_SWIGLU(gate, x)
     g, up = _numpy(gate, x)
     with np.errstate(over="ignore"):  # e^-g = inf for g < -88 gives silu = -0, as it should
@@ -97,7 +102,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def gelu_approx_glu(gate: mx.array, x: mx.array) -> mx.array:
     """nn.gelu_approx(gate) * x (Gemma's MLP), the tanh approximation term for term."""
-    if not on_host(gate) or gate.dtype != mx.float32 or x.dtype != mx.float32:
+    if not on_host(gate, x):
         return nn.gelu_approx(gate) * x
     g, up = _numpy(gate, x)
     out = g * g
