@@ -1,12 +1,13 @@
 """Our runner, three ways: in process, rows one by one in process, and over HTTP.
 
-- `ours`: each workload request is one `prepare_rows` + `Runner.score` call on the engine
-  thread, exactly what the /v1/score handler does, without HTTP.
+- `ours`: each workload request goes through the /v1/score façade
+  (runner/endpoints.py `ScoreEndpoint`: prepare here, execute on the engine thread), exactly
+  what the HTTP handler does, without HTTP.
 - `ours-rows`: the same path with one request per row, the "one-by-one" baseline for
   batched scoring (the runner's prefix cache still serves later rows the shared prefix).
 - `ours-http`: `python -m runner --model DIR --port P` spawned as a supervisor would, one
   POST /v1/score per workload request; generation through POST /v1/completions (Go wire
-  format, application/jsonl), reported as unavailable while that endpoint answers 501.
+  format, application/jsonl).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ FRESH_PER_WORKLOAD = True
 
 class Ours(System):
     name = "ours"
-    description = "runner in process: prepare_rows + Runner.score, one call per request"
+    description = "runner in process: the /v1/score façade, one call per request"
     fresh_per_workload = FRESH_PER_WORKLOAD
 
     def prepare(self, ctx: Context) -> None:
@@ -63,22 +64,19 @@ class Ours(System):
         return None
 
     def _score_one(self, rows: list[Row]) -> tuple[list[list[float]], int, float]:
-        from runner.score import prepare_rows
+        from runner.endpoints import ScoreEndpoint
         from runner.wire import ScoreRequest, ScoreRow
 
-        runner = self.runner
+        endpoint = ScoreEndpoint(self.runner)
         started = time.perf_counter()
         request = ScoreRequest(
             rows=[ScoreRow(prompt=r.prompt, candidates=list(r.candidates)) for r in rows],
             maxtokens=self.ctx.max_tokens,
         )
-        prepared = prepare_rows(
-            request, runner.tokenizer, runner.context_length, runner.model.vocab_size
-        )
+        plan = endpoint.prepare(request)
         prepare_seconds = time.perf_counter() - started
-        result = runner.engine.call(lambda job: runner.score(prepared, job))
-        computed = sum(len(r.tokens) for r in prepared) - result.cached_tokens
-        return result.logits, computed, prepare_seconds
+        answer = self.runner.engine.call(lambda job: endpoint.execute(plan, job))
+        return answer.logits, answer.input_tokens - answer.cached_tokens, prepare_seconds
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
         values: list[list[float | None]] = []
@@ -92,7 +90,7 @@ class Ours(System):
             values += logits
             computed += tokens
             prepare_seconds += seconds
-        notes: dict[str, float] = {"prepare_rows_s": round(prepare_seconds, 4)}
+        notes: dict[str, float] = {"prepare_s": round(prepare_seconds, 4)}
         if len(requests) > 1 and not self.one_by_one:
             # families: the first request is cold, later ones restore the shared prompt
             later = statistics.median(request_seconds[1:])
@@ -133,7 +131,7 @@ def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOut
 
 
 def completion_body(prompt: str, num_predict: int, top_logprobs: int = 0) -> dict:
-    """The Go supervisor's CompletionRequest (UPSTREAM.md §1.5.1): greedy, `num_predict`."""
+    """The Go supervisor's CompletionRequest (docs/PROTOCOL.md §3): greedy, `num_predict`."""
     return {
         "Prompt": prompt,
         "Media": None,
@@ -181,7 +179,9 @@ class OursHTTP(System):
 
     def prepare(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.process = SpawnedRunner(ctx.model_dir, ctx.work_dir / "ours-http.log")
+        self.process = SpawnedRunner(
+            "--model", str(ctx.model_dir), log_path=ctx.work_dir / "ours-http.log"
+        )
         try:
             self.process.wait_ready()
         except BaseException:

@@ -30,9 +30,10 @@ from bench.base import (
     limited,
     mlx_memory_bytes,
 )
-from bench.http import MISSING_ENDPOINT, HTTPStatus, get_json, post_json
+from bench.http import MISSING_ENDPOINT
 from bench.ours import completion_body, completion_lines, http_generate, http_score
 from bench.workloads import GenerateWorkload, Row
+from tools.spawned import HTTPStatus, get_json, post_json
 
 TOP_LOGPROBS = 20
 
@@ -57,10 +58,10 @@ class MlxLm(System):
             import mlx.core as mx
             import mlx_lm
 
-            from runner.service import compute_dtype
+            from runner.backend import Backend
 
             model, tokenizer = mlx_lm.load(str(ctx.model_dir))
-            dtype = compute_dtype()
+            dtype = Backend.for_device().compute_dtype  # float32 on a CPU, as ours
             if dtype is not None:
                 model.set_dtype(dtype)
             mx.eval(model.parameters())
@@ -87,18 +88,15 @@ class MlxLm(System):
         def run(_job) -> ScoreOutcome:
             import mlx.core as mx
 
-            from runner.models import stock_mlx_lm
-
             values: list[list[float | None]] = []
             computed = 0
-            with stock_mlx_lm():  # importing runner re-routed mlx-lm's attention
-                for row in rows:
-                    ids = self.tokenizer.encode(row.prompt)
-                    wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
-                    logits = self.model(mx.array(ids)[None])
-                    picked = logits[0, -1, mx.array(wanted)].astype(mx.float32)
-                    values.append(picked.tolist())
-                    computed += len(ids)
+            for row in rows:
+                ids = self.tokenizer.encode(row.prompt)
+                wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
+                logits = self.model(mx.array(ids)[None])
+                picked = logits[0, -1, mx.array(wanted)].astype(mx.float32)
+                values.append(picked.tolist())
+                computed += len(ids)
             return ScoreOutcome(values, len(values), computed)
 
         return self.engine.call(run)
@@ -110,15 +108,12 @@ class MlxLm(System):
         def run(_job) -> GenerateOutcome:
             from mlx_lm import stream_generate
 
-            from runner.models import stock_mlx_lm
-
             text = []
             last = None
-            with stock_mlx_lm():  # importing runner re-routed mlx-lm's attention
-                for last in stream_generate(
-                    self.model, self.tokenizer, workload.prompt, max_tokens=new_tokens
-                ):
-                    text.append(last.text)
+            for last in stream_generate(
+                self.model, self.tokenizer, workload.prompt, max_tokens=new_tokens
+            ):
+                text.append(last.text)
             assert last is not None
             return GenerateOutcome(
                 text="".join(text),

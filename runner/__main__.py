@@ -1,6 +1,6 @@
 """`python -m runner --model NAME --port PORT`, as the Go supervisor spawns its runner.
 
-Accepted spellings (CONTRACT.md §1): leading `runner --mlx-engine` words are ignored;
+Accepted spellings (docs/PROTOCOL.md §1): leading `runner --mlx-engine` words are ignored;
 `-model X`, `--model X`, `--model=X`; `--verbose`. The port opens only once the model is
 loaded, on 127.0.0.1. A fatal start-up error is one `Error: ...` line on stderr and exit 1.
 SIGINT/SIGTERM stop new work, cancel what runs, and exit 0 within 5 seconds.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # Imported late so that `--help` and flag errors do not pay for MLX start-up.
-    from .cache.prefix_cache import ByteBudget, budget_from_env
+    from .cache.budget import ByteBudget, budget_from_env
     from .engine import Engine
     from .service import Runner
 

@@ -1,9 +1,10 @@
-"""The HTTP face of the runner: routes, thin handlers, Go's response conventions.
+"""The HTTP face of the runner: routes, decoding, encoding, cancellation (docs/PROTOCOL.md).
 
-Handlers decode, validate (tokenizing in a CPU executor, never on the loop) and format; all
-MLX work is submitted to the engine. A request whose client disconnects is cancelled: the
-handler task is cancelled by aiohttp (`handler_cancellation=True`), and a watcher also polls
-the transport, so the job's flag is set either way and the work stops at the next chunk.
+Handlers only decode bodies, hand them to the endpoint façades (runner/endpoints.py:
+`prepare` in a CPU executor, never on the loop; `execute` as an engine job) and encode what
+comes back; the loop never touches MLX. One mechanism cancels: `cancelled_on_disconnect`
+sets the job's flag when the client goes away (a transport watcher) or the handler task is
+cancelled, and the job stops before its next chunk or token.
 
 Go conventions kept: every response is `application/json` unless a route says otherwise;
 errors are `http.Error` text (message + newline, text/plain); unknown paths answer
@@ -15,21 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 
-from .completions import prepare_completion
+from .endpoints import CompletionEndpoint, ScoreEndpoint
 from .engine import EngineStopped, Job
 from .errors import BadRequest, Cancelled, RequestError
-from .models import ScoresRequests
-from .score import prepare_rows
 from .service import Runner
 from .wire import (
     CompletionResponse,
     DecodeError,
-    ScoreResponse,
     StatusError,
     StatusResponse,
     decode_completion_request,
@@ -40,6 +38,8 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 RUNNER_KEY: web.AppKey[Runner] = web.AppKey("runner", Runner)
+SCORE_KEY: web.AppKey[ScoreEndpoint] = web.AppKey("score", ScoreEndpoint)
+COMPLETIONS_KEY: web.AppKey[CompletionEndpoint] = web.AppKey("completions", CompletionEndpoint)
 MAX_BODY_BYTES = 64 << 20
 DISCONNECT_POLL_SECONDS = 0.05
 
@@ -112,51 +112,28 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def score(request: web.Request) -> web.Response:
-    runner = request.app[RUNNER_KEY]
+    endpoint = request.app[SCORE_KEY]
     try:
-        score_request = decode_score_request(await request.read())
+        body = decode_score_request(await request.read())
     except DecodeError as e:
         raise BadRequest(str(e)) from None
-    if isinstance(runner.model, ScoresRequests):  # the model validates and scores itself
-        answer = await run_cancellable(
-            request, lambda job: runner.score_by_model(score_request, job)
-        )
-        return json_response(answer)
-    loop = asyncio.get_running_loop()
-    rows = await loop.run_in_executor(
-        None,
-        prepare_rows,
-        score_request,
-        runner.tokenizer,
-        runner.context_length,
-        runner.model.vocab_size,
-    )
-    result = await run_cancellable(request, lambda job: runner.score(rows, job))
-    return json_response(
-        ScoreResponse(
-            logits=result.logits,
-            input_tokens=sum(len(r.tokens) for r in rows),
-            cached_tokens=result.cached_tokens,
-        )
-    )
+    plan = await asyncio.get_running_loop().run_in_executor(None, endpoint.prepare, body)
+    job = _submit(request, lambda job: endpoint.execute(plan, job))
+    with cancelled_on_disconnect(request, job):
+        return json_response(await _outcome(job))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    runner = request.app[RUNNER_KEY]
+    endpoint = request.app[COMPLETIONS_KEY]
     try:
-        completion = decode_completion_request(await request.read())
+        body = decode_completion_request(await request.read())
     except DecodeError:
         raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
-    loop = asyncio.get_running_loop()
-    tokens, options = await loop.run_in_executor(
-        None, prepare_completion, completion, runner.tokenizer, runner.context_length
-    )
-    return await stream_jsonl(
-        request, lambda job, emit: runner.generator.generate(tokens, options, job, emit)
-    )
+    prepared = await asyncio.get_running_loop().run_in_executor(None, endpoint.prepare, body)
+    return await stream_jsonl(request, lambda job, emit: endpoint.execute(prepared, job, emit))
 
 
-_STARTED, _FINISHED, _DISCONNECTED = object(), object(), object()
+_STARTED, _FINISHED = object(), object()
 
 
 async def stream_jsonl(
@@ -170,7 +147,6 @@ async def stream_jsonl(
     one `Error` line, sent only while the client is still there; a disconnect cancels the job
     (it stops before its next token) and nothing more is written.
     """
-    runner = request.app[RUNNER_KEY]
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -181,35 +157,29 @@ async def stream_jsonl(
         emit(_STARTED)
         work(job, emit)
 
-    try:
-        job = runner.engine.submit(job_fn, loop)
-    except EngineStopped as e:
-        raise RequestError(str(e), 503) from None
+    job = _submit(request, job_fn)
     assert job.future is not None
     job.future.add_done_callback(lambda _: queue.put_nowait(_FINISHED))
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    watcher.add_done_callback(lambda w: w.cancelled() or queue.put_nowait(_DISCONNECTED))
     response: web.StreamResponse | None = None
-    try:
-        while (item := await queue.get()) not in (_FINISHED, _DISCONNECTED):
-            if item is _STARTED:
-                response = web.StreamResponse(status=200)
-                response.content_type = "application/jsonl"
-                await response.prepare(request)
-            else:
-                assert response is not None
-                await response.write(encode_json(item))
-        error = job.error if item is _FINISHED else None
-        if response is not None and error is not None and not isinstance(error, Cancelled):
-            log.error("Request terminated: %s", error, exc_info=error)
-            if not _gone(request):
-                await response.write(encode_json(_error_line(error)))
-    except ConnectionError:
-        log.info("client disconnected; cancelling %s", request.path)
-    finally:
-        watcher.cancel()
-        job.cancel()  # a no-op when it has finished; otherwise it stops before its next step
-        job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    with cancelled_on_disconnect(request, job):
+        try:
+            while (item := await queue.get()) is not _FINISHED:
+                if _gone(request):
+                    continue  # the job is cancelled; wait for it to stop
+                if item is _STARTED:
+                    response = web.StreamResponse(status=200)
+                    response.content_type = "application/jsonl"
+                    await response.prepare(request)
+                else:
+                    assert response is not None
+                    await response.write(encode_json(item))
+            error = job.error
+            if response is not None and error is not None and not isinstance(error, Cancelled):
+                log.error("Request terminated: %s", error, exc_info=error)
+                if not _gone(request):
+                    await response.write(encode_json(_error_line(error)))
+        except ConnectionError:
+            log.info("client disconnected; cancelling %s", request.path)
     if response is None:
         raise Cancelled()  # gone (or the runner stopped) before the job started
     with contextlib.suppress(ConnectionError):
@@ -224,39 +194,44 @@ def _error_line(error: BaseException) -> CompletionResponse:
     return CompletionResponse(Error=StatusError(500, "", str(error) or type(error).__name__))
 
 
+def _submit(request: web.Request, fn: Callable[[Job], Any]) -> Job:
+    try:
+        return request.app[RUNNER_KEY].engine.submit(fn, asyncio.get_running_loop())
+    except EngineStopped as e:
+        raise RequestError(str(e), 503) from None
+
+
+async def _outcome(job: Job) -> Any:
+    """The job's result (its error raised), without cancelling it if this await is."""
+    assert job.future is not None
+    return await asyncio.shield(job.future)
+
+
+@contextlib.contextmanager
+def cancelled_on_disconnect(request: web.Request, job: Job) -> Iterator[None]:
+    """The one cancellation mechanism: while inside, a client that goes away cancels `job`;
+    leaving early (the handler task cancelled, an error) cancels it too. Cancelling a job
+    that has finished does nothing."""
+    watcher = asyncio.ensure_future(_cancel_when_gone(request, job))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        job.cancel()
+        assert job.future is not None
+        job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+async def _cancel_when_gone(request: web.Request, job: Job) -> None:
+    while not _gone(request):
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+    log.info("client disconnected; cancelling %s", request.path)
+    job.cancel()
+
+
 def _gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-async def run_cancellable(request: web.Request, fn: Callable[..., Any]) -> Any:
-    """Run `fn(job)` on the engine; a client disconnect cancels it between chunks."""
-    runner = request.app[RUNNER_KEY]
-    task = asyncio.ensure_future(runner.engine.run(fn))
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Cancelled):
-                await task
-            raise Cancelled()
-        return task.result()
-    except EngineStopped as e:
-        raise RequestError(str(e), 503) from None
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-async def _wait_disconnect(request: web.Request) -> None:
-    while True:
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            log.info("client disconnected; cancelling %s", request.path)
-            return
-        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
 
 def _redirect(target: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -269,6 +244,8 @@ def _redirect(target: str) -> Callable[[web.Request], Awaitable[web.StreamRespon
 def build_app(runner: Runner, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[go_errors])
     app[RUNNER_KEY] = runner
+    app[SCORE_KEY] = ScoreEndpoint(runner)
+    app[COMPLETIONS_KEY] = CompletionEndpoint(runner)
     app.router.add_get("/v1/status", status)
     app.router.add_route("*", "/v1/models", models)
     app.router.add_post("/v1/tokenize", tokenize)

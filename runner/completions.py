@@ -1,4 +1,4 @@
-"""`/v1/completions` before streaming: the Go handler's `Prepare` (UPSTREAM.md §1.6 step 3).
+"""`/v1/completions` before streaming: the Go handler's `Prepare` (docs/PROTOCOL.md §5.1).
 
 Runs off the MLX thread (it tokenizes). Checks, in Go's order, each a 400 with Go's text:
 media sent to this text-only model, an empty prompt, a prompt that does not leave room for one

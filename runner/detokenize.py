@@ -1,4 +1,4 @@
-"""Streaming detokenization with the Go runner's UTF-8 rules (UPSTREAM.md §4.4).
+"""Streaming detokenization with the Go runner's UTF-8 rules (docs/PROTOCOL.md §5.3).
 
 Each token's raw bytes join a buffer; the longest valid UTF-8 prefix is flushed. A trailing
 *incomplete* sequence waits for the next token, while an *invalid* byte is flushed as part of

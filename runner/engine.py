@@ -88,18 +88,6 @@ class Engine:
             raise job.error
         return job.result
 
-    async def run(self, fn: Callable[[Job], T]) -> T:
-        """Run `fn` on the worker; if the awaiting task is cancelled, the job is cancelled."""
-        job = self.submit(fn, asyncio.get_running_loop())
-        assert job.future is not None
-        try:
-            return await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            job.cancel()
-            # Nobody awaits the outcome now; retrieve it so asyncio does not warn.
-            job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
-
     # --- lifecycle --------------------------------------------------------------------
     def stop(self, timeout: float | None = None) -> bool:
         """Cancel everything and end the worker; True when it ended within `timeout`."""
@@ -110,11 +98,6 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    @property
-    def idle(self) -> bool:
-        with self._lock:
-            return not self._active
 
     def _run(self) -> None:
         while True:

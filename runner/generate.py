@@ -1,17 +1,17 @@
-"""Text generation on the MLX thread: the Go runner's pipeline (UPSTREAM.md §4.2-4.4).
+"""Text generation on the MLX thread: the Go runner's pipeline (docs/PROTOCOL.md §5).
 
 `Generator.generate(tokens, options, job, emit)`:
-- `session = begin(tokens)` (a cache session: maybe restored, else empty caches), then the
-  prompt is prefilled up to its last token, which is kept as the decode seed as Go does;
+- a session of the generation prefix cache (the caches hold a restored prefix, or nothing),
+  then the prompt is prefilled up to its last token, which is kept as the decode seed as Go
+  does;
 - decode is pipelined one step ahead like mlx-lm's `generate_step`: the forward for token n
   is dispatched (`mx.async_eval`) before the host reads token n, so graph building and the
   device overlap the host's detokenizing and streaming (on the CPU backend the one-row
-  products run in numpy as they are built, runner/models/cpu_gemv.py, so the step is
-  computed there and then: twice as fast as the overlap it gives up);
-- every token fed through the caches in decode (the seed included) is recorded with
-  `session.append` once its forward is evaluated; when decode stops, the forward still in
-  flight is waited for and recorded too, so the caches never hold an unrecorded token; a
-  failed forward calls `session.fail()`; the session is closed always;
+  products run in numpy as they are built, runner/backend/gemv.py, so the step is computed
+  there and then: twice as fast as the overlap it gives up);
+- the session records every token fed in decode (the seed included) and, when decode stops,
+  waits for the forward still in flight (runner/cache/live.py); a failure discards the live
+  state, a cancellation stores it;
 - `job.check()` runs before every decode step, so a cancelled request stops within one step.
 
 `emit` receives `CompletionResponse`s: a chunk whenever the detokenizer flushes text, then the
@@ -24,16 +24,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Generator as Stream
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 
-from .cache.session import CacheSession, fresh_sessions
+from .cache.prefix_cache import PrefixCache
+from .cache.session import PrefixSession
 from .detokenize import Detokenizer, go_string
 from .engine import Job
-from .errors import Cancelled
+from .models import Model
 from .sampling import Draw, Sampler, SamplerOptions, top_sorted
 from .tokenizer import Tokenizer
 from .wire import CompletionResponse, Logprob, TopLogprob
@@ -70,15 +71,10 @@ class Stats:
 class Generator:
     """Generates for one request at a time; call only on the MLX thread."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Tokenizer,
-        begin: Callable[[list[int]], CacheSession] | None = None,
-    ):
+    def __init__(self, model: Model, tokenizer: Tokenizer, cache: PrefixCache):
         self.model = model
         self.tokenizer = tokenizer
-        self.begin = begin if begin is not None else fresh_sessions(model)
+        self.cache = cache
 
     def generate(
         self,
@@ -115,96 +111,59 @@ class Generator:
 
     def steps(
         self, tokens: list[int], options: GenerateOptions, job: Job, stats: Stats | None = None
-    ) -> Iterator[Step]:
+    ) -> Stream[Step, None, None]:
         """The generated tokens up to EOS (excluded) or the budget; fills `stats`."""
         stats = stats if stats is not None else Stats()
-        session = self.begin(tokens)
         try:
-            started = time.perf_counter()
-            first = self._prefill(session, tokens, job)
-            stats.prompt_seconds = time.perf_counter() - started
-            stats.eval_started = time.perf_counter()
-            yield from self._decode(session, tokens, first, options, job, stats)
+            with self.cache.begin(tokens) as session:
+                started = time.perf_counter()
+                if session.offset < len(tokens) - 1:
+                    session.prefill(len(tokens) - 1, job.check)  # all but the decode seed
+                stats.prompt_seconds = time.perf_counter() - started
+                stats.eval_started = time.perf_counter()
+                yield from self._decode(session, tokens, options, job, stats)
         finally:
-            session.close()
             mx.clear_cache()  # Go clears unconditionally at the end of every request
-
-    def _prefill(self, session: CacheSession, tokens: list[int], job: Job) -> mx.array | None:
-        """Feed the prompt but its last token; the hidden row of the whole prompt when the
-        session already has it (nothing left to compute), else None."""
-        if session.hidden_row is not None and session.offset >= len(tokens):
-            return session.hidden_row
-        if session.offset < len(tokens) - 1:
-            session.prefill(len(tokens) - 1, job.check)
-        return None
 
     def _decode(
         self,
-        session: CacheSession,
+        session: PrefixSession,
         tokens: list[int],
-        hidden_row: mx.array | None,
         options: GenerateOptions,
         job: Job,
         stats: Stats,
-    ) -> Iterator[Step]:
+    ) -> Stream[Step, None, None]:
         sampler = Sampler(options.sampler, self.model.context_length, tokens)
         budget = options.num_predict
 
-        def forward(token: mx.array) -> Draw:
-            hidden = self.model.hidden(token.reshape(1, 1), session.caches)
-            draw = sampler.sample(self.model.unembed(hidden[0, -1:])[0])
+        def forward(token: int | mx.array) -> Draw:
+            draw = sampler.sample(self.model.unembed(session.decode(token))[0])
             mx.async_eval(*draw.arrays())
             return draw
 
-        # Invariant at the top of each loop turn: `draw` is in flight, computed by the forward
-        # of `fed` (None when a stored hidden row stood in for it). `fed` is recorded with
-        # session.append once that forward is known to be evaluated: when its draw is read.
-        fed: int | None = None
-        draw: Draw | None = None
-        try:
-            job.check()
-            if hidden_row is not None:
-                draw = sampler.sample(self.model.unembed(hidden_row)[0])
-                mx.async_eval(*draw.arrays())
-            else:
-                fed = tokens[-1]  # the decode seed: the last prompt token
-                draw = forward(mx.array([fed], dtype=mx.int32))
-            while draw is not None:
-                # Dispatch the next forward before reading this token, but only when another
-                # token could still be wanted (the budget is not spent by this one).
-                upcoming = None
-                if stats.generated + 1 < budget:
-                    job.check()
-                    upcoming = forward(draw.token)
-                current, token = draw, draw.token.item()
-                if fed is not None:
-                    session.append(fed)
-                fed, draw = (token if upcoming is not None else None), upcoming
-                if self.tokenizer.is_eos(token):
-                    stats.done_reason = DONE_STOP
-                    break
-                stats.generated += 1
-                logprob = self._logprob(token, current) if options.sampler.logprobs else None
-                yield Step(token, logprob)
-                if stats.generated % CLEAR_CACHE_INTERVAL == 0:
-                    mx.clear_cache()
-            else:
-                stats.done_reason = DONE_LENGTH
-        except (Cancelled, GeneratorExit):
-            self._settle(session, fed, draw)
-            raise
-        except BaseException:
-            session.fail()  # a forward failed: the caches may be half-written
-            raise
-        self._settle(session, fed, draw)
-
-    @staticmethod
-    def _settle(session: CacheSession, fed: int | None, draw: Draw | None) -> None:
-        """Wait for the forward still in flight and record the token it fed, so the caches
-        never hold a token the session does not know."""
-        if fed is not None and draw is not None:
-            mx.eval(draw.token)
-            session.append(fed)
+        # At the top of each loop turn `draw` is in flight; the session records the tokens
+        # fed and waits for the last forward when it closes.
+        job.check()
+        draw: Draw | None = forward(tokens[-1])  # the decode seed: the last prompt token
+        while draw is not None:
+            # Dispatch the next forward before reading this token, but only when another
+            # token could still be wanted (the budget is not spent by this one).
+            upcoming = None
+            if stats.generated + 1 < budget:
+                job.check()
+                upcoming = forward(draw.token)
+            current, token = draw, int(draw.token.item())  # type: ignore[arg-type]
+            draw = upcoming
+            if self.tokenizer.is_eos(token):
+                stats.done_reason = DONE_STOP
+                break
+            stats.generated += 1
+            logprob = self._logprob(token, current) if options.sampler.logprobs else None
+            yield Step(token, logprob)
+            if stats.generated % CLEAR_CACHE_INTERVAL == 0:
+                mx.clear_cache()
+        else:
+            stats.done_reason = DONE_LENGTH
 
     def _logprob(self, token: int, draw: Draw) -> Logprob:
         def text(t: int) -> str:
@@ -213,6 +172,6 @@ class Generator:
         assert draw.logprob is not None
         top: list[TopLogprob] = []
         if draw.top_ids is not None and draw.top_logprobs is not None:
-            pairs = top_sorted(draw.top_ids.tolist(), draw.top_logprobs.tolist())
+            pairs = top_sorted(draw.top_ids.tolist(), draw.top_logprobs.tolist())  # type: ignore[arg-type]
             top = [TopLogprob(text(t), lp) for t, lp in pairs]
-        return Logprob(text(token), draw.logprob.item(), top)
+        return Logprob(text(token), float(draw.logprob.item()), top)  # type: ignore[arg-type]

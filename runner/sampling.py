@@ -1,4 +1,4 @@
-"""The Go runner's sampler (UPSTREAM.md §4.5) and its logprobs (§4.4), as lazy MLX graphs.
+"""The Go runner's sampler (docs/PROTOCOL.md §5.2) and its logprobs (§5.4), as lazy MLX graphs.
 
 Per draw, on one row of logits:
 1. penalties over the last `repeat_last_n` tokens of the history (prompt tail, then every

@@ -1,8 +1,8 @@
-"""A loaded model and what serves with it: the engine, the tokenizer, the scorer.
+"""A loaded model and what serves with it: the engine, the tokenizer, the caches.
 
-The HTTP side holds one `Runner`. Its methods that touch MLX are only ever called on the
-engine's thread, through `Engine.run`/`Engine.call`; everything else (facts, tokenizing) is
-safe from the event loop or a CPU executor.
+The HTTP side holds one `Runner` and reaches it through the endpoint façades
+(runner/endpoints.py). What touches MLX runs only on the engine's thread; the facts read
+from any thread (`context_length`, `model.vocab_size`, ...) are plain values fixed at load.
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import mlx.core as mx
 
-from .cache.prefix_cache import ByteBudget, PrefixCache, budget_from_env
+from .backend import Backend
+from .cache.budget import ByteBudget, budget_from_env
+from .cache.prefix_cache import PrefixCache
 from .engine import Engine, Job
 from .generate import Generator
 from .loader import load_model_source
-from .models import RunnerModel, ScoresRequests, build_model
-from .score import Row, Scorer, ScoreResult
+from .models import Model, build_model
+from .score import Scorer
 from .tokenizer import Tokenizer
-from .wire import ScoreRequest, ScoreResponse
 
 log = logging.getLogger(__name__)
 
@@ -31,47 +32,55 @@ SCRATCH_LIMIT_BYTES = 512 << 20
 STATUS_MEMORY_WAIT_SECONDS = 0.05
 
 
-def compute_dtype() -> mx.Dtype | None:
-    """float32 on the CPU backend (its bfloat16/float16 matmuls are slow); else as stored."""
-    if mx.default_device() == mx.cpu:
-        return mx.float32
-    return None
-
-
 class Runner:
+    """A loaded model and everything that serves with it, on one engine.
+
+    Scoring and generation keep separate prefix caches under one byte budget, so decisions
+    never evict a chat's prefix and vice versa. Built on the engine thread (it makes caches).
+    """
+
     def __init__(
         self,
         engine: Engine,
-        model: RunnerModel,
+        model: Model,
         tokenizer: Tokenizer,
         name: str,
         cache_budget: ByteBudget | None = None,
+        backend: Backend | None = None,
     ):
         self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        # Scoring and generation keep separate prefix caches under one byte budget, so
-        # decisions never evict a chat's prefix and vice versa.
+        self.backend = backend if backend is not None else Backend.for_device()
+        self.context_length = model.context_length
         self.cache_budget = cache_budget or ByteBudget(budget_from_env())
+        batch_tokens = self.backend.batch_tokens
         self.score_cache = PrefixCache(
-            model, name="score", budget=self.cache_budget, keep_hidden=True
+            model,
+            name="score",
+            budget=self.cache_budget,
+            keep_hidden=True,
+            batch_tokens=batch_tokens,
         )
         self.scorer = Scorer(model, self.score_cache)
         self.generate_cache = PrefixCache(model, name="generate", budget=self.cache_budget)
-        self.generator = Generator(model, tokenizer, self.generate_cache.begin)
+        self.generator = Generator(model, tokenizer, self.generate_cache)
         self.memory = StatusMemory(engine)
 
-    @property
-    def context_length(self) -> int:
-        return self.model.context_length
-
     @classmethod
-    def load(cls, engine: Engine, name: str, cache_budget: ByteBudget | None = None) -> Runner:
+    def load(
+        cls,
+        engine: Engine,
+        name: str,
+        cache_budget: ByteBudget | None = None,
+        backend: Backend | None = None,
+    ) -> Runner:
         """Load `name` on the engine thread; raises ModelLoadError (or ValueError) on failure."""
 
         def load(_: Job) -> Runner:
             started = time.perf_counter()
+            chosen = backend if backend is not None else Backend.for_device()
             source = load_model_source(name)
             tokenizer = Tokenizer(
                 source.tokenizer_json,
@@ -79,47 +88,25 @@ class Runner:
                 tokenizer_config=source.tokenizer_config,
                 generation_config=source.generation_config,
             )
-            dtype = compute_dtype()
-            if dtype is not None:
+            if chosen.compute_dtype is not None:
                 log.info(
                     "computing in %s: the %s backend is slow in bfloat16/float16 "
                     "(quantized weights stay quantized)",
-                    dtype,
-                    mx.default_device(),
+                    chosen.compute_dtype,
+                    chosen.name,
                 )
-            model = build_model(source, dtype)
+            model = build_model(source, chosen)
             log.info(
-                "loaded model=%s architecture=%s context=%d seconds=%.2f",
+                "loaded model=%s architecture=%s context=%d backend=%s seconds=%.2f",
                 name,
                 model.architecture,
                 model.context_length,
+                chosen.name,
                 time.perf_counter() - started,
             )
-            return cls(engine, model, tokenizer, name, cache_budget)
+            return cls(engine, model, tokenizer, name, cache_budget, chosen)
 
         return engine.call(load)
-
-    # --- work that runs on the engine thread -------------------------------------------
-    def score_by_model(self, request: ScoreRequest, job: Job) -> ScoreResponse:
-        """The model's own scoring hook, with hidden rows from the scoring prefix cache."""
-        assert isinstance(self.model, ScoresRequests)
-
-        def hidden_row(tokens: list[int]) -> tuple[mx.array, int]:
-            session = self.score_cache.begin(tokens)
-            try:
-                row = session.hidden_row
-                if row is None:
-                    row = session.prefill(len(tokens), job.check)
-                return row, session.offset
-            finally:
-                session.close()
-
-        with scratch_released():
-            return self.model.score_request(request, self.tokenizer, hidden_row)
-
-    def score(self, rows: Sequence[Row], job: Job) -> ScoreResult:
-        with scratch_released():
-            return self.scorer.score(rows, job.check)
 
 
 @contextlib.contextmanager
@@ -136,7 +123,7 @@ def scratch_released() -> Iterator[None]:
 
 
 class StatusMemory:
-    """MLX memory for /v1/status without waiting behind inference (UPSTREAM.md §1.5.6).
+    """MLX memory for /v1/status without waiting behind inference (docs/PROTOCOL.md §6).
 
     At most one refresh is queued on the engine at a time; a reader waits up to 50 ms for
     it and otherwise gets the last value read.

@@ -1,6 +1,6 @@
 """Resolve an Ollama model name in the local Ollama model store into a `ModelSource`.
 
-Mirrors Ollama's `x/imagegen/manifest` and `x/mlxrunner/model` (UPSTREAM.md §7 and §5.3):
+Mirrors Ollama's `x/imagegen/manifest` and `x/mlxrunner/model` (docs/PROTOCOL.md §1.2):
 names map to `manifests/<host>/<namespace>/<name>/<tag>`, configs are JSON layers found by
 exact name, and tensor layers are safetensors blobs whose quantized linears are stored as
 `<t>` (packed), `<t>.scale`, `<t>.bias`. Those are renamed to mlx-lm's `P.weight`,
@@ -86,6 +86,7 @@ def load_safetensors(path: Path, what: str | None = None) -> tuple[dict[str, mx.
         arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
         raise ModelLoadError(f"cannot read {what or path}: {e}") from None
+    assert isinstance(arrays, dict) and isinstance(metadata, dict)
     return arrays, metadata
 
 

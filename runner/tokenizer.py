@@ -1,4 +1,4 @@
-"""Tokenizer with the Go runner's semantics (UPSTREAM.md §6), on top of `tokenizers`.
+"""Tokenizer with the Go runner's semantics (docs/PROTOCOL.md §4-5), on top of `tokenizers`.
 
 - Text is encoded without the tokenizer's post-processor; BOS is prepended by us, and only
   when tokenizer_config.json says `add_bos_token: true` (absent means false).
@@ -119,9 +119,6 @@ class Tokenizer:
                 return bytes([int(piece[3:5], 16)])
             return piece.replace("▁", " ").encode()
         return bytes(_BYTE_DECODER.get(c, ord(c) & 0xFF) for c in piece)
-
-    def decode(self, tokens: list[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
 
 def _is_sentencepiece(decoder: Any) -> bool:

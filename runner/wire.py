@@ -1,4 +1,4 @@
-"""Wire types of the runner protocol, spelled as the Go structs are (CONTRACT.md §2-3).
+"""Wire types of the runner protocol, spelled as the Go structs are (docs/PROTOCOL.md §3).
 
 Go decodes JSON keys case-insensitively, ignores unknown keys and turns `null` into the zero
 value. `/v1/score` goes further: its keys also match with underscores left out (`max_tokens`,

@@ -77,6 +77,20 @@ async def client(make_client, llama_runner):
     return await make_client(llama_runner)
 
 
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The default model, prepared once (a 93 MB download and ~10 s the first time) into the
+    real cache (or `$OLLAMA_MLX_RUNNER_CACHE`), so later runs and other tests reuse it."""
+    import importlib.util
+
+    from runner.default_model import is_prepared, model_dir
+    from tools.default_model import prepare_default_model
+
+    if not is_prepared(model_dir()) and importlib.util.find_spec("gguf") is None:
+        pytest.skip("preparing the default model needs `pip install .[prepare]` (gguf)")
+    return prepare_default_model()
+
+
 @pytest.fixture
 def reference_libraries() -> None:
     """The `reference` tier recomputes goldens with PyTorch + transformers: skip without."""

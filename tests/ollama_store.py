@@ -1,5 +1,5 @@
 """Test helper: import a Hugging Face directory into an Ollama model store the way Ollama's
-safetensors importer does (`ollama create` with an MLX model; UPSTREAM.md §7).
+safetensors importer does (`ollama create` with an MLX model; docs/PROTOCOL.md §1.2).
 
 One tensor layer per tensor, named by the tensor name, each a safetensors blob addressed by
 its sha256; every *.json but the shard index becomes a JSON layer named by its file name; the

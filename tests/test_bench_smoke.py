@@ -26,6 +26,7 @@ from bench.ours import Ours, OursHTTP
 from bench.peers import Baseline
 from bench.report import compute_metrics, format_workload
 from bench.workloads import NAMES, build_workloads
+from runner.detokenize import go_string
 from runner.engine import Engine
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -134,7 +135,9 @@ class _StandIn(BaseHTTPRequestHandler):
         runner = self.runner
         tokens = runner.tokenizer.encode(body["Prompt"])
         top = runner.engine.call(lambda _job: _top_logprobs(runner, tokens))
-        entries = [{"token": runner.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
+        entries = [
+            {"token": go_string(runner.tokenizer.token_bytes(i)), "logprob": lp} for i, lp in top
+        ]
         first = {**entries[0], "top_logprobs": entries}
         lines = [
             {"Content": first["token"], "Done": False, "Logprobs": [first], "Error": None},
@@ -211,7 +214,7 @@ def test_baseline_without_score_endpoint(model_dir, bench_engine, tmp_path):
 def test_http_systems(model_dir, bench_engine, tmp_path):
     """ours-http spawns `python -m runner`; the baseline is a second runner of ours, which
     has /v1/score, so it must take that path."""
-    other = SpawnedRunner(model_dir, tmp_path / "baseline.log")
+    other = SpawnedRunner("--model", str(model_dir), log_path=tmp_path / "baseline.log")
     ours_http = OursHTTP()
     ours_http.fresh_per_workload = False  # one spawn is enough here
     try:

@@ -1,5 +1,5 @@
-"""`/v1/completions` over HTTP on the tiny llama, as the Go runner streams it (UPSTREAM.md
-§1.5-1.6, §4.4): Go key spelling and order, validation texts, the token budget, EOS, UTF-8
+"""`/v1/completions` over HTTP on the tiny llama, as the Go runner streams it (docs/PROTOCOL.md
+§3, §5): Go key spelling and order, validation texts, the token budget, EOS, UTF-8
 held back across tokens, disconnects and errors after the header.
 
 Behaviour that a random model cannot show on its own is steered: `Steered` wraps the tiny
@@ -361,10 +361,11 @@ async def test_header_waits_until_the_job_is_accepted(client, engine):
 
 
 async def wait_idle(engine, seconds: float = 5.0) -> float:
+    """Seconds until the worker runs a no-op job: how long the work before it kept it."""
     started = time.perf_counter()
-    while not engine.idle:
-        assert time.perf_counter() - started < seconds, "the worker is still busy"
-        await asyncio.sleep(0.01)
+    await asyncio.get_running_loop().run_in_executor(
+        None, lambda: engine.call(lambda job: None, timeout=seconds)
+    )
     return time.perf_counter() - started
 
 

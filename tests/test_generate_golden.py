@@ -5,7 +5,7 @@ Default tier: the stored goldens (tests/data/golden/generate_<arch>.json, writte
 tests/golden/make_generate_goldens.py): from a 20-token prompt (longer than Gemma3's sliding
 window of 8, so its ring wraps while decoding), 12 new tokens at temperature 0, plain and with
 a repeat penalty over the whole sequence. `-m reference` recomputes them with transformers.
-Also here: the pipeline records every token it feeds through the cache session.
+Also here: the generation prefix cache records exactly the tokens decode fed through it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from runner.cache.session import FreshSession
+from runner.cache import trie
+from runner.cache.prefix_cache import PrefixCache
 from runner.engine import Job
 from runner.errors import Cancelled
 from runner.generate import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator, Stats
@@ -28,7 +29,7 @@ from tests.golden.make_generate_goldens import reference_cases
 from tests.tiny import GOLDEN, TINY_ARCHITECTURES, write_tiny_model
 
 
-def tiny_generator(path: Path, arch: str, **kwargs: Any) -> Generator:
+def tiny_generator(path: Path, arch: str) -> Generator:
     source = load_local_dir(write_tiny_model(arch, path))
     tokenizer = Tokenizer(
         source.tokenizer_json,
@@ -36,7 +37,8 @@ def tiny_generator(path: Path, arch: str, **kwargs: Any) -> Generator:
         tokenizer_config=source.tokenizer_config,
         generation_config=source.generation_config,
     )
-    return Generator(build_model(source), tokenizer, **kwargs)
+    model = build_model(source)
+    return Generator(model, tokenizer, PrefixCache(model, name="generate"))
 
 
 def generate(generator: Generator, prompt: list[int], n: int, options: dict) -> tuple[list, Stats]:
@@ -75,57 +77,31 @@ def test_greedy_generation_matches_stored_goldens(generators, arch):
     assert_matches(generators[arch], golden)
 
 
-class RecordingSession(FreshSession):
-    def __init__(self, model: Any, tokens: list[int]):
-        super().__init__(model, tokens)
-        self.appended: list[int] = []
-        self.offsets: list[int | None] = []  # per cache at close: what it really holds
-
-    def append(self, token: int) -> None:
-        self.appended.append(token)
-
-    def close(self) -> None:
-        self.offsets = [getattr(c, "offset", None) for c in self.caches]
-        super().close()
-
-
-def recording(generator: Generator) -> list[RecordingSession]:
-    sessions: list[RecordingSession] = []
-
-    def begin(tokens: list[int], schedule=()) -> RecordingSession:
-        sessions.append(RecordingSession(generator.model, tokens))
-        return sessions[-1]
-
-    generator.begin = begin
-    return sessions
-
-
-def assert_caches_hold_what_was_recorded(session: RecordingSession, prompt: list[int]) -> None:
-    assert session.fed == len(prompt) - 1  # prefill stops before the decode seed
-    held = len(prompt) - 1 + len(session.appended)
-    assert session.offsets and all(o in (None, held) for o in session.offsets)
-    assert session.caches == []  # closed
+def assert_caches_hold(generator: Generator, tokens: list[int]) -> None:
+    """The live caches hold exactly `tokens`, and the trie stored them on close."""
+    live = generator.cache.live
+    assert live.tokens == tokens
+    offsets = [getattr(c, "offset", None) for c in live.caches]
+    assert offsets and all(o in (None, len(tokens)) for o in offsets)
+    stored_path, matched = trie.match(generator.cache.root, tokens)
+    assert matched == len(tokens) and stored_path[-1].end == len(tokens)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "Qwen3_5ForCausalLM"])
 @pytest.mark.parametrize("n", [1, 5])
 def test_session_records_every_fed_token(tmp_path, arch, n):
     """Decode feeds the seed (the last prompt token), then each generated token but the last
-    (the budget needs no forward after it); each is recorded with `append`."""
+    (the budget needs no forward after it); the cache records each."""
     generator = tiny_generator(tmp_path, arch)
-    sessions = recording(generator)
     prompt = stored(arch)["prompt"]
     tokens, _ = generate(generator, prompt, n, {})
-    (session,) = sessions
-    assert session.appended == [prompt[-1], *tokens[:-1]]
-    assert_caches_hold_what_was_recorded(session, prompt)
+    assert_caches_hold(generator, [*prompt, *tokens[:-1]])
 
 
 def test_cancelling_records_the_forward_in_flight(tmp_path):
     """A cancelled decode stops before its next step, after waiting for the forward already
     dispatched, so the caches never hold a token the session was not told about."""
     generator = tiny_generator(tmp_path, "LlamaForCausalLM")
-    sessions = recording(generator)
     prompt = stored("LlamaForCausalLM")["prompt"]
     job = Job(lambda _: None, None)
     seen = []
@@ -135,9 +111,7 @@ def test_cancelling_records_the_forward_in_flight(tmp_path):
             seen.append(step.token)
             if len(seen) == 3:
                 job.cancel()
-    (session,) = sessions
-    assert session.appended == [prompt[-1], *seen]  # the third token's forward was in flight
-    assert_caches_hold_what_was_recorded(session, prompt)
+    assert_caches_hold(generator, [*prompt, *seen])  # the third token's forward was in flight
 
 
 @pytest.mark.reference

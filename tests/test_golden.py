@@ -18,8 +18,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from runner.backend import Backend
 from runner.loader import load_local_dir
-from runner.models import RunnerModel, build_model
+from runner.models import Model, build_model
 from runner.source import ModelLoadError, ModelSource
 from tests.golden.make_goldens import golden_sequences, reference_logits, transformers_config
 from tests.tiny import GOLDEN, TINY_ARCHITECTURES, load_tiny_model, write_tiny_model
@@ -29,7 +30,7 @@ CHUNK = 7
 CANDIDATES = [0, 2, 5, 17, 100, 255, 383]
 
 
-def logits_three_ways(model: RunnerModel, tokens: np.ndarray) -> dict[str, np.ndarray]:
+def logits_three_ways(model: Model, tokens: np.ndarray) -> dict[str, np.ndarray]:
     """Last-position logits: one shot, in chunks of CHUNK through the same caches, and the
     candidate path (only CANDIDATES, float32)."""
     ids = mx.array(tokens, dtype=mx.int32)[None]
@@ -46,7 +47,7 @@ def logits_three_ways(model: RunnerModel, tokens: np.ndarray) -> dict[str, np.nd
     return {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
 
 
-def assert_matches(model: RunnerModel, tokens: np.ndarray, expected: np.ndarray) -> None:
+def assert_matches(model: Model, tokens: np.ndarray, expected: np.ndarray) -> None:
     got = logits_three_ways(model, tokens)
     for way in ("one_shot", "chunked"):
         diff = np.abs(got[way] - expected).max()
@@ -56,7 +57,7 @@ def assert_matches(model: RunnerModel, tokens: np.ndarray, expected: np.ndarray)
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunnerModel]:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: load_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
 
@@ -67,7 +68,7 @@ def stored_golden(arch: str) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_logits_match_stored_goldens(tiny_models: dict[str, RunnerModel], arch: str) -> None:
+def test_logits_match_stored_goldens(tiny_models: dict[str, Model], arch: str) -> None:
     """One-shot, chunked and candidate logits equal transformers' within 1e-4 (float32)."""
     for tokens, expected in stored_golden(arch):
         assert_matches(tiny_models[arch], tokens, expected)
@@ -75,18 +76,23 @@ def test_logits_match_stored_goldens(tiny_models: dict[str, RunnerModel], arch: 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_goldens_hold_with_every_block_through_numpy(
-    tiny_models: dict[str, RunnerModel], arch: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tiny blocks normally stay in MLX; forced through numpy's SwiGLU (as prefill of a real
-    model is on the CPU) the logits still equal transformers'."""
-    from runner.models import cpu_ufuncs
+    """Tiny blocks normally stay in MLX; forced through numpy's activations and softmax and
+    the blocked causal attention (as prefill of a real model is on the CPU) the logits still
+    equal transformers'."""
+    from runner.backend import host
 
     crossed = []
-    numpy_view = cpu_ufuncs._numpy
-    monkeypatch.setattr(cpu_ufuncs, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu_ufuncs, "_numpy", lambda *a: crossed.append(1) or numpy_view(*a))
+    for name in ("swiglu_host", "gelu_glu_host", "exp2_softmax_inplace"):
+        kernel = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda *a, k=kernel: crossed.append(k) or k(*a))
+    everything = Backend.cpu().replace(
+        host_activation_min_elements=0, host_softmax_min_elements=0, blocked_causal_min_queries=1
+    )
+    model = load_tiny_model(arch, tmp_path / arch, backend=everything)
     for tokens, expected in stored_golden(arch):
-        assert_matches(tiny_models[arch], tokens, expected)
+        assert_matches(model, tokens, expected)
     assert crossed
 
 
@@ -133,7 +139,7 @@ def quantized_sources(
 QUANTIZED = [(64, 4, None), (32, 8, None), (64, 4, (32, 8))]
 
 
-def last_logits(model: RunnerModel, ids: mx.array) -> np.ndarray:
+def last_logits(model: Model, ids: mx.array) -> np.ndarray:
     return np.array(model.unembed(model.hidden(ids, model.make_caches())[0]).astype(mx.float32))
 
 
@@ -141,7 +147,7 @@ def last_logits(model: RunnerModel, ids: mx.array) -> np.ndarray:
 @pytest.mark.parametrize(("group_size", "bits", "head"), QUANTIZED)
 def test_quantized_model(
     tmp_path: Path,
-    tiny_models: dict[str, RunnerModel],
+    tiny_models: dict[str, Model],
     arch: str,
     group_size: int,
     bits: int,

@@ -13,8 +13,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from runner.backend import Backend
 from runner.loader import load_local_dir
-from runner.models import RunnerModel, build_model, registered_architectures
+from runner.models import Model, build_model, registered_architectures
 from runner.models.registry import register
 from runner.source import ModelLoadError, ModelSource
 from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, tiny_config, write_tiny_model
@@ -28,7 +29,7 @@ CACHE_KINDS = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunnerModel]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: load_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
 
@@ -66,7 +67,7 @@ def test_model_type_is_the_fallback_key(tmp_path: Path, arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_facts(models: dict[str, RunnerModel], arch: str) -> None:
+def test_facts(models: dict[str, Model], arch: str) -> None:
     model = models[arch]
     assert model.vocab_size == 384
     assert model.context_length == tiny_config(arch)["max_position_embeddings"]
@@ -74,7 +75,7 @@ def test_facts(models: dict[str, RunnerModel], arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_cache_kind_per_layer(models: dict[str, RunnerModel], arch: str) -> None:
+def test_cache_kind_per_layer(models: dict[str, Model], arch: str) -> None:
     caches = models[arch].make_caches()
     assert [type(c) for c in caches] == CACHE_KINDS[arch]
     for c in caches:
@@ -84,9 +85,7 @@ def test_cache_kind_per_layer(models: dict[str, RunnerModel], arch: str) -> None
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 @pytest.mark.parametrize("chunk", [1, 3, 8, 13])
-def test_chunked_hidden_equals_one_shot(
-    models: dict[str, RunnerModel], arch: str, chunk: int
-) -> None:
+def test_chunked_hidden_equals_one_shot(models: dict[str, Model], arch: str, chunk: int) -> None:
     """Hidden states at every position, with chunks smaller than, equal to and larger than
     Gemma3's window of 8."""
     model = models[arch]
@@ -118,7 +117,8 @@ def test_missing_unexpected_and_misshaped_weights_are_named(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_dtype_casts_floating_weights(tmp_path: Path, models: dict, arch: str) -> None:
-    model = build_model(source(write_tiny_model(arch, tmp_path)), mx.bfloat16)
+    backend = Backend.for_device().replace(compute_dtype=mx.bfloat16)
+    model = build_model(source(write_tiny_model(arch, tmp_path)), backend)
     for path, value in tree_flatten(model.module.parameters()):
         expected = mx.float32 if path.endswith("A_log") else mx.bfloat16  # mlx-lm's predicate
         assert value.dtype == expected, path

@@ -1,4 +1,5 @@
-"""The prefix cache over fake caches that carry real token lists (UPSTREAM.md §3.12 in spirit).
+"""The prefix cache over fake caches that carry real token lists (the Go runner's prefix-cache
+tests in spirit).
 
 Each test names the invariant of runner/cache/prefix_cache.py it checks. `generate` runs a
 request the way the completions pipeline does (prefill all but the last prompt token, then
@@ -11,7 +12,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import mlx.core as mx
 import pytest
 
 from runner.cache import trie
@@ -57,25 +57,26 @@ def check(pc: PrefixCache, tracker: Tracker) -> None:
         for i in point_slots:  # ...point kinds describe the state at the node's end
             snap = node.snapshots[i]
             assert snap is None or snap.end == node.end
-        stored += [s for i, s in enumerate(node.snapshots) if s is not None and i < len(pc.caches)]
+        stored += [
+            s for i, s in enumerate(node.snapshots) if s is not None and i < len(pc.live.caches)
+        ]
         total += sum(s.nbytes for s in node.snapshots if s is not None)
     assert total == pc.nbytes  # invariant 6
     tracker.check(stored)
-    for cache in pc.caches:  # invariant 1: live caches hold exactly live_tokens
-        assert cache.tokens == pc.live_tokens
+    for cache in pc.live.caches:  # invariant 1: live caches hold exactly live_tokens
+        assert cache.tokens == pc.live.tokens
 
 
 def generate(pc, inputs, generated=(), schedule=()):
     session = pc.begin(list(inputs), schedule)
-    for cache in pc.caches:
+    for cache in pc.live.caches:
         assert cache.tokens == list(inputs[: session.offset])
     assert session.offset <= len(inputs) - 1  # invariant 3
     if session.offset < len(inputs) - 1:
         session.prefill(len(inputs) - 1, lambda: None)
     fed = [inputs[-1], *generated[:-1]]
     for token in fed:
-        pc.model.hidden(mx.array([[token]]), pc.caches)
-        session.append(token)
+        session.decode(token)
     session.close()
     return session
 
@@ -86,7 +87,7 @@ def score(pc, inputs, schedule=()):
         if session.hidden_row is not None:
             row = session.hidden_row
         else:
-            for cache in pc.caches:
+            for cache in pc.live.caches:
                 assert cache.tokens == list(inputs[: session.offset])
             row = session.prefill(len(inputs), lambda: None)
         assert row.reshape(-1).tolist() == [float(inputs[-1])]  # the last position's row
@@ -104,7 +105,7 @@ def test_branch_creation_and_reuse(layout):
     pc, tracker = make(layout)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     assert generate(pc, a, [20, 21]).offset == 0
-    assert pc.live_tokens == [*a, 20]
+    assert pc.live.tokens == [*a, 20]
     check(pc, tracker)
     b = [1, 2, 3, 4, 5, 10, 11, 12]
     s = generate(pc, b, [30])
@@ -167,7 +168,7 @@ def test_user_snapshot_is_an_exact_restore_point(layout):
     s = generate(pc, [1, 2, 3, 4, 20, 21], [22])
     assert s.offset == 4
     node = trie.match(pc.root, [1, 2, 3, 4])[0][-1]
-    assert node.end == 4 and node.user
+    assert node.end == 4
     check(pc, tracker)
 
 
@@ -194,7 +195,7 @@ def test_cancelled_prefill_keeps_crossed_snapshots_and_resumes(layout):
     with pytest.raises(Cancelled):
         session.prefill(len(prompt) - 1, cancel_after_two_chunks)
     session.close()
-    assert pc.live_tokens == prompt[:5]  # chunks of 3, cut at the scheduled 5: [0,3), [3,5)
+    assert pc.live.tokens == prompt[:5]  # chunks of 3, cut at the scheduled 5: [0,3), [3,5)
     check(pc, tracker)
     retry = generate(pc, prompt, [1])
     assert retry.offset == 5  # invariant 5: the retry resumes exactly where it stopped
@@ -210,8 +211,8 @@ def test_failed_forward_adds_no_node_and_empties_the_live_caches(layout):
     with pytest.raises(RuntimeError, match="half way"):
         session.prefill(8, lambda: None)
     session.close()
-    assert pc.live_tokens == []
-    assert all(c.tokens == [] for c in pc.caches)
+    assert pc.live.tokens == []
+    assert all(c.tokens == [] for c in pc.live.caches)
     # Only a split of the existing path may differ; no node covers the failed tokens.
     assert all(end <= 6 for _, end in sorted((n.start, n.end) for n in trie.walk(pc.root)))
     assert {e for _, e in nodes} <= {n.end for n in trie.walk(pc.root)}
@@ -277,11 +278,11 @@ def test_eviction_keeps_the_budget_the_active_path_and_branch_points(layout):
     pc.evict()
     check(pc, tracker)
     assert pc.nbytes <= pc.budget.limit or all(
-        id(n) in {id(a) for a in trie.match(pc.root, pc.live_tokens)[0]} or len(n.children) > 1
+        id(n) in {id(a) for a in trie.match(pc.root, pc.live.tokens)[0]} or len(n.children) > 1
         for n in trie.walk(pc.root)
     )
-    active = trie.match(pc.root, pc.live_tokens)[0]
-    assert len(active) >= 2 and active[-1].end == len(pc.live_tokens)
+    active = trie.match(pc.root, pc.live.tokens)[0]
+    assert len(active) >= 2 and active[-1].end == len(pc.live.tokens)
     assert trie.match(pc.root, system)[1] == 5  # the shared system prompt (a branch point)
 
 
@@ -374,7 +375,7 @@ def test_random_requests_match_a_brute_force_oracle(layout):
         generated = [rng.randint(1, 3) for _ in range(rng.randint(1, 3))]
         schedule = [rng.randint(1, len(prompt))] if rng.random() < 0.3 else []
         target = len(prompt) - 1
-        live = pc.live_tokens
+        live = pc.live.tokens
         if point:
             candidates = [
                 len(p) for p in stored_states if len(p) <= target and list(p) == prompt[: len(p)]

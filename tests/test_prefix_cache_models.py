@@ -11,9 +11,8 @@ import random
 import pytest
 
 from runner.cache.prefix_cache import PrefixCache
-from runner.cache.session import fresh_sessions
 from runner.score import Row, Scorer
-from tests.tiny import TINY_ARCHITECTURES
+from tests.tiny import TINY_ARCHITECTURES, score_uncached
 
 SHARED = "You are a careful judge. Answer each question with Yes or No. " * 22
 
@@ -27,7 +26,6 @@ def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
         lambda job: PrefixCache(model, name="prop", keep_hidden=True, chunk_tokens=5)
     )
     cached_scorer = Scorer(model, cache)
-    fresh_scorer = Scorer(model, fresh_sessions(model))
     alphabet = [5, 17, 42, 99]
     history: list[list[int]] = []
     restored = 0
@@ -39,7 +37,7 @@ def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
             rows.append(Row(tokens, [3, 7, 11]))
             history.append(tokens)
         warm = engine.call(lambda job, r=rows: cached_scorer.score(r, job.check))
-        cold = engine.call(lambda job, r=rows: fresh_scorer.score(r, job.check))
+        cold = engine.call(lambda job, r=rows: score_uncached(model, r, job.check))
         restored += warm.cached_tokens
         for a, b in zip(warm.logits, cold.logits, strict=True):
             assert a == pytest.approx(b, abs=1e-4)
@@ -76,9 +74,9 @@ async def test_second_request_sharing_300_tokens_restores_them(fresh_runner, mak
 def test_batched_suffixes_equal_rows_one_by_one(
     engine, loaded_models, monkeypatch, arch, batch_bytes
 ):
-    import runner.score
+    from runner.cache import session
 
-    monkeypatch.setattr(runner.score, "BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(session, "BATCH_BYTES", batch_bytes)
     model = loaded_models(arch).model
     rng = random.Random(3)
     shared = rng.choices(range(3, 300), k=40)  # past Gemma3's window of 8
@@ -86,10 +84,7 @@ def test_batched_suffixes_equal_rows_one_by_one(
     rows = [Row(shared + s, [3, 7, 11]) for s in suffixes]
     cache = engine.call(lambda job: PrefixCache(model, name="batch", keep_hidden=True))
     batched = engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
-    alone = [
-        engine.call(lambda job, r=r: Scorer(model, fresh_sessions(model)).score([r], job.check))
-        for r in rows
-    ]
+    alone = [engine.call(lambda job, r=r: score_uncached(model, [r], job.check)) for r in rows]
     for got, want in zip(batched.logits, alone, strict=True):
         assert got == pytest.approx(want.logits[0], abs=1e-4)
     assert batched.cached_tokens == 40 * (len(rows) - 1)
@@ -118,7 +113,7 @@ def test_memory_held_is_the_memory_counted(engine, loaded_models):
             rows = [Row(shared + rng.choices(range(3, 300), k=5), [3, 7]) for _ in range(4)]
             Scorer(model, cache).score(rows, job.check)
         mx.clear_cache()
-        live = sum(a.nbytes for a in cache._live_arrays())
+        live = sum(a.nbytes for a in cache.live.arrays())
         return mx.get_active_memory() - before, cache.nbytes, live
 
     held, counted, live = engine.call(run)

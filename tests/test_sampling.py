@@ -1,4 +1,4 @@
-"""The Go sampler's semantics (UPSTREAM.md §4.5) on hand-made logits, and its logprobs."""
+"""The Go sampler's semantics (docs/PROTOCOL.md §5.2) on hand-made logits, and its logprobs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""/v1/score validation: every rule of CONTRACT.md §3, in order, with its exact text.
+"""/v1/score validation: every rule of docs/PROTOCOL.md §4.3, in order, with its exact text.
 
 Each failing request is followed by a good one, to show a bad request changes nothing.
 """

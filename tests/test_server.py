@@ -10,7 +10,6 @@ import mlx.core as mx
 import pytest
 
 from runner.cache.prefix_cache import PrefixCache
-from runner.cache.session import fresh_sessions
 from runner.errors import Cancelled
 from runner.score import Row, Scorer, prepare_rows
 from runner.wire import ScoreRequest, ScoreRow
@@ -186,9 +185,14 @@ async def test_a_later_request_restores_an_earlier_prefix(
     assert cold["cached_tokens"] == 0
 
 
-def score_with(engine, model, begin, rows, check=None):
-    scorer = Scorer(model, begin)
-    return engine.call(lambda job: scorer.score(rows, check or job.check))
+def score_with(engine, model, cache, rows, check=None):
+    """Score through `cache` (None: a fresh cache, so nothing is restored)."""
+
+    def work(job):
+        scorer = Scorer(model, cache or PrefixCache(model, name="fresh", keep_hidden=True))
+        return scorer.score(rows, check or job.check)
+
+    return engine.call(work)
 
 
 def test_chunked_prefill_equals_one_shot(engine, llama_runner):
@@ -202,7 +206,7 @@ def test_chunked_prefill_equals_one_shot(engine, llama_runner):
         maxtokens=512,
     )
     rows = prepare_rows(request, tokenizer, 512, model.vocab_size)
-    one_shot = score_with(engine, model, fresh_sessions(model), rows)
+    one_shot = score_with(engine, model, None, rows)
     for chunk in (1, 3, 7):
         cache = engine.call(
             lambda job, c=chunk: PrefixCache(model, name="t", chunk_tokens=c, keep_hidden=True)
@@ -234,19 +238,19 @@ def test_cancel_between_chunks_keeps_progress_and_next_request_is_exact(engine, 
     cache = engine.call(lambda job: PrefixCache(model, name="t", chunk_tokens=2, keep_hidden=True))
     stop = StopAfter(4)  # one check per row, then one per chunk: 3 chunks pass
     with pytest.raises(Cancelled):
-        score_with(engine, model, cache.begin, rows, stop)
+        score_with(engine, model, cache, rows, stop)
     assert stop.calls == 5
-    again = score_with(engine, model, cache.begin, rows)
+    again = score_with(engine, model, cache, rows)
     assert again.cached_tokens == 6  # the retry resumed where the cancelled prefill stopped
-    fresh = score_with(engine, model, fresh_sessions(model), rows)
+    fresh = score_with(engine, model, None, rows)
     assert again.logits[0] == pytest.approx(fresh.logits[0], abs=1e-5)
 
 
 async def test_client_disconnect_cancels_queued_request(client, engine, llama_runner, monkeypatch):
     calls = []
-    original = llama_runner.score
+    original = llama_runner.scorer.score
     monkeypatch.setattr(
-        llama_runner, "score", lambda rows, job: calls.append(1) or original(rows, job)
+        llama_runner.scorer, "score", lambda rows, check: calls.append(1) or original(rows, check)
     )
     gate = threading.Event()
     blocker = engine.submit(lambda job: gate.wait(30))
@@ -258,12 +262,9 @@ async def test_client_disconnect_cancels_queued_request(client, engine, llama_ru
         await request
     await asyncio.sleep(0.3)
     gate.set()
-    await asyncio.get_running_loop().run_in_executor(None, blocker.done.wait, 5)
-    for _ in range(50):
-        if engine.idle:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.idle
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, blocker.done.wait, 5)
+    await loop.run_in_executor(None, lambda: engine.call(lambda job: None, timeout=5))
     assert calls == []  # the cancelled job never ran
     assert (await client.post("/v1/score", json=body)).status == 200
     assert calls == [1]
@@ -286,17 +287,20 @@ async def test_scratch_memory_above_the_limit_is_released(client, engine, monkey
 # --- a model's own scoring hook -----------------------------------------------------------
 
 
-async def test_a_model_with_its_own_scoring_hook_answers_score(llama_runner, make_client, engine):
+async def test_a_cached_scorer_model_answers_score_with_cached_hidden_rows(
+    llama_runner, make_client, engine
+):
+    from runner.models import CachedScorer
     from runner.wire import ScoreResponse
 
     class HookedModel(type(llama_runner.model)):
         """Scores the first candidate only, through the runner's hidden rows."""
 
-        def score_request(self, request, tokenizer, hidden_row):
+        def score(self, request, tokenizer, hidden_rows):
             logits, cached = [], 0
             for row in request.rows:
                 tokens = tokenizer.encode(row.prompt)
-                hidden, restored = hidden_row(tokens)
+                hidden, restored = hidden_rows(tokens)
                 cached += restored
                 ids = mx.array([tokenizer.encode(row.prompt + row.candidates[0])[-1]])
                 logits.append(self.unembed_candidates(hidden, ids).reshape(-1).tolist())
@@ -305,6 +309,7 @@ async def test_a_model_with_its_own_scoring_hook_answers_score(llama_runner, mak
     base = llama_runner.model
     hooked = HookedModel.__new__(HookedModel)
     hooked.__dict__.update(base.__dict__)
+    assert isinstance(hooked, CachedScorer) and not isinstance(base, CachedScorer)
     runner = engine.call(
         lambda job: type(llama_runner)(engine, hooked, llama_runner.tokenizer, "hooked")
     )
@@ -321,14 +326,16 @@ async def test_a_model_with_its_own_scoring_hook_answers_score(llama_runner, mak
 async def test_the_runner_scores_rows_sharing_a_prefix_in_one_batch(
     client, llama_runner, monkeypatch
 ):
+    from runner.cache import session
+
     batches = []
-    original = Scorer._forward_batch
+    original = session.forward_suffixes
 
-    def counting(self, rows, chunk, prefix, hidden):
-        batches.append(len(chunk))
-        return original(self, rows, chunk, prefix, hidden)
+    def counting(model, caches, suffixes):
+        batches.append(len(suffixes))
+        return original(model, caches, suffixes)
 
-    monkeypatch.setattr(Scorer, "_forward_batch", counting)
+    monkeypatch.setattr(session, "forward_suffixes", counting)
     rows = [{"prompt": PREFIX + q, "candidates": [" Yes", " No"]} for q in (" A?", " B?", " C?")]
     answer = await score(client, rows)
     assert batches == [3]

@@ -1,4 +1,4 @@
-"""The runner as a process, driven the way Ollama's Go supervisor drives it (UPSTREAM.md §1.7).
+"""The runner as a process, driven the way Ollama's Go supervisor drives it (docs/PROTOCOL.md §1).
 
 Spawn `<python> -m runner runner --mlx-engine --model NAME --port P` against a model in a
 temporary Ollama store, poll /v1/status every 100 ms until it answers 200, POST to the legacy
@@ -10,69 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.ollama_store import write_ollama_model
+from tools.spawned import SpawnedRunner
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(models_dir: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OLLAMA_MODELS": str(models_dir), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-@contextlib.contextmanager
-def running(models_dir: Path, *args: str) -> Iterator[subprocess.Popen]:
-    """`spawn`, killed on the way out if the test did not stop it."""
-    process = spawn(models_dir, *args)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def wait_until_running(port: int, process: subprocess.Popen, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=1) as r:
-                if r.status == 200:
-                    return json.loads(r.read())
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError("runner never became ready")
+def spawned(models_dir: Path, *flags: str, **kwargs) -> SpawnedRunner:
+    return SpawnedRunner(*flags, env={"OLLAMA_MODELS": str(models_dir)}, **kwargs)
 
 
 def post_following_308(url: str, body: bytes) -> tuple[int, bytes, list[int]]:
@@ -100,10 +56,10 @@ def ollama_store(tmp_path_factory, tiny_llama_dir):
 
 
 def test_supervisor_lifecycle(ollama_store, llama_runner):
-    port = free_port()
-    args = ("runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port))
-    with running(ollama_store, *args) as process:
-        status = wait_until_running(port, process)
+    args = ("runner", "--mlx-engine", "--model", "tiny-llama")
+    with spawned(ollama_store, *args) as process:
+        status = process.wait_ready(timeout=120)
+        port = process.port
         assert status["ContextLength"] == llama_runner.context_length
         prompt = "Is the sky blue?"
         tokens = llama_runner.tokenizer.encode(prompt)
@@ -122,9 +78,9 @@ def test_supervisor_lifecycle(ollama_store, llama_runner):
 
 
 def test_sigterm_during_a_long_request_exits_promptly(ollama_store, llama_runner):
-    port = free_port()
-    with running(ollama_store, "--model=tiny-llama", "-port", str(port)) as process:
-        wait_until_running(port, process)
+    with spawned(ollama_store, "--model=tiny-llama", port_flag="-port") as process:
+        process.wait_ready(timeout=120)
+        port = process.port
         rows = [
             {"prompt": "Is the sky blue? " * 60 + f"Q{i}", "candidates": ["?"]} for i in range(64)
         ]
@@ -166,9 +122,9 @@ def test_fatal_start_up_errors(tmp_path, tiny_llama_dir, args, message):
             blob.write_bytes(b"\x00garbage")
     if "bad-weights" in args:
         models = corrupt
-    process = spawn(models, *args, "--port", str(free_port()))
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1
-    errors = [line for line in stderr.splitlines() if line.startswith("Error: ")]
-    assert len(errors) == 1, stderr
+    with spawned(models, *args) as process:
+        assert process.wait(timeout=120) == 1
+        output = process.output()
+    errors = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, output
     assert errors[0].startswith(message)

@@ -1,5 +1,5 @@
 """A completion through the runner process, the way Ollama's Go client asks for one
-(UPSTREAM.md §1.7): POST the CompletionRequest to the legacy /completion path, follow the 308
+(docs/PROTOCOL.md §5): POST the CompletionRequest to the legacy /completion path, follow the 308
 with the same body, read the 200 stream with a line scanner (skipping lines that do not
 parse, failing on an `Error`), and stop after the `Done` line. Then SIGINT: exit 0.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.ollama_store import write_ollama_model
-from tests.test_subprocess import free_port, running, wait_until_running
+from tools.spawned import SpawnedRunner
 
 pytestmark = pytest.mark.slow
 MAX_LINE_BYTES = 64 << 10  # bufio.Scanner's default limit: a longer line fails the stream
@@ -57,10 +57,10 @@ def scan(response: http.client.HTTPResponse) -> Iterator[dict]:
 
 
 def test_completion_through_the_legacy_path(store, llama_runner):
-    port = free_port()
-    args = ("runner", "--mlx-engine", "--model", "tiny-llama", "--port", str(port))
-    with running(store, *args) as process:
-        wait_until_running(port, process)
+    args = ("runner", "--mlx-engine", "--model", "tiny-llama")
+    with SpawnedRunner(*args, env={"OLLAMA_MODELS": str(store)}) as process:
+        process.wait_ready(timeout=120)
+        port = process.port
         prompt = "Is the sky blue? Yes. The cat sat on"
         body = json.dumps(
             {

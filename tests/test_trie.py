@@ -1,4 +1,4 @@
-"""The token trie's structure (UPSTREAM.md §3.12, cache_trie_test.go in spirit)."""
+"""The token trie's structure (the Go runner's cache_trie_test.go in spirit)."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ def test_match_picks_the_right_branch_and_counts_tokens():
     assert trie.match(root, [7, 8, 9])[1] == 2
 
 
-def test_split_divides_snapshots_and_keeps_the_user_flag_on_the_child():
+def test_split_divides_snapshots_between_head_and_child():
     root = build([1, 2, 3, 4, 5])
     (node,) = root.children.values()
-    node.user = True
+    node.last_used = 4.0
     head = trie.split(node, 2, Ops())
     assert (head.start, head.end, head.snapshots[0]) == (0, 2, (0, 2))
     assert (node.start, node.end, node.snapshots[0]) == (2, 5, (2, 5))
-    assert not head.user and node.user and node.parent is head
+    assert node.parent is head and head.last_used == node.last_used == 4.0
     trie.check_invariants(root)
 
 

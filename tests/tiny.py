@@ -185,9 +185,19 @@ def write_tiny_model(
     return path
 
 
-def load_tiny_model(arch: str, path: Path, *, dtype: Any = None, **kwargs: Any) -> Any:
-    """`write_tiny_model`, then the runner's own directory loader and `build_model`."""
+def load_tiny_model(arch: str, path: Path, *, backend: Any = None, **kwargs: Any) -> Any:
+    """`write_tiny_model`, then the runner's own directory loader and `build_model` (for
+    `backend`, default: the one MLX runs on)."""
     from runner.loader import load_local_dir
     from runner.models import build_model
 
-    return build_model(load_local_dir(write_tiny_model(arch, path, **kwargs)), dtype)
+    return build_model(load_local_dir(write_tiny_model(arch, path, **kwargs)), backend)
+
+
+def score_uncached(model: Any, rows: list[Any], check: Any) -> Any:
+    """Score `rows` through a new, empty scoring cache: the uncached baseline every cached
+    path must equal (run on the MLX thread)."""
+    from runner.cache.prefix_cache import PrefixCache
+    from runner.score import Scorer
+
+    return Scorer(model, PrefixCache(model, name="uncached", keep_hidden=True)).score(rows, check)

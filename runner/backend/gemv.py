@@ -7,10 +7,11 @@ before using them: the 622 MB vocabulary projection of Qwen3-0.6B reads at 9.6 G
 streams 35 GB/s. A whole Qwen3-0.6B decode step went from 3.7 to 7.2 tokens/s.
 
 Invariants:
-- Only on the CPU backend, only float32 weights (quantized layers are other classes) and
-  only inputs of exactly one row; everything else is MLX's matmul unchanged. Several rows
-  (16-token suffixes, prefill) gain nothing here: they are not bound by the weight reads
-  alone, and MLX's BLAS does them as well (measured 318 vs 338 ms for a 16-token step).
+- Installed only where the `Backend` asks for it (the CPU backend); only float32 weights
+  (quantized layers are other classes) and only inputs of exactly one row; everything else
+  is MLX's matmul unchanged. Several rows (16-token suffixes, prefill) gain nothing here:
+  they are not bound by the weight reads alone, and MLX's BLAS does them as well (measured
+  318 vs 338 ms for a 16-token step).
 - Weights are read in place (numpy views of the evaluated MLX parameters, no copy); the
   one-row input is evaluated first, so a step using this runs synchronously.
 - numpy's BLAS has its own thread pool: runner/blas.py makes idle OpenBLAS threads sleep at
@@ -25,13 +26,8 @@ import numpy as np
 
 
 def one_row(x: mx.array, weight: mx.array) -> bool:
-    """Whether `x @ weight.T` is a one-row float32 product on the CPU backend."""
-    return (
-        x.size == x.shape[-1]
-        and x.dtype == mx.float32
-        and weight.dtype == mx.float32
-        and mx.default_device() == mx.cpu
-    )
+    """Whether `x @ weight.T` is a one-row float32 product."""
+    return x.size == x.shape[-1] and x.dtype == mx.float32 and weight.dtype == mx.float32
 
 
 def matvec(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -53,8 +49,8 @@ class GemvLinear(nn.Linear):
 
 
 def install(module: nn.Module) -> int:
-    """Make every plain nn.Linear in `module` a GemvLinear (same parameters); returns how
-    many. Call on the CPU backend only, after the weights are loaded."""
+    """Make every plain nn.Linear in `module` a GemvLinear (same parameters, same object);
+    returns how many. For the CPU backend, after the weights are loaded."""
     layers = [m for _, m in module.named_modules() if type(m) is nn.Linear]
     for layer in layers:
         layer.__class__ = GemvLinear

@@ -8,10 +8,9 @@ exp2 0.22 ns. Prefill and batched scoring spent about a fifth of each forward th
 prefix 2653 -> 2130 ms, a 512-token prefill 4681 -> 3913 ms, with softmax and SwiGLU here).
 
 Invariants:
-- Only on the CPU backend. SwiGLU crosses only for blocks of at least `MIN_ELEMENTS`:
-  crossing to numpy evaluates the graph built so far, which decode steps must not pay (they
-  overlap the next forward with host work). Attention crosses only on paths that already
-  are CPU prefill or batched scoring (runner/models/attention.py).
+- Used only where the model's `Backend` says so (runner/backend/__init__.py): crossing to
+  numpy evaluates the graph built so far, which small forwards and decode steps must not
+  pay (decode overlaps the next forward with host work).
 - MLX CPU arrays are host memory: numpy reads them through the buffer protocol without a
   copy. SwiGLU's result is copied back once (~0.16 ns an element); attention scores are
   rewritten in place in the fresh matmul output that holds them (`host_views`), so the
@@ -22,35 +21,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import activations, gemma3_text, llama, qwen3, qwen3_next
+from mlx_lm.models import activations
 
-MIN_ELEMENTS = 1 << 15
-_MLX_LM_SWIGLU = activations.swiglu
-_MODULES = (llama, qwen3, qwen3_next)  # the families whose MLP calls `swiglu`
-_GEMMA3_MLP_CALL = gemma3_text.MLP.__call__
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-
-
-def on_host(*arrays: mx.array) -> bool:
-    """Whether an element-wise op over these float32 arrays is worth computing in numpy (the
-    CPU backend, a block of at least MIN_ELEMENTS)."""
-    return (
-        mx.default_device() == mx.cpu
-        and arrays[0].size >= MIN_ELEMENTS
-        and all(a.dtype == mx.float32 for a in arrays)
-    )
-
-
-def _numpy(*arrays: mx.array) -> list[np.ndarray]:
-    mx.eval(*arrays)
-    return [np.asarray(a) for a in arrays]
 
 
 def host_views(*arrays: mx.array) -> list[np.ndarray]:
@@ -87,11 +65,14 @@ def exp2_softmax_inplace(parts: list[np.ndarray], hidden: list[np.ndarray | None
     return total
 
 
-def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x, as mlx-lm's `swiglu`."""
-    if not on_host(gate, x):
-        return _MLX_LM_SWIGLU(gate, x)
-    g, up = _numpy(gate, x)
+def _float32(*arrays: mx.array) -> bool:
+    return all(a.dtype == mx.float32 for a in arrays)
+
+
+def swiglu_host(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, as mlx-lm's `swiglu`, computed by numpy (float32 inputs)."""
+    mx.eval(gate, x)
+    g, up = np.asarray(gate), np.asarray(x)
     with np.errstate(over="ignore"):  # e^-g = inf for g < -88 gives silu = -0, as it should
         out = np.exp(-g)  # silu(g) = g / (1 + e^-g)
     out += 1.0
@@ -100,11 +81,10 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return mx.array(out)
 
 
-def gelu_approx_glu(gate: mx.array, x: mx.array) -> mx.array:
-    """nn.gelu_approx(gate) * x (Gemma's MLP), the tanh approximation term for term."""
-    if not on_host(gate, x):
-        return nn.gelu_approx(gate) * x
-    g, up = _numpy(gate, x)
+def gelu_glu_host(gate: mx.array, x: mx.array) -> mx.array:
+    """nn.gelu_approx(gate) * x (Gemma's MLP), the tanh approximation term for term, in numpy."""
+    mx.eval(gate, x)
+    g, up = np.asarray(gate), np.asarray(x)
     out = g * g
     out *= 0.044715
     out *= g
@@ -118,27 +98,22 @@ def gelu_approx_glu(gate: mx.array, x: mx.array) -> mx.array:
     return mx.array(out)
 
 
-def _gemma3_mlp_call(self, x: mx.array) -> mx.array:
-    return self.down_proj(gelu_approx_glu(self.gate_proj(x), self.up_proj(x)))
+class Activations:
+    """The gated-MLP activations for one `Backend`: numpy for large float32 blocks, MLX's
+    (mlx-lm's `swiglu`, `nn.gelu_approx`) otherwise."""
 
+    def __init__(self, backend):
+        self.backend = backend
 
-def install() -> None:
-    """Route the families' gated MLP activations through this module (idempotent)."""
-    for module in _MODULES:
-        module.swiglu = swiglu
-    gemma3_text.MLP.__call__ = _gemma3_mlp_call
+    def _host(self, gate: mx.array, x: mx.array) -> bool:
+        return self.backend.host_activation(gate.size) and _float32(gate, x)
 
+    def swiglu(self, gate: mx.array, x: mx.array) -> mx.array:
+        if self._host(gate, x):
+            return swiglu_host(gate, x)
+        return activations.swiglu(gate, x)
 
-@contextlib.contextmanager
-def stock_activations() -> Iterator[None]:
-    """mlx-lm's own activations for the duration (benchmarks of plain mlx-lm use this)."""
-    saved = [module.swiglu for module in _MODULES], gemma3_text.MLP.__call__
-    for module in _MODULES:
-        module.swiglu = _MLX_LM_SWIGLU
-    gemma3_text.MLP.__call__ = _GEMMA3_MLP_CALL
-    try:
-        yield
-    finally:
-        for module, function in zip(_MODULES, saved[0], strict=True):
-            module.swiglu = function
-        gemma3_text.MLP.__call__ = saved[1]
+    def gelu_glu(self, gate: mx.array, x: mx.array) -> mx.array:
+        if self._host(gate, x):
+            return gelu_glu_host(gate, x)
+        return nn.gelu_approx(gate) * x

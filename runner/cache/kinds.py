@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from runner.models.attention import SharedPrefixKV
+from runner.cache.batch import SharedPrefixKV
 
 
 @dataclass
@@ -92,6 +92,10 @@ class Kind:
         the kind keeps no such snapshot (point kinds: a padded batch ran past the row's end)."""
         return None
 
+    def bytes_per_token(self, cache: Any) -> int:
+        """Bytes one more token costs a batched row of this cache (only KV grows)."""
+        return 0
+
 
 class KVKind(Kind):
     name = "kv"
@@ -131,6 +135,11 @@ class KVKind(Kind):
         keys = cache.keys[..., : cache.offset, :]
         values = cache.values[..., : cache.offset, :]
         return SharedPrefixKV(keys, values, batch)
+
+    def bytes_per_token(self, cache: KVCache) -> int:
+        if cache.keys is None or not cache.keys.shape[2]:
+            return 0
+        return 2 * cache.keys.nbytes // (cache.keys.shape[0] * cache.keys.shape[2])
 
     def row_segment(self, cache: KVCache, row: int, start: int, end: int) -> Snap | None:
         if isinstance(cache, SharedPrefixKV):

@@ -2,13 +2,13 @@
 
 A request calls `begin(tokens)`; the cache finds the longest stored prefix, makes the live
 caches hold the longest part of it every cache kind can restore, and hands back a session
-that feeds the rest (`prefill`), records decode tokens (`append`) and stores what it crossed
-(`close`). Scoring and generation each own one `PrefixCache`; a shared `ByteBudget` counts
-both, and each evicts only its own nodes.
+(runner/cache/session.py) that computes the rest and stores what it crossed when it closes.
+Scoring and generation each own one `PrefixCache`; a shared `ByteBudget` counts both, and
+each evicts only its own nodes.
 
 Invariants (each tested in tests/test_prefix_cache.py):
-1. The live caches hold exactly `live_tokens` (every slot at the same offset); nodes on
-   the path of `live_tokens` are the active path.
+1. The live caches hold exactly `live.tokens` (every slot at the same offset; runner/cache/
+   live.py); nodes on the path of `live.tokens` are the active path.
 2. Every non-root node holds, for every edge kind (KV, hidden rows), a snapshot spanning
    exactly its edge; point kinds (sliding window, recurrent) hold states only at node ends.
 3. At least one prompt token is computed at `begin`, except when stored hidden rows cover
@@ -29,7 +29,6 @@ Invariants (each tested in tests/test_prefix_cache.py):
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,40 +36,26 @@ from typing import Any
 import mlx.core as mx
 
 from . import trie
-from .kinds import HIDDEN, HiddenRows, Kind, Snap, kind_of
-from .live import live_arrays
-from .session import PREFILL_CHUNK_TOKENS, CacheSession
+from .budget import ByteBudget
+from .kinds import HIDDEN, Kind, Snap
+from .live import LiveState
+from .session import PREFILL_CHUNK_TOKENS, PrefixSession
 from .trie import Node
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_BYTES = 8 << 30
-BUDGET_ENV = "OLLAMA_MLX_RUNNER_CACHE_BYTES"
 SNAPSHOT_INTERVAL_TOKENS = 8192
-
-
-def budget_from_env(default: int = DEFAULT_BUDGET_BYTES) -> int:
-    value = os.environ.get(BUDGET_ENV, "").strip()
-    return int(value) if value else default
-
-
-class ByteBudget:
-    """One byte limit for every prefix cache of the runner."""
-
-    def __init__(self, limit: int = DEFAULT_BUDGET_BYTES):
-        self.limit = limit
-        self.members: list[PrefixCache] = []
-
-    @property
-    def used(self) -> int:
-        return sum(c.nbytes for c in self.members)
-
-    @property
-    def over(self) -> bool:
-        return self.used > self.limit
+BATCH_TOKENS = 512  # suffix tokens per batched forward, unless the owner says otherwise
 
 
 class PrefixCache:
+    """A trie of snapshots over one `LiveState`; sessions compute, the cache stores.
+
+    `keep_hidden` (scoring) also keeps the final hidden rows, so a prompt stored whole is
+    scored without computing. `chunk_tokens` bounds a prefill forward; `batch_tokens` the
+    suffix tokens of one batched forward (runner/backend: the backend's policy).
+    """
+
     def __init__(
         self,
         model: Any,
@@ -80,6 +65,7 @@ class PrefixCache:
         keep_hidden: bool = False,
         interval: int = SNAPSHOT_INTERVAL_TOKENS,
         chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        batch_tokens: int = BATCH_TOKENS,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.model = model
@@ -88,13 +74,11 @@ class PrefixCache:
         self.budget.members.append(self)
         self.interval = interval
         self.chunk_tokens = chunk_tokens
+        self.batch_tokens = batch_tokens
         self.clock = clock
-        self.caches: list[Any] = model.make_caches()
-        self.hidden = HiddenRows() if keep_hidden else None
-        self.slots: list[Any] = [*self.caches, *([self.hidden] if self.hidden else [])]
-        self.kinds: list[Kind] = [kind_of(c) for c in self.slots]
-        self.root = Node([], 0, None, len(self.slots), clock())
-        self.live_tokens: list[int] = []
+        self.live = LiveState(model, keep_hidden)
+        self.kinds: list[Kind] = list(self.live.kinds)
+        self.root = Node([], 0, None, len(self.kinds), clock())
         self.nbytes = 0
         self.ops = _Ops(self.kinds)
 
@@ -109,6 +93,7 @@ class PrefixCache:
         its hidden row are stored, the session restores all of `tokens` (hidden_row set).
         """
         assert tokens, "a session needs at least one token"
+        self.live.settle()
         path, matched = trie.match(self.root, tokens)
         n = len(tokens)
         stored_row = self.stored_hidden_row(tokens, path, matched)
@@ -130,12 +115,20 @@ class PrefixCache:
             self, tokens, offset, sorted(c for c in captures if c > offset), hidden_row=row
         )
 
+    def last_hidden(
+        self, tokens: list[int], check: Callable[[], None], schedule: Iterable[int] = ()
+    ) -> tuple[mx.array, int]:
+        """The hidden row of `tokens`' last position ([1, H]), stored or computed, and how
+        many tokens were restored instead of computed; `check` raises to cancel."""
+        with self.begin(tokens, schedule) as session:
+            return session.last_hidden(check), session.offset
+
     def stored_hidden_row(
         self, tokens: list[int], path: list[Node] | None = None, matched: int | None = None
     ) -> mx.array | None:
         """The stored final hidden row of the last token when the whole of `tokens` is in the
         trie with hidden rows (scoring's full hit); changes nothing."""
-        if self.hidden is None:
+        if self.live.hidden is None:
             return None
         if path is None or matched is None:
             path, matched = trie.match(self.root, tokens)
@@ -151,7 +144,7 @@ class PrefixCache:
         row i's tokens [start, len) are in row i of the batched caches `batch` and of
         `hidden` [B, L, H]. Edge kinds get their segments; point kinds none (the padded
         batch ran past shorter rows' ends), so these nodes serve full hits and KV restores."""
-        assert self.hidden is not None, "only a cache that keeps hidden rows stores batches"
+        assert self.live.hidden is not None, "only a cache that keeps hidden rows stores batches"
         for i, tokens in enumerate(rows):
             path, matched = trie.match(self.root, tokens)
             if matched >= len(tokens) or matched < start:
@@ -180,17 +173,17 @@ class PrefixCache:
         for node in path[1:]:
             if node.end <= target and all(node.snapshots[i] is not None for i in points):
                 best = max(best, node.end)
-        live = len(self.live_tokens)
-        if best < live <= target and self.live_tokens == tokens[:live]:
+        live = len(self.live.tokens)
+        if best < live <= target and self.live.tokens == tokens[:live]:
             best = live
         return best
 
     def _switch(self, path: list[Node], tokens: list[int], offset: int) -> None:
         """Make the live caches hold tokens[:offset]: rewind where the live state allows,
         page snapshots in where it does not."""
-        live = len(self.live_tokens)
-        shared = trie.common_prefix(self.live_tokens, tokens[:offset]) >= offset
-        for slot, (kind, cache) in enumerate(zip(self.kinds, self.slots, strict=True)):
+        live = len(self.live.tokens)
+        shared = trie.common_prefix(self.live.tokens, tokens[:offset]) >= offset
+        for slot, (kind, cache) in enumerate(zip(self.kinds, self.live.slots, strict=True)):
             if shared and kind.can_rewind(cache, live, offset):
                 kind.rewind(cache, live, offset)
             elif kind.point:
@@ -199,8 +192,8 @@ class PrefixCache:
             else:
                 segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
                 kind.install(cache, segments, offset)
-        self.live_tokens = list(tokens[:offset])
-        mx.eval(*self._live_arrays())
+        self.live.tokens = list(tokens[:offset])
+        mx.eval(*self.live.arrays())
 
     def _touch_landing(self, path: list[Node], offset: int) -> None:
         """LRU: only the node the restore landed in counts as used."""
@@ -210,14 +203,15 @@ class PrefixCache:
                 return
 
     # --- storing what a session computed ------------------------------------------------
-    def _capture(self, user: bool) -> Node | None:
+    def store_live(self) -> Node | None:
         """Store the live state as the node ending at the live offset (creating or
         splitting nodes along the way); returns that node."""
-        offset = len(self.live_tokens)
+        self.live.settle()
+        offset = len(self.live.tokens)
         if offset == 0:
             return None
         now = self.clock()
-        path, matched = trie.match(self.root, self.live_tokens)
+        path, matched = trie.match(self.root, self.live.tokens)
         node = path[-1]
         if matched < offset or node.end > matched:
             if node.end > matched:  # the stored edge goes on past us: cut it here
@@ -226,8 +220,7 @@ class PrefixCache:
                 node = self._add(node, offset)
         for slot, kind in enumerate(self.kinds):
             if kind.point and node.snapshots[slot] is None:
-                self._set(node, slot, kind.capture(self.slots[slot], offset, offset))
-        node.user = node.user or user
+                self._set(node, slot, kind.capture(self.live.slots[slot], offset, offset))
         node.last_used = now
         return node
 
@@ -238,10 +231,10 @@ class PrefixCache:
         return head
 
     def _add(self, parent: Node, end: int) -> Node:
-        child = trie.add_child(parent, self.live_tokens[parent.end : end], self.clock())
+        child = trie.add_child(parent, self.live.tokens[parent.end : end], self.clock())
         for slot, kind in enumerate(self.kinds):
             if not kind.point:
-                self._set(child, slot, kind.capture(self.slots[slot], parent.end, end))
+                self._set(child, slot, kind.capture(self.live.slots[slot], parent.end, end))
         return child
 
     def _set(self, node: Node, slot: int, snap: Snap | None) -> None:
@@ -258,7 +251,7 @@ class PrefixCache:
     # --- eviction -------------------------------------------------------------------------
     def evict(self) -> None:
         while self.budget.over:
-            protected = {id(n) for n in trie.match(self.root, self.live_tokens)[0]}
+            protected = {id(n) for n in trie.match(self.root, self.live.tokens)[0]}
             candidates = [
                 n for n in trie.walk(self.root) if id(n) not in protected and len(n.children) <= 1
             ]
@@ -276,20 +269,6 @@ class PrefixCache:
                 self.nbytes -= before
             log.debug("prefix cache %s evicted [%d,%d)", self.name, victim.start, victim.end)
 
-    # --- live state -----------------------------------------------------------------------
-    def _live_arrays(self) -> list[mx.array]:
-        return live_arrays(self.caches) + (
-            [self.hidden.rows] if self.hidden and self.hidden.rows is not None else []
-        )
-
-    def _reset_live(self) -> None:
-        """After a failed forward some layers may have written and others not."""
-        self.caches = self.model.make_caches()
-        self.slots[: len(self.caches)] = self.caches
-        if self.hidden is not None:
-            self.hidden.reset(0)
-        self.live_tokens = []
-
     def _log(self, what: str, total: int, matched: int, cached: int) -> None:
         log.info(
             "prefix cache %s %s total=%d matched=%d cached=%d left=%d",
@@ -300,67 +279,6 @@ class PrefixCache:
             cached,
             total - cached,
         )
-
-
-class PrefixSession(CacheSession):
-    """One request's use of a PrefixCache (see CacheSession for the contract)."""
-
-    def __init__(
-        self,
-        owner: PrefixCache,
-        tokens: list[int],
-        offset: int,
-        captures: list[int],
-        hidden_row: mx.array | None = None,
-    ):
-        self.owner = owner
-        self.tokens = list(tokens)
-        self.offset = offset
-        self.captures = captures
-        self.hidden_row = hidden_row
-        self.closed = False
-
-    @property
-    def caches(self) -> list[Any]:
-        return self.owner.caches
-
-    def prefill(self, end: int, check: Callable[[], None]) -> mx.array:
-        owner = self.owner
-        fed = len(owner.live_tokens)
-        last: mx.array | None = None
-        while fed < end:
-            check()
-            stop = min(fed + owner.chunk_tokens, end, *(c for c in self.captures if c > fed))
-            try:
-                hidden = owner.model.hidden(mx.array(self.tokens[fed:stop])[None], owner.caches)
-                if owner.hidden is not None:
-                    owner.hidden.append(hidden)
-                last = hidden[0, -1:, :]
-                mx.eval(last, *owner._live_arrays())
-            except BaseException:
-                owner._reset_live()
-                raise
-            owner.live_tokens.extend(self.tokens[fed:stop])
-            fed = stop
-            if fed in self.captures:
-                owner._capture(user=True)
-                owner.evict()
-        assert last is not None, "prefill needs at least one token to feed"
-        return last
-
-    def append(self, token: int) -> None:
-        self.owner.live_tokens.append(token)
-
-    def fail(self) -> None:
-        self.owner._reset_live()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.hidden_row is None:
-            self.owner._capture(user=False)
-            self.owner.evict()
 
 
 class _Ops:

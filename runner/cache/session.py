@@ -1,95 +1,146 @@
-"""A cache session: the live caches one request computes into, and how it feeds a prompt.
+"""A prefix-cache session: one request's forward through the live caches.
 
-This is the interface between the request pipelines (scoring, generation) and the prefix
-cache. `begin(tokens)` on a cache provider returns a session whose caches already hold the
-first `offset` prompt tokens (restored, not computed); the pipeline then calls `prefill` to
-feed the rest, `append` for every token it feeds after the prompt (decode), and `close`
-once (also after a failure or cancellation).
+`PrefixCache.begin(tokens)` returns a session whose live caches already hold the first
+`offset` tokens of `tokens` (restored, not computed). The session is everything a request
+pipeline needs to compute: callers (runner/score.py, runner/generate.py) never touch
+caches, kinds or token bookkeeping.
 
-`FreshSession` is the provider with no memory: every session starts from empty caches.
+- `prefill(end, check)`: feed tokens[offset:end] in chunks (the one prefill loop), cut at
+  the scheduled capture points, storing a node at each; returns the last hidden row.
+- `last_hidden(check)`: the hidden row of the last token, stored or prefilled.
+- `decode(token)`: one decode step, built lazily; returns its hidden row.
+- `forward_rows(suffixes, check)`: rows that continue `tokens` with their own suffixes,
+  computed as padded batches over the live state (one copy of the prefix), stored in the
+  trie; returns each row's last hidden row.
+- `close()`: store what the session computed. As a context manager, an exception other than
+  a cancellation discards the live state instead (a forward may have half-written it).
+
+Contract: `offset <= len(tokens) - 1` unless a stored hidden row covers the whole prompt
+(`hidden_row` is then set and nothing needs computing). `check()` is called before every
+forward and raises to cancel; tokens crossed before a cancellation stay stored (the next
+request resumes there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .live import live_arrays
+from runner.errors import Cancelled
+
+from .batch import broadcast, forward_suffixes
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
 
 PREFILL_CHUNK_TOKENS = 2048
+BATCH_BYTES = 1 << 30  # the batched caches of one forward of rows
 
 
-class CacheSession:
-    """Contract every provider's session keeps.
-
-    - `caches` are the model's live caches (one per layer); they hold exactly the first
-      `offset` tokens of `tokens` after `begin`, and every token fed since afterwards.
-    - `offset` <= len(tokens) - 1 unless a stored hidden row covers the whole prompt
-      (`hidden_row` is then set and nothing needs computing).
-    - `prefill(end, check)` feeds tokens[offset:end] in chunks, calling `check()` before
-      each chunk (it raises to cancel), evaluates the caches after each chunk, and returns
-      the hidden row of the last fed position ([1, H]). Tokens crossed before a failure stay
-      fed and recorded.
-    - `append(token)` records a token the pipeline fed through `caches` itself (decode),
-      after that forward was evaluated. If such a forward raises, call `fail()`: the caches
-      may be half-written and must not be stored.
-    - `close()` stores what the session computed (where a provider remembers anything).
-    """
-
-    tokens: list[int]
-    caches: list[Any]
-    offset: int
-    hidden_row: mx.array | None = None
-
-    def prefill(self, end: int, check: Callable[[], None]) -> mx.array:
-        raise NotImplementedError
-
-    def append(self, token: int) -> None:
-        raise NotImplementedError
-
-    def fail(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class FreshSession(CacheSession):
-    """Empty caches, nothing remembered: the baseline every prefix cache must equal."""
-
-    def __init__(self, model: Any, tokens: list[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS):
-        self.model = model
+class PrefixSession:
+    def __init__(
+        self,
+        owner: PrefixCache,
+        tokens: list[int],
+        offset: int,
+        captures: list[int],
+        hidden_row: mx.array | None = None,
+    ):
+        self.owner = owner
         self.tokens = list(tokens)
-        self.caches = model.make_caches()
-        self.offset = 0
-        self.fed = 0
-        self.chunk_tokens = chunk_tokens
+        self.offset = offset
+        self.captures = captures
+        self.hidden_row = hidden_row
+        self.closed = False
 
+    def __enter__(self) -> PrefixSession:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if kind is None or issubclass(kind, Cancelled | GeneratorExit):
+            self.close()
+        else:
+            self.fail()
+
+    # --- computing --------------------------------------------------------------------
     def prefill(self, end: int, check: Callable[[], None]) -> mx.array:
+        live, owner = self.owner.live, self.owner
+        fed = len(live.tokens)
         last: mx.array | None = None
-        while self.fed < end:
+        while fed < end:
             check()
-            n = min(self.chunk_tokens, end - self.fed)
-            chunk = mx.array(self.tokens[self.fed : self.fed + n], dtype=mx.int32)[None]
-            last = self.model.hidden(chunk, self.caches)[0, -1:, :]
-            mx.eval(last, *live_arrays(self.caches))
-            self.fed += n
-        assert last is not None, "prefill needs at least one token"
+            stop = min(fed + owner.chunk_tokens, end, *(c for c in self.captures if c > fed))
+            last = live.feed(self.tokens[fed:stop])[0, -1:, :]
+            fed = stop
+            if fed in self.captures:
+                owner.store_live()
+                owner.evict()
+        assert last is not None, "prefill needs at least one token to feed"
         return last
 
-    def append(self, token: int) -> None:
-        self.tokens.append(token)
-        self.fed += 1
+    def last_hidden(self, check: Callable[[], None]) -> mx.array:
+        if self.hidden_row is not None:
+            return self.hidden_row
+        return self.prefill(len(self.tokens), check)
+
+    def decode(self, token: int | mx.array) -> mx.array:
+        """The hidden row [1, H] of one more token after what the caches hold (lazy: the
+        caller evaluates, and may build the next step before reading this one)."""
+        return self.owner.live.step(token)
+
+    def forward_rows(self, suffixes: list[list[int]], check: Callable[[], None]) -> list[mx.array]:
+        """Each suffix's last hidden row [1, H], the rows computed as batches over the live
+        state, which must hold all of `tokens` (their shared prefix); suffixes are not empty.
+        Every row is stored in the trie (edge kinds; point kinds cannot describe a padded
+        row's end)."""
+        owner, live = self.owner, self.owner.live
+        prefix = len(self.tokens)
+        assert live.tokens == self.tokens, "the live state must hold the whole prefix"
+        assert all(suffixes), "every row continues the prefix"
+        owner.store_live()  # rows are stored below the prefix's node
+        out: list[mx.array | None] = [None] * len(suffixes)
+        order = sorted(range(len(suffixes)), key=lambda i: len(suffixes[i]))  # pad little
+        kinds = live.kinds[: len(live.caches)]
+        per_token = sum(k.bytes_per_token(c) for k, c in zip(kinds, live.caches, strict=True))
+        begin = 0
+        while begin < len(order):
+            check()
+            width = len(suffixes[order[-1]])
+            # Per row: its own K/V (the prefix is shared) and the attention scores over the
+            # prefix, for a generous 32 query heads.
+            per_row = per_token * width + 12 * 32 * width * prefix
+            size = max(1, min(BATCH_BYTES // max(1, per_row), owner.batch_tokens // width))
+            chunk = order[begin : begin + size]
+            batch = broadcast(kinds, live.caches, len(chunk))
+            hidden = forward_suffixes(owner.model, batch, [suffixes[i] for i in chunk])
+            for j, i in enumerate(chunk):
+                n = len(suffixes[i])
+                out[i] = hidden[j, n - 1 : n, :]
+            mx.eval(*(out[i] for i in chunk))
+            owner.store_rows([self.tokens + suffixes[i] for i in chunk], prefix, batch, hidden)
+            begin += size
+        assert all(row is not None for row in out)
+        return out  # type: ignore[return-value]
+
+    # --- ending -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Store what the session computed (the live state as a node); once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.hidden_row is None:  # else nothing was computed
+            self.owner.store_live()
+            self.owner.evict()
 
     def fail(self) -> None:
-        self.caches = []
-
-    def close(self) -> None:
-        self.caches = []
-
-
-def fresh_sessions(model: Any) -> Callable[..., CacheSession]:
-    """A provider with the PrefixCache.begin signature that remembers nothing."""
-    return lambda tokens, schedule=(): FreshSession(model, tokens)
+        """A forward failed: the live caches may be half-written; store nothing."""
+        self.closed = True
+        self.owner.live.reset()

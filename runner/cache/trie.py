@@ -27,7 +27,7 @@ class SnapshotOps(Protocol):
 
 
 class Node:
-    __slots__ = ("children", "end", "last_used", "parent", "snapshots", "tokens", "user")
+    __slots__ = ("children", "end", "last_used", "parent", "snapshots", "tokens")
 
     def __init__(self, tokens: list[int], end: int, parent: Node | None, slots: int, now: float):
         self.tokens = tokens
@@ -36,14 +36,13 @@ class Node:
         self.children: dict[int, Node] = {}
         self.snapshots: list[Any] = [None] * slots
         self.last_used = now
-        self.user = False  # an explicit restore point: never merged away by compaction
 
     @property
     def start(self) -> int:
         return self.end - len(self.tokens)
 
     def __repr__(self) -> str:
-        return f"Node([{self.start},{self.end}) children={len(self.children)} user={self.user})"
+        return f"Node([{self.start},{self.end}) children={len(self.children)})"
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -76,7 +75,7 @@ def match(root: Node, tokens: Sequence[int]) -> tuple[list[Node], int]:
 def split(node: Node, at: int, ops: SnapshotOps) -> Node:
     """Cut `node`'s edge at absolute offset `at` (start < at < end); returns the new parent.
 
-    The new parent is not a user node; the child keeps its flag and its end-of-edge states.
+    The child keeps its end-of-edge states; the new parent gets the edge kinds' heads.
     """
     assert node.parent is not None and node.start < at < node.end
     k = at - node.start
@@ -101,7 +100,7 @@ def add_child(parent: Node, tokens: list[int], now: float) -> Node:
 
 def merge_with_child(node: Node, ops: SnapshotOps) -> Node:
     """Fold a single-child interior node into its child; returns the child (which now
-    spans both edges, keeps its own flag, and the more recent use)."""
+    spans both edges and keeps the more recent use)."""
     assert node.parent is not None and len(node.children) == 1
     (child,) = node.children.values()
     for slot, (mine, theirs) in enumerate(zip(node.snapshots, child.snapshots, strict=True)):

@@ -24,19 +24,11 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from runner.models.llama import (
-    SLIDING,
-    DecoderModel,
-    add_attention_bias,
-    hf_rope_parameters,
-    mlx_rope,
-    require,
-    run_layers,
-)
+from runner.backend.install import Kernels
+from runner.models.config import FULL, SLIDING, hf_rope_parameters, mlx_rope, require
+from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
 from runner.models.registry import register
 from runner.source import ModelLoadError
-
-FULL = "full_attention"
 
 # transformers 5 Gemma3TextConfig defaults, where mlx-lm's differ or are missing.
 GEMMA3_DEFAULTS: dict[str, Any] = {
@@ -112,6 +104,7 @@ class _Model(gemma3_text.Model):
 @register("Gemma3ForCausalLM", "gemma3_text")
 class Gemma3(DecoderModel):
     DEFAULT_CONTEXT = 131072
+    KERNELS = Kernels(attention=(gemma3_text.Attention,), gelu_glu=(gemma3_text.MLP,))
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:

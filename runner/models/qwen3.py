@@ -13,15 +13,9 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from runner.models.llama import (
-    SLIDING,
-    DecoderModel,
-    add_attention_bias,
-    hf_rope_parameters,
-    mlx_rope,
-    require,
-    run_layers,
-)
+from runner.backend.install import Kernels
+from runner.models.config import SLIDING, hf_rope_parameters, mlx_rope, require
+from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
 from runner.models.registry import register
 
 # transformers 5 Qwen3Config defaults for keys mlx-lm requires or reads differently.
@@ -67,6 +61,7 @@ class _Model(qwen3.Model):
 @register("Qwen3ForCausalLM", "qwen3")
 class Qwen3(DecoderModel):
     DEFAULT_CONTEXT = 32768
+    KERNELS = Kernels(attention=(qwen3.Attention,), swiglu=(qwen3.MLP,))
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:

@@ -22,11 +22,13 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 
-from runner.models.llama import DecoderModel, hf_rope_parameters, require
+from runner.backend.install import Kernels
+from runner.models.config import FULL, hf_rope_parameters, require
+from runner.models.decoder import DecoderModel
 from runner.models.registry import register
 from runner.source import ModelLoadError
 
-FULL, LINEAR = "full_attention", "linear_attention"
+LINEAR = "linear_attention"
 
 # transformers 5 Qwen3_5TextConfig defaults, where mlx-lm's differ.
 QWEN3_5_DEFAULTS: dict[str, Any] = {
@@ -68,6 +70,7 @@ def _rebuild_layers(module: nn.Module, args: qwen3_5.TextModelArgs, kinds: list[
 @register("Qwen3_5ForCausalLM", "qwen3_5_text")
 class Qwen3_5(DecoderModel):
     DEFAULT_CONTEXT = 32768
+    KERNELS = Kernels(attention=(qwen3_5.Attention,), swiglu=(qwen3_5.MLP,))
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:

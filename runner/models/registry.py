@@ -1,4 +1,4 @@
-"""Architecture name -> model family, and `build_model`: a `ModelSource` -> a ready `RunnerModel`.
+"""Architecture name -> model family, and `build_model`: a `ModelSource` -> a ready `Model`.
 
 Families register themselves (runner/models/<family>.py) under their `architectures[0]` names
 and their `model_type`; a name is registered once. A config is looked up by `architectures[0]`,
@@ -8,10 +8,13 @@ or by `model_type` when it has no `architectures`.
 the config, `sanitize`, quantize the layers the weights say are quantized, load strictly,
 evaluate), with the family's config translation in front (see the family modules: transformers
 5 is the reference for what a config means) and every failure reported as a `ModelLoadError`.
+Then the backend's kernels go onto the loaded instances (runner/backend/install.py) and the
+batched-rows check runs on the model (runner/cache/batch.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -20,19 +23,26 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import infer_quant_config
 
-from runner.models import cpu_gemv
-from runner.models.base import RunnerModel
+from runner.backend import Backend
+from runner.backend.install import Kernels, install
+from runner.cache.batch import verify_batched_rows
+from runner.models.base import Model
 from runner.source import ModelLoadError, ModelSource
+
+log = logging.getLogger(__name__)
 
 
 class ModelFamily(Protocol):
-    """What a registered class provides: the mlx-lm module for a config, and the adapter."""
+    """What a registered class provides: the mlx-lm module for a config, the kernels its
+    mlx-lm classes take, and the adapter."""
+
+    KERNELS: Kernels
 
     def build_module(self, config: dict[str, Any]) -> nn.Module: ...
 
     def __call__(
-        self, module: nn.Module, config: dict[str, Any], architecture: str
-    ) -> RunnerModel: ...
+        self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
+    ) -> Model: ...
 
 
 F = TypeVar("F", bound=ModelFamily)
@@ -71,8 +81,11 @@ def resolve_architecture(config: dict[str, Any]) -> tuple[str, ModelFamily]:
     return name, family
 
 
-def build_model(source: ModelSource, dtype: mx.Dtype | None = None) -> RunnerModel:
-    """Build, quantize and load the model in `source`; cast floating weights to `dtype`."""
+def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
+    """Build, quantize and load the model in `source` for `backend` (default: the one MLX
+    runs on): weights cast to its compute dtype, its kernels installed. Run on the MLX
+    thread."""
+    backend = Backend.for_device() if backend is None else backend
     architecture, family = resolve_architecture(source.config)
     try:
         module = family.build_module(source.config)
@@ -86,12 +99,14 @@ def build_model(source: ModelSource, dtype: mx.Dtype | None = None) -> RunnerMod
     module.eval()  # before loading, as mlx-lm does (some layers pick kernels by `training`)
     _check_weights(module, weights, architecture)
     module.load_weights(list(weights.items()), strict=True)
-    if dtype is not None:
-        _cast(module, dtype)
+    if backend.compute_dtype is not None:
+        _cast(module, backend.compute_dtype)
     mx.eval(module.parameters())
-    if mx.default_device() == mx.cpu:
-        cpu_gemv.install(module)  # one-row (decode) products through numpy's gemv
-    return family(module, source.config, architecture)
+    counts = install(module, family.KERNELS, backend)
+    log.debug("kernels for backend %s: %s", backend.name, counts)
+    model = family(module, source.config, architecture, backend)
+    verify_batched_rows(model)
+    return model
 
 
 def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dict) -> None:
@@ -110,8 +125,8 @@ def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dic
 
     nn.quantize(
         module,
-        group_size=quantization.get("group_size"),
-        bits=quantization.get("bits"),
+        group_size=quantization.get("group_size"),  # type: ignore[arg-type]  # per layer
+        bits=quantization.get("bits"),  # type: ignore[arg-type]
         mode=quantization.get("mode", "affine"),
         class_predicate=class_predicate,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.demo import DECISIONS
+from tools.demo import DECISIONS
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden" / "default_model.json"
 LONG_PROMPT = (
@@ -42,11 +42,11 @@ def reference_rows(model_dir: Path, rows: list[dict], tokenizer) -> list[dict]:
 
 
 def main() -> None:
-    from runner.default_model import resolve_default_model
     from runner.loader import load_model_source
     from runner.tokenizer import Tokenizer
+    from tools.default_model import prepare_default_model
 
-    model_dir = resolve_default_model()
+    model_dir = prepare_default_model()
     source = load_model_source(str(model_dir))
     tokenizer = Tokenizer(source.tokenizer_json, tokenizer_config=source.tokenizer_config)
     rows = reference_rows(model_dir, rows_spec(), tokenizer)

@@ -1,0 +1,111 @@
+"""The backend layer: every decision that depends on which MLX backend runs, made in one place.
+
+MLX runs on Metal (Apple Silicon), CUDA, or its CPU backend. On Metal and CUDA the runner
+uses MLX as it is. On the CPU backend several of MLX's paths are slow in ways that are
+measured (docs/DESIGN.md §4 has the figures), and the runner computes them another way:
+
+- float32 compute: bfloat16/float16 matmuls have no fast CPU kernel (5.6 vs 200 GFLOP/s);
+- attention softmax numerators and gated-MLP activations through numpy's SIMD ufuncs
+  (MLX's CPU exp/sigmoid/tanh are scalar), for blocks large enough to pay for leaving MLX's
+  lazy graph (`backend.host`);
+- causal attention in query blocks that skip the keys the mask hides (`backend.attention`);
+- one-row products (decode) through numpy's gemv (`backend.gemv`);
+- narrower batches of scoring rows (wide ones fall out of the CPU's caches).
+
+A `Backend` is a frozen value: the policy for one backend, with every threshold. The runner
+builds one at load (`Backend.for_device`) and installs the kernels it asks for on the model
+instances it loads (`backend.install`); nothing is rebound in mlx-lm's modules, so a program
+that imports `runner` and uses mlx-lm itself gets stock mlx-lm. Tests build other policies
+(every block through numpy, the GPU softmax on a CPU) by replacing fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The policy for one MLX backend.
+
+    Thresholds count elements (or query rows) of the block an op works on; `None` means
+    never. Every field is read by exactly one kernel or caller, named in its comment.
+    """
+
+    name: str
+    # float32 on the CPU (as stored elsewhere); service.Runner.load casts weights to it.
+    compute_dtype: mx.Dtype | None
+    # backend.attention: score blocks of at least this many elements get their softmax
+    # numerators from numpy in place; smaller ones (and every block when None) from MLX.
+    host_softmax_min_elements: int | None
+    # backend.attention: causal attention of at least this many queries runs in query blocks
+    # of `causal_query_block`; fewer queries (and every call when None) use MLX's fused call.
+    blocked_causal_min_queries: int | None
+    causal_query_block: int
+    # backend.host: SwiGLU / GELU-GLU blocks of at least this many elements run in numpy.
+    host_activation_min_elements: int | None
+    # backend.gemv: one-row float32 products (decode steps) through numpy's gemv.
+    gemv: bool
+    # cache.session: suffix tokens per batched scoring forward.
+    batch_tokens: int
+
+    @classmethod
+    def cpu(cls) -> Backend:
+        return cls(
+            name="cpu",
+            compute_dtype=mx.float32,
+            host_softmax_min_elements=0,
+            blocked_causal_min_queries=16,  # below this (decode) the fused call's fewer ops win
+            causal_query_block=128,  # L=1024: 64 or 512 are slower (docs/DESIGN.md §4)
+            host_activation_min_elements=1 << 15,
+            gemv=True,
+            # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
+            # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
+            batch_tokens=512,
+        )
+
+    @classmethod
+    def gpu(cls) -> Backend:
+        return cls(
+            name="gpu",
+            compute_dtype=None,
+            host_softmax_min_elements=None,
+            blocked_causal_min_queries=None,
+            causal_query_block=128,
+            host_activation_min_elements=None,
+            gemv=False,
+            batch_tokens=8192,  # GPUs want wide batches
+        )
+
+    @classmethod
+    def for_device(cls, device: mx.Device | None = None) -> Backend:
+        """The policy for `device` (default: MLX's default device)."""
+        device = mx.default_device() if device is None else device
+        return cls.cpu() if device == mx.cpu else cls.gpu()
+
+    def replace(self, **changes: object) -> Backend:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def on_host(self) -> bool:
+        """Whether any kernel here leaves MLX for numpy (the CPU backend's policies)."""
+        return (
+            self.host_softmax_min_elements is not None
+            or self.host_activation_min_elements is not None
+            or self.gemv
+        )
+
+    def host_softmax(self, elements: int) -> bool:
+        limit = self.host_softmax_min_elements
+        return limit is not None and elements >= limit
+
+    def host_activation(self, elements: int) -> bool:
+        limit = self.host_activation_min_elements
+        return limit is not None and elements >= limit
+
+    def blocked_causal(self, queries: int) -> bool:
+        limit = self.blocked_causal_min_queries
+        return limit is not None and queries >= limit

@@ -1,0 +1,119 @@
+"""`DecoderModel`: the adapter every family here extends, and the pieces families share.
+
+A decoder-only mlx-lm `Model` has `.model` (embeddings, layers, final norm) and a head,
+`lm_head` or the tied `embed_tokens`. `DecoderModel` implements the required `Model`
+contract and `CandidateUnembedder` (runner/models/base.py) over it: `hidden` is the inner
+model's output, `unembed` the head with the family's `postprocess`, and
+`unembed_candidates` gathers only the requested rows of the head (dequantizing only those).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+
+from runner.backend import Backend, gemv
+from runner.backend.install import Kernels
+from runner.models.config import SLIDING
+
+
+def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
+    """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows."""
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        scales, biases = layer["scales"][ids], layer.get("biases")
+        if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32
+            scales = scales.astype(mx.float32)
+        if biases is not None:
+            biases = biases[ids].astype(mx.float32)
+        rows = mx.dequantize(
+            layer["weight"][ids],
+            scales=scales,
+            biases=biases,
+            group_size=layer.group_size,
+            bits=layer.bits,
+            mode=layer.mode,
+        )
+        return rows.astype(mx.float32)
+    return layer["weight"][ids].astype(mx.float32)
+
+
+def run_layers(
+    layers: list[Any], kinds: list[str], h: mx.array, cache: list[Any] | None, window: int | None
+) -> mx.array:
+    """Run decoder layers with one attention mask per layer kind (full or sliding)."""
+    cache = cache or [None] * len(layers)
+    masks: dict[str, Any] = {}
+    for kind, c in zip(kinds, cache, strict=True):
+        if kind not in masks:
+            size = window if kind == SLIDING else None
+            masks[kind] = create_attention_mask(h, c, window_size=size)
+    for layer, kind, c in zip(layers, kinds, cache, strict=True):
+        h = layer(h, masks[kind], c)
+    return h
+
+
+def add_attention_bias(layers: list[Any]) -> None:
+    """Give q/k/v/o biases, as transformers does for `attention_bias`, where mlx-lm has none."""
+    for layer in layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out_dims, in_dims = getattr(attn, name).weight.shape
+            setattr(attn, name, nn.Linear(in_dims, out_dims, bias=True))
+
+
+class DecoderModel:
+    """A decoder-only mlx-lm `Model` with `.model` (embed, layers, final norm) and a head.
+
+    Families subclass it with `build_module` (the mlx-lm module for a transformers config),
+    `KERNELS` (which of its mlx-lm classes get the backend's kernels) and, where the family
+    post-processes logits, `postprocess`.
+    """
+
+    DEFAULT_CONTEXT = 2048  # transformers' max_position_embeddings default for the family
+    KERNELS: ClassVar[Kernels] = Kernels()
+
+    @classmethod
+    def build_module(cls, config: dict[str, Any]) -> nn.Module:
+        raise NotImplementedError
+
+    def __init__(
+        self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
+    ):
+        self.module = module
+        self.config = config
+        self.architecture = architecture
+        self.backend = backend
+        self._tied = "lm_head" not in module
+        self._head = module.model.embed_tokens if self._tied else module.lm_head
+        self.context_length = int(config.get("max_position_embeddings") or self.DEFAULT_CONTEXT)
+        self.vocab_size = int(self._head["weight"].shape[0])
+
+    def make_caches(self) -> list[Any]:
+        return make_prompt_cache(self.module)
+
+    def hidden(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        return self.module.model(tokens, cache=caches)
+
+    def postprocess(self, logits: mx.array) -> mx.array:
+        """Element-wise logit post-processing (soft-capping, ...); identity here."""
+        return logits
+
+    def unembed(self, hidden: mx.array) -> mx.array:
+        head = self._head
+        if not self._tied:
+            logits = head(hidden)  # a GemvLinear where the backend asks for gemv
+        elif self.backend.gemv and gemv.one_row(hidden, head.weight):  # a decode step
+            logits = gemv.matvec(hidden, head.weight)
+        else:
+            logits = head.as_linear(hidden)
+        return self.postprocess(logits)
+
+    def unembed_candidates(self, hidden: mx.array, ids: mx.array) -> mx.array:
+        logits = hidden.astype(mx.float32) @ gather_rows(self._head, ids).T
+        if not self._tied and "bias" in self._head:
+            logits = logits + self._head["bias"][ids].astype(mx.float32)
+        return self.postprocess(logits)

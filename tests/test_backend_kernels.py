@@ -1,0 +1,182 @@
+"""The backend's kernels equal MLX's own computations, and run only where the policy says.
+
+Attention (the batched shared-prefix path and the CPU's blocked causal path, each with the
+softmax from numpy and from MLX), numpy's softmax numerators and gated activations, and
+one-row products through numpy's gemv.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import activations
+
+from runner.backend import Backend, gemv, host
+from runner.backend.attention import Attention
+from runner.cache.batch import SharedPrefixKV
+
+CPU = Backend.cpu()
+# The MLX softmax branch (what Metal and CUDA run), exercised on this CPU.
+MLX_SOFTMAX = CPU.replace(host_softmax_min_elements=None)
+SOFTMAX_POLICIES = pytest.mark.parametrize(
+    "backend", [CPU, MLX_SOFTMAX], ids=["numpy-softmax", "mlx-softmax"]
+)
+
+
+def fused(q, k, v, scale, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+@SOFTMAX_POLICIES
+@pytest.mark.parametrize(("n", "past"), [(16, 0), (300, 0), (600, 40), (20, 700)])
+@pytest.mark.parametrize("mask", ["causal", None])
+def test_blocked_causal_attention_equals_fused(backend, n, past, mask):
+    rng = np.random.default_rng(n + past)
+    q = mx.array(rng.standard_normal((1, 8, n, 32)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, past + n, 32)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, past + n, 32)).astype(np.float32))
+    ours = Attention(backend)._blocked_causal(q, k, v, 32**-0.5, causal=mask is not None)
+    assert np.abs(np.array(ours) - np.array(fused(q, k, v, 32**-0.5, mask))).max() < 1e-5
+
+
+@SOFTMAX_POLICIES
+def test_shared_prefix_attention_equals_attention_over_a_full_copy(backend):
+    rng = np.random.default_rng(0)
+    b, n, p = 3, 5, 40
+    prefix_k = mx.array(rng.standard_normal((1, 2, p, 16)).astype(np.float32))
+    prefix_v = mx.array(rng.standard_normal((1, 2, p, 16)).astype(np.float32))
+    cache = SharedPrefixKV(prefix_k, prefix_v, b)
+    k = mx.array(rng.standard_normal((b, 2, n, 16)).astype(np.float32))
+    v = mx.array(rng.standard_normal((b, 2, n, 16)).astype(np.float32))
+    keys, values = cache.update_and_fetch(k, v)
+    assert cache.offset == p + n
+    q = mx.array(rng.standard_normal((b, 6, n, 16)).astype(np.float32))
+    ours = Attention(backend)(q, keys, values, cache, 0.25, "causal")
+    full_k, full_v = cache.materialise(keys, values)
+    expected = fused(q, full_k, full_v, 0.25, "causal")
+    assert np.abs(np.array(ours) - np.array(expected)).max() < 1e-5
+
+
+def test_gpu_policy_hands_plain_attention_to_mlx_lm(monkeypatch):
+    from mlx_lm.models import base
+
+    calls = []
+    stock = base.scaled_dot_product_attention
+    monkeypatch.setattr(
+        base, "scaled_dot_product_attention", lambda *a: calls.append(1) or stock(*a)
+    )
+    q = k = v = mx.ones((1, 2, 32, 8))
+    Attention(Backend.gpu())(q, k, v, None, 0.3, "causal")
+    assert calls == [1]
+    Attention(CPU)(q, k, v, None, 0.3, "causal")  # 32 queries: blocked on the CPU
+    assert calls == [1]
+
+
+# --- numpy kernels ------------------------------------------------------------------------
+
+
+def test_softmax_numerators_in_place_over_two_parts_with_a_mask():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 3, 5, 40)).astype(np.float32) * 20
+    b = rng.standard_normal((2, 3, 5, 7)).astype(np.float32) * 20
+    hidden = np.arange(7)[None, :] > (2 + np.arange(5))[:, None]  # causal over the last 5 of 7
+    joint = np.concatenate([a, np.where(hidden, -np.inf, b)], axis=-1).astype(np.float64)
+    expected = np.exp2(joint - joint.max(axis=-1, keepdims=True))
+    pa, pb = a.copy(), b.copy()
+    total = host.exp2_softmax_inplace([pa, pb], [None, hidden])
+    got = np.concatenate([pa, pb], axis=-1)
+    assert (pb[..., hidden] == 0).all()
+    # float32 x - m rounds at ~1e-6 relative to |x| <= 80, hence the 2e-5
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-30)
+    np.testing.assert_allclose(total[..., 0], expected.sum(axis=-1), rtol=1e-6)
+
+
+def test_empty_parts_are_ignored():
+    part = np.array([[0.0, 1.0]], dtype=np.float32)
+    total = host.exp2_softmax_inplace([part[:, :0], part], [None, None])
+    np.testing.assert_allclose(part, [[0.5, 1.0]])
+    np.testing.assert_allclose(total, [[1.5]])
+
+
+def test_host_views_write_through_to_the_mlx_array():
+    fresh = mx.ones((4, 8)) @ mx.ones((8, 16))
+    (view,) = host.host_views(fresh)
+    view *= 0.5
+    assert np.array(fresh).max() == 4.0  # 8 * 0.5: MLX reads the rewritten memory
+
+
+def test_swiglu_equals_mlx_lm_on_extremes_and_strided_input():
+    rng = np.random.default_rng(1)
+    gate = rng.standard_normal((2, 9, 64)).astype(np.float32) * 8
+    gate[0, 0, :4] = [-200.0, -90.0, 90.0, 0.0]
+    up = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    # A transposed (non-contiguous) gate must be read through its strides.
+    g = mx.array(gate.transpose(1, 0, 2).copy()).transpose(1, 0, 2)
+    ours = np.array(host.swiglu_host(g, mx.array(up)))
+    expected = np.array(activations.swiglu(mx.array(gate), mx.array(up)))
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_glu_equals_mlx():
+    rng = np.random.default_rng(2)
+    gate = rng.standard_normal((3, 70)).astype(np.float32) * 6
+    gate[0, :3] = [-50.0, 50.0, 0.0]
+    up = rng.standard_normal((3, 70)).astype(np.float32)
+    ours = np.array(host.gelu_glu_host(mx.array(gate), mx.array(up)))
+    expected = np.array(nn.gelu_approx(mx.array(gate)) * mx.array(up))
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_activations_leave_mlx_only_for_large_float32_blocks(monkeypatch):
+    crossed = []
+    for name in ("swiglu_host", "gelu_glu_host"):
+        monkeypatch.setattr(host, name, lambda *a, n=name: crossed.append(n) or a[0])
+    limit = CPU.host_activation_min_elements
+    assert limit
+    act = host.Activations(CPU)
+    small = mx.ones((1, 1, 64))
+    act.swiglu(small, small)
+    act.gelu_glu(small, small)
+    big16 = mx.ones((1, 8, limit // 8), dtype=mx.bfloat16)
+    act.swiglu(big16, big16)
+    host.Activations(Backend.gpu()).swiglu(mx.ones((1, 8, limit)), mx.ones((1, 8, limit)))
+    assert crossed == []
+    big = mx.ones((1, 8, limit // 8))
+    act.swiglu(big, big)
+    act.gelu_glu(big, big)
+    assert crossed == ["swiglu_host", "gelu_glu_host"]
+
+
+# --- gemv ---------------------------------------------------------------------------------
+
+
+def test_matvec_equals_mlx_with_and_without_bias():
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((300, 64)).astype(np.float32))
+    b = mx.array(rng.standard_normal(300).astype(np.float32))
+    x = mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32))
+    got = gemv.matvec(x, w, b)
+    assert got.shape == (1, 1, 300)
+    np.testing.assert_allclose(np.array(got), np.array(x @ w.T + b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(gemv.matvec(x, w)), np.array(x @ w.T), atol=1e-5)
+
+
+def test_gemv_linear_takes_only_one_float32_row(monkeypatch):
+    layer = nn.Linear(32, 48)
+    mx.eval(layer.parameters())
+    plain = {"one": mx.ones((1, 1, 32)), "rows": mx.ones((1, 3, 32))}
+    expected = {k: layer(v) for k, v in plain.items()}
+    assert gemv.install(layer) == 1 and isinstance(layer, gemv.GemvLinear)
+    calls = []
+    matvec = gemv.matvec
+    monkeypatch.setattr(gemv, "matvec", lambda *a: calls.append(a[0].shape) or matvec(*a))
+    for key, x in plain.items():
+        np.testing.assert_allclose(np.array(layer(x)), np.array(expected[key]), atol=1e-5)
+    assert calls == [(1, 1, 32)]
+    assert not gemv.one_row(mx.ones((1, 32), dtype=mx.bfloat16), layer.weight)

@@ -1,0 +1,143 @@
+"""The model contract and the backend layer: capabilities are dispatched, kernels live only on
+the runner's own instances, and a batched path that would score wrongly refuses to load."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import activations, base, gemma3_text, llama, qwen3, qwen3_5, qwen3_next
+from mlx_lm.utils import load_model
+
+from runner.backend import Backend, install
+from runner.cache.prefix_cache import PrefixCache
+from runner.models import CachedScorer, CandidateUnembedder, Model
+from runner.score import Row, Scorer
+from runner.source import ModelLoadError
+from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, score_uncached, write_tiny_model
+
+# --- nothing in mlx-lm is rebound ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_loading_leaves_mlx_lm_modules_stock(tmp_path, arch):
+    model = load_tiny_model(arch, tmp_path / arch)
+    stock_attention = base.scaled_dot_product_attention
+    for module in (llama, qwen3, gemma3_text, qwen3_next):
+        assert module.scaled_dot_product_attention is stock_attention
+    for module in (llama, qwen3, qwen3_next):
+        assert module.swiglu is activations.swiglu
+    for cls in (llama.Attention, qwen3.Attention, gemma3_text.Attention, qwen3_5.Attention):
+        assert cls.__call__.__globals__["scaled_dot_product_attention"] is stock_attention
+    assert gemma3_text.MLP.__call__.__module__ == "mlx_lm.models.gemma3_text"
+    # ...while the runner's own instances carry its kernels, as subclasses of mlx-lm's.
+    attention_layers = [m for _, m in model.module.named_modules() if getattr(m, "kernel", None)]
+    assert any(m.kernel == "attention" for m in attention_layers)
+    assert all(type(m).__mro__[1].__module__.startswith("mlx_lm.") for m in attention_layers)
+
+
+STOCK_SCRIPT = """
+import sys, pathlib, mlx.core as mx, numpy as np
+from mlx_lm.utils import load_model
+model, _ = load_model(pathlib.Path(sys.argv[1]))
+np.save(sys.argv[2], np.array(model(mx.array([TOKENS]))[0, -1]))
+"""
+TOKENS = [5, 17, 42, 99, 23, 8, 61, 7, 19, 33, 71, 12, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_plain_mlx_lm_model_in_the_same_process_computes_stock_results(tmp_path):
+    """mlx-lm's own model, loaded beside ours, runs mlx-lm's classes and gives what it gives
+    in a process that never imported the runner."""
+    import subprocess
+    import sys
+
+    path = write_tiny_model("LlamaForCausalLM", tmp_path / "llama")
+    load_tiny_model("LlamaForCausalLM", tmp_path / "ours")
+    plain, _ = load_model(path)
+    assert all(type(layer.self_attn) is llama.Attention for layer in plain.model.layers)
+    assert all(type(layer.mlp) is llama.MLP for layer in plain.model.layers)
+    here = np.array(plain(mx.array([TOKENS]))[0, -1])
+    script = STOCK_SCRIPT.replace("TOKENS", repr(TOKENS))
+    out = tmp_path / "stock.npy"
+    subprocess.run([sys.executable, "-c", script, str(path), str(out)], check=True, timeout=120)
+    np.testing.assert_array_equal(here, np.load(out))
+
+
+# --- the batched path is checked at load ----------------------------------------------------
+
+
+def test_a_broken_batched_attention_install_fails_the_load(tmp_path, monkeypatch):
+    """With mlx-lm's own attention on the layers, rows batched over a shared prefix attend to
+    their suffixes alone: the load must refuse rather than score wrongly."""
+
+    class Stock:
+        def __init__(self, backend):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            return base.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(install, "Attention", Stock)
+    with pytest.raises(ModelLoadError, match="rows batched over a shared prefix differ"):
+        load_tiny_model("LlamaForCausalLM", tmp_path / "llama")
+
+
+def test_a_family_whose_mlx_lm_class_no_longer_calls_attention_fails_the_load(tmp_path):
+    class Moved(nn.Module):
+        def __call__(self, x):
+            return x
+
+    kernels = install.Kernels(attention=(Moved,))
+    with pytest.raises(ModelLoadError, match="no longer calls scaled_dot_product_attention"):
+        install.install(nn.Sequential(Moved()), kernels, Backend.cpu())
+
+
+def test_gpu_policy_installs_attention_only(tmp_path):
+    model = load_tiny_model("LlamaForCausalLM", tmp_path / "llama", backend=Backend.gpu())
+    kinds = {getattr(m, "kernel", None) for _, m in model.module.named_modules()}
+    assert "attention" in kinds and "swiglu" not in kinds
+    assert not any(type(m).__name__ == "GemvLinear" for _, m in model.module.named_modules())
+
+
+# --- capabilities -----------------------------------------------------------------------------
+
+
+class WithoutCandidateRows:
+    """A model offering only the required contract (no `unembed_candidates`)."""
+
+    def __init__(self, inner: Model):
+        self.inner = inner
+        self.architecture = inner.architecture
+        self.context_length = inner.context_length
+        self.vocab_size = inner.vocab_size
+
+    def make_caches(self):
+        return self.inner.make_caches()
+
+    def hidden(self, tokens, caches):
+        return self.inner.hidden(tokens, caches)
+
+    def unembed(self, hidden):
+        return self.inner.unembed(hidden)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_a_model_without_candidate_unembedding_scores_through_full_logits(engine, tmp_path, arch):
+    model = engine.call(lambda job: load_tiny_model(arch, tmp_path / arch))
+    plain = WithoutCandidateRows(model)
+    assert isinstance(plain, Model) and not isinstance(plain, CandidateUnembedder)
+    assert isinstance(model, CandidateUnembedder) and not isinstance(model, CachedScorer)
+    shared = [5, 17, 42, 99, 23, 8, 61, 7, 19, 33]
+    rows = [Row([*shared, *tail], [3, 7, 11, 300]) for tail in ([4], [9, 10, 12], [])]
+    full = engine.call(lambda job: score_uncached(plain, rows, job.check))
+    candidates = engine.call(lambda job: score_uncached(model, rows, job.check))
+    for a, b in zip(full.logits, candidates.logits, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    # ...and through a cache that restores, the same numbers again.
+    cache = engine.call(lambda job: PrefixCache(plain, name="plain", keep_hidden=True))
+    engine.call(lambda job: Scorer(plain, cache).score(rows, job.check))
+    again = engine.call(lambda job: Scorer(plain, cache).score(rows, job.check))
+    assert again.cached_tokens == sum(len(r.tokens) for r in rows)
+    for a, b in zip(again.logits, full.logits, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
