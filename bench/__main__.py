@@ -3,6 +3,7 @@
     python -m bench --size small
     python -m bench --workloads decisions,choices --systems ours,ours-rows,mlx-lm --repeats 3
     python -m bench --sample-rows 8 --repeats-for transformers=1 --json results.json
+    python -m bench --model default --workloads requests --systems ours,ours-http,llama.cpp-q4
 
 Like the runner, the process re-executes itself once with OpenBLAS preloaded when the
 machine has it (runner/blas.py), before MLX is imported.
@@ -11,13 +12,18 @@ machine has it (runner/blas.py), before MLX is imported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner import blas
+
+if TYPE_CHECKING:
+    from bench.models import Shape
 
 DEFAULT_REPEATS = 3
 
@@ -104,10 +110,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="how to score with the baseline (auto: /v1/score when it answers)",
     )
     p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|default",
+        help="benchmark this existing model directory (default: the prepared default model) "
+        "instead of a random one; --size then sizes the workloads only",
+    )
+    p.add_argument(
         "--model-dir",
         type=Path,
         default=None,
-        help="build the model here and reuse it on later runs (default: a temp dir)",
+        help="build the random model here and reuse it on later runs (default: a temp dir)",
+    )
+    p.add_argument(
+        "--llama-cpp-src",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a directory holding llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_SRC, "
+        "else the installed llama-cpp-python's sdist, downloaded once)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results here")
@@ -123,11 +144,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, key, _ in args.param:
         if name not in args.workloads or key not in SIZES[name][args.size]:
             p.error(f"--param {name}.{key}: not a parameter of a workload being run")
+    if args.model is not None:
+        if args.model_dir is not None:
+            p.error("--model and --model-dir exclude each other (--model-dir builds a random one)")
+        args.model = _model_dir(p, args.model)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.sample_rows is not None and args.sample_rows < 1:
         p.error("--sample-rows must be at least 1")
     return args
+
+
+def _model_dir(p: argparse.ArgumentParser, given: str) -> Path:
+    """The directory `--model` names: `default` is the prepared default model."""
+    if given == "default":
+        from runner.default_model import resolve_default_model
+        from runner.source import ModelLoadError
+
+        try:
+            return resolve_default_model()
+        except ModelLoadError as e:
+            p.error(str(e))
+    path = Path(given).expanduser()
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if missing:
+        p.error(f"--model {given}: no {', '.join(missing)} there")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,16 +186,14 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     from bench import machine, report
     from bench.base import Context
     from bench.harness import log, run_system
-    from bench.models import SHAPES, load_tokenizer, write_model_dir
+    from bench.models import load_tokenizer
     from bench.systems import make_systems
     from bench.workloads import build_workloads
     from runner.engine import Engine
 
     started = time.perf_counter()
     systems = make_systems(args.systems)
-    shape = SHAPES[args.size]
-    log(f"building {shape.name} model directory")
-    model_dir = write_model_dir(shape, args.model_dir or tmp / "model", args.seed)
+    shape, model_dir, described = _model(args, tmp)
     engine = Engine()
     try:
         ctx = Context(
@@ -163,6 +203,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             max_tokens=shape.context,
             baseline_url=args.baseline_url,
             baseline_mode=args.baseline_mode,
+            llama_cpp_src=args.llama_cpp_src,
         )
         tokenizer = load_tokenizer(model_dir)
         overrides: dict[str, dict[str, int]] = {}
@@ -174,12 +215,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         info = machine.describe()
         rates = machine.matmul_rates(engine, args.size)
         params = shape.params(embedding=False)
-        header = [
-            *machine.format_machine(info, rates),
-            f"model: {shape.name} random weights (hidden {shape.hidden}, {shape.layers} layers, "
-            f"vocab {shape.vocab}; {shape.params() / 1e6:.0f}M params, "
-            f"{params / 1e6:.0f}M without the embedding); float16 on disk, float32 compute",
-        ]
+        header = [*machine.format_machine(info, rates), described]
         print("\n".join(header), flush=True)
         results = {w.name: [] for w in workloads}
         for system in systems:
@@ -190,7 +226,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         sections = []
         for variants in workloads:
             w = variants.get(1)
-            report.compute_metrics(w, results[w.name], params, peak)
+            report.compute_metrics(w, results[w.name], shape, peak)
             print("\n" + "\n".join(report.format_workload(w, results[w.name])), flush=True)
             sections.append((w, results[w.name]))
         setups: dict[str, float] = {}
@@ -213,6 +249,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                     "machine": info,
                     "matmul_gflops": rates,
                     "model": {
+                        "dir": str(model_dir) if args.model else None,
+                        "random": args.model is None,
                         "shape": shape.__dict__,
                         "params": shape.params(),
                         "params_without_embedding": params,
@@ -226,6 +264,33 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     finally:
         engine.stop(timeout=10)
     return 0
+
+
+def _model(args: argparse.Namespace, tmp: Path) -> tuple[Shape, Path, str]:
+    """The model to run: the `--model` directory, or a random one of `--size`'s shape built
+    in `--model-dir` (or `tmp`); with the header line that says which."""
+    from bench.harness import log
+    from bench.models import SHAPES, Shape, write_model_dir
+
+    if args.model is not None:
+        model_dir = args.model
+        config = json.loads((model_dir / "config.json").read_text())
+        shape = Shape.from_config(model_dir.name, config)
+        kind = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+        origin = f"{shape.name} at {model_dir} ({kind}; "
+        on_disk = config.get("torch_dtype") or config.get("dtype") or "?"
+    else:
+        shape = SHAPES[args.size]
+        log(f"building {shape.name} model directory")
+        model_dir = write_model_dir(shape, args.model_dir or tmp / "model", args.seed)
+        origin = f"{shape.name} random weights ("
+        on_disk = "float16"
+    described = (
+        f"model: {origin}hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}; "
+        f"{shape.params() / 1e6:.0f}M params, {shape.params(embedding=False) / 1e6:.0f}M "
+        f"without the embedding); {on_disk} on disk, float32 compute"
+    )
+    return shape, model_dir, described
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ up to the whole workload, which is then exact up to noise.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,10 @@ class ScoreOutcome:
     computed_tokens: int  # prompt tokens run through the model (shared prefixes once)
     kind: str = "logits"  # or "logprobs": comparable only up to a per-row constant
     notes: dict[str, Any] = field(default_factory=dict)
+    # Wall time and computed tokens of each request sent, in order (a one-by-one system sends
+    # one request per row): per-request latency and the runner's own cost (bench/report.py).
+    request_seconds: list[float] = field(default_factory=list)
+    request_computed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Context:
     max_tokens: int  # the max_tokens of every /v1/score request
     baseline_url: str | None = None
     baseline_mode: str = "auto"  # auto | score | completions
+    llama_cpp_src: Path | None = None  # holds convert_hf_to_gguf.py (bench/llamacpp.py)
 
     def load_runner(self) -> Runner:
         """A fresh Runner over the benchmark model: each in-process system has its own, so
@@ -105,6 +112,28 @@ def limited(requests: list[list[Row]], limit: int | None) -> list[Row]:
     """The first `limit` rows of `requests` in order (all of them when limit is None)."""
     rows = [row for request in requests for row in request]
     return rows if limit is None else rows[:limit]
+
+
+def score_rows(
+    rows: list[Row], score_row: Callable[[Row], tuple[list[float | None], int]]
+) -> ScoreOutcome:
+    """Score `rows` one at a time, each a request of its own: `score_row(row)` gives the
+    candidates' values and the prompt tokens it computed; each call is timed."""
+    values: list[list[float | None]] = []
+    request_seconds, request_computed = [], []
+    for row in rows:
+        started = time.perf_counter()
+        row_values, computed = score_row(row)
+        request_seconds.append(time.perf_counter() - started)
+        request_computed.append(computed)
+        values.append(row_values)
+    return ScoreOutcome(
+        values,
+        len(values),
+        sum(request_computed),
+        request_seconds=request_seconds,
+        request_computed=request_computed,
+    )
 
 
 def mlx_memory_bytes(engine: Engine) -> int:

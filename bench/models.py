@@ -1,4 +1,4 @@
-"""Random-weight Qwen3 model directories in the Hugging Face layout, for the benchmarks.
+"""Model directories for the benchmarks: random-weight Qwen3s written here, or any existing one.
 
 `write_model_dir(shape, path)` writes config.json (transformers 5's Qwen3 key set, copied from
 tests/data/configs/Qwen3ForCausalLM.json, with the shape's dimensions), model.safetensors
@@ -6,6 +6,7 @@ tests/data/configs/Qwen3ForCausalLM.json, with the shape's dimensions), model.sa
 vocabulary padded to the model's so every id the model can emit decodes to distinct text)
 and tokenizer_config.json, so the runner, mlx-lm and transformers all load the same directory.
 A directory that already holds the same shape and seed (bench-model.json) is reused.
+`Shape.from_config` reads the same dimensions from an existing directory (`--model DIR`).
 """
 
 from __future__ import annotations
@@ -35,14 +36,36 @@ class Shape:
     intermediate: int
     vocab: int
     context: int = 40960
+    qk_norm: bool = True  # Qwen3's per-head RMSNorm of queries and keys
+    tied: bool = True  # the output head is the embedding
 
     def params(self, embedding: bool = True) -> int:
-        """Weights of the model (tied embeddings); without the embedding when asked."""
+        """Weights of the model; without the embedding (and an untied output head, which
+        scoring computes only for the candidates) when asked."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = h * q * 2 + h * kv * 2 + 2 * self.head_dim
+        attention = h * q * 2 + h * kv * 2 + (2 * self.head_dim if self.qk_norm else 0)
         layer = attention + 3 * h * self.intermediate + 2 * h
         body = self.layers * layer + h
-        return body + (self.vocab * h if embedding else 0)
+        return body + (self.vocab * h * (1 if self.tied else 2) if embedding else 0)
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> Shape:
+        """The shape of an existing Llama/Qwen-family model from its config.json (biases, a
+        few thousand weights where a family has them, are not counted)."""
+        heads = config["num_attention_heads"]
+        return cls(
+            name=name,
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            context=config.get("max_position_embeddings") or 4096,
+            qk_norm=config.get("model_type") == "qwen3",
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
 
 
 SHAPES = {
@@ -134,13 +157,31 @@ def write_model_dir(shape: Shape, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def _optional_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def load_tokenizer(path: Path):
-    """Our runner's tokenizer for a model directory, without loading the weights."""
+    """Our runner's tokenizer for a model directory (any, not only ours), without loading
+    the weights; tokenizer_config.json and generation_config.json are optional, as for the
+    runner."""
     from runner.tokenizer import Tokenizer
 
-    config = json.loads((path / "config.json").read_text())
     return Tokenizer(
         (path / "tokenizer.json").read_text(),
-        config=config,
-        tokenizer_config=json.loads((path / "tokenizer_config.json").read_text()),
+        config=json.loads((path / "config.json").read_text()),
+        tokenizer_config=_optional_json(path / "tokenizer_config.json"),
+        generation_config=_optional_json(path / "generation_config.json"),
     )
+
+
+def llama_cpp_pre_tokenizer(path: Path) -> str | None:
+    """The llama.cpp pre-tokenizer name of a directory written here, None for any other.
+
+    llama.cpp's convert_hf_to_gguf.py recognises a BPE pre-tokenizer by the hash of the
+    tokens a known model's tokenizer gives for a test string, which a vocabulary trained here
+    can never match, so it refuses our directories. Ours splits text with GPT-2's byte-level
+    regex (bench/text.py), which is llama.cpp's "gpt-2" pre-tokenizer: bench/llamacpp.py
+    names it for the converter. Other directories are left to the converter's recognition.
+    """
+    return "gpt-2" if (path / STAMP).exists() else None

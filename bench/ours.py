@@ -4,7 +4,8 @@
   (runner/endpoints.py `ScoreEndpoint`: prepare here, execute on the engine thread), exactly
   what the HTTP handler does, without HTTP.
 - `ours-rows`: the same path with one request per row, the "one-by-one" baseline for
-  batched scoring (the runner's prefix cache still serves later rows the shared prefix).
+  batched scoring (the runner's prefix cache still serves later rows the shared prefix); not
+  run where every request is one row already (the `requests` workload), as it equals `ours`.
 - `ours-http`: `python -m runner --model DIR --port P` spawned as a supervisor would, one
   POST /v1/score per workload request; generation through POST /v1/completions (Go wire
   format, application/jsonl).
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 from bench.base import (
@@ -26,7 +26,7 @@ from bench.base import (
     mlx_memory_bytes,
 )
 from bench.http import MISSING_ENDPOINT, HTTPStatus, SpawnedRunner, post_json, post_jsonl
-from bench.workloads import GenerateWorkload, Row, Workload
+from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
 
@@ -80,30 +80,34 @@ class Ours(System):
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
         values: list[list[float | None]] = []
-        computed = 0
+        request_seconds, request_computed = [], []
         prepare_seconds = 0.0
-        request_seconds = []
         for rows in requests:
             started = time.perf_counter()
             logits, tokens, seconds = self._score_one(rows)
             request_seconds.append(time.perf_counter() - started)
+            request_computed.append(tokens)
             values += logits
-            computed += tokens
             prepare_seconds += seconds
-        notes: dict[str, float] = {"prepare_s": round(prepare_seconds, 4)}
-        if len(requests) > 1 and not self.one_by_one:
-            # families: the first request is cold, later ones restore the shared prompt
-            later = statistics.median(request_seconds[1:])
-            notes["first_request_s"] = round(request_seconds[0], 3)
-            notes["later_request_s"] = round(later, 3)
-            notes["cold_over_warm"] = round(request_seconds[0] / later, 1)
-        return ScoreOutcome(values, len(values), computed, notes=notes)
+        return ScoreOutcome(
+            values,
+            len(values),
+            sum(request_computed),
+            notes={"prepare_s": round(prepare_seconds, 4)},
+            request_seconds=request_seconds,
+            request_computed=request_computed,
+        )
 
 
 class OursRows(Ours):
     name = "ours-rows"
     description = "runner in process, one request per row (its prefix cache still applies)"
     one_by_one = True
+
+    def supports(self, workload: Workload) -> str | None:
+        if isinstance(workload, ScoreWorkload) and all(len(r) == 1 for r in workload.requests):
+            return "every request is one row already: the same as ours"
+        return super().supports(workload)
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
         rows = limited(requests, limit)
@@ -113,21 +117,29 @@ class OursRows(Ours):
 def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOutcome:
     """One POST /v1/score per request; raises Unavailable when the endpoint is missing."""
     values: list[list[float | None]] = []
-    computed = 0
+    request_seconds, request_computed = [], []
     for rows in requests:
         body = {
             "rows": [{"prompt": r.prompt, "candidates": list(r.candidates)} for r in rows],
             "max_tokens": max_tokens,
         }
+        started = time.perf_counter()
         try:
             answer = post_json(url + "/v1/score", body)
         except HTTPStatus as e:
             if e.status in MISSING_ENDPOINT:
                 raise Unavailable(str(e)) from None
             raise
+        request_seconds.append(time.perf_counter() - started)
+        request_computed.append(answer["input_tokens"] - answer.get("cached_tokens", 0))
         values += answer["logits"]
-        computed += answer["input_tokens"] - answer.get("cached_tokens", 0)
-    return ScoreOutcome(values, len(values), computed)
+    return ScoreOutcome(
+        values,
+        len(values),
+        sum(request_computed),
+        request_seconds=request_seconds,
+        request_computed=request_computed,
+    )
 
 
 def completion_body(prompt: str, num_predict: int, top_logprobs: int = 0) -> dict:

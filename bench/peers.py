@@ -29,6 +29,7 @@ from bench.base import (
     Unavailable,
     limited,
     mlx_memory_bytes,
+    score_rows,
 )
 from bench.http import MISSING_ENDPOINT
 from bench.ours import completion_body, completion_lines, http_generate, http_score
@@ -88,16 +89,14 @@ class MlxLm(System):
         def run(_job) -> ScoreOutcome:
             import mlx.core as mx
 
-            values: list[list[float | None]] = []
-            computed = 0
-            for row in rows:
+            def score_row(row: Row) -> tuple[list[float | None], int]:
                 ids = self.tokenizer.encode(row.prompt)
                 wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
                 logits = self.model(mx.array(ids)[None])
                 picked = logits[0, -1, mx.array(wanted)].astype(mx.float32)
-                values.append(picked.tolist())
-                computed += len(ids)
-            return ScoreOutcome(values, len(values), computed)
+                return picked.tolist(), len(ids)
+
+            return score_rows(rows, score_row)
 
         return self.engine.call(run)
 
@@ -171,17 +170,14 @@ class Transformers(System):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
-        torch = self.torch
-        values: list[list[float | None]] = []
-        computed = 0
-        with torch.inference_mode():
-            for row in limited(requests, limit):
-                ids = self.tokenizer(row.prompt, return_tensors="pt").input_ids
-                wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
-                logits = self.model(ids).logits[0, -1]
-                values.append(logits[wanted].float().tolist())
-                computed += ids.shape[1]
-        return ScoreOutcome(values, len(values), computed)
+        def score_row(row: Row) -> tuple[list[float | None], int]:
+            ids = self.tokenizer(row.prompt, return_tensors="pt").input_ids
+            wanted = [_single_token(self._encode_plain, c) for c in row.candidates]
+            logits = self.model(ids).logits[0, -1]
+            return logits[wanted].float().tolist(), ids.shape[1]
+
+        with self.torch.inference_mode():
+            return score_rows(limited(requests, limit), score_row)
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         torch = self.torch
@@ -246,15 +242,16 @@ class Baseline(System):
             outcome = http_score(self.url, requests, self.ctx.max_tokens)
             outcome.notes["via"] = "/v1/score"
             return outcome
-        values: list[list[float | None]] = []
-        computed = 0
-        for row in limited(requests, limit):
+
+        def score_row(row: Row) -> tuple[list[float | None], int]:
             lines = completion_lines(self.url, completion_body(row.prompt, 1, TOP_LOGPROBS))
             top = _first_top_logprobs(lines)
-            values.append([top.get(c) for c in row.candidates])
-            computed += lines[-1].get("PromptEvalCount", 0)
-        notes = {"via": f"/v1/completions per row, top {TOP_LOGPROBS} logprobs"}
-        return ScoreOutcome(values, len(values), computed, kind="logprobs", notes=notes)
+            return [top.get(c) for c in row.candidates], lines[-1].get("PromptEvalCount", 0)
+
+        outcome = score_rows(limited(requests, limit), score_row)
+        outcome.kind = "logprobs"
+        outcome.notes["via"] = f"/v1/completions per row, top {TOP_LOGPROBS} logprobs"
+        return outcome
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         return http_generate(self.url, workload, new_tokens)

@@ -9,19 +9,30 @@ them from logits), and generated text (the share of the reference text that is a
 prefix, leading spaces aside). GFLOP/s counts 2 x non-embedding parameters x prompt tokens
 actually run through the model; %matmul divides it by the best float32 MLX matmul rate
 measured in this run (bench/machine.py).
+
+Where a workload is made of requests sent one after another, each request is timed: the
+families workload notes the first (cold) request against the median of the later ones, and
+the requests workload (`latency`) reports the first request, the median and p95 of the rest,
+and for our runner its own cost per request: the median request time less the request's
+arithmetic (`request_flops`) at that matmul rate.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.base import GenerateOutcome, ScoreOutcome
 from bench.harness import Result
-from bench.workloads import Workload
+from bench.models import Shape
+from bench.workloads import ScoreWorkload, Workload
 
 REFERENCE = {"score": "ours", "generate": "ours-http"}
+# Our runner's systems: their cost beyond the arithmetic is the runner's own (Python, HTTP,
+# cache bookkeeping), since their arithmetic runs at MLX's float32 matmul rate measured here.
+RUNNER_SYSTEMS = ("ours", "ours-rows", "ours-http")
 
 
 def compare_scores(a: ScoreOutcome, ref: ScoreOutcome) -> dict[str, Any]:
@@ -62,9 +73,80 @@ def compare_text(a: GenerateOutcome, ref: GenerateOutcome) -> dict[str, Any]:
     return {"text_match": common / len(y) if y else float(x == y)}
 
 
+def request_flops(shape: Shape, computed: int, prefix: int, candidates: int) -> float:
+    """Floating-point operations one scoring row needs, at least: `computed` new tokens after
+    `prefix` cached ones, and the output head for its `candidates` only.
+
+    - every weight matrix of every layer, once per computed token: 2 x non-embedding
+      parameters x computed;
+    - attention over the cache: computed token i (0-based) attends to prefix + i + 1 keys,
+      with a query-key product and a weighted sum of values of 2 x head_dim FLOPs each per
+      key and head: 2 x 2 x layers x heads x head_dim x computed x (prefix + computed / 2);
+    - the candidates' rows of the output head, at the last position: 2 x hidden x candidates.
+    """
+    weights = 2 * shape.params(embedding=False) * computed
+    attention = 4 * shape.layers * shape.heads * shape.head_dim * computed * (prefix + computed / 2)
+    return weights + attention + 2 * shape.hidden * candidates
+
+
+def _percentile(values: list[float], q: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def _sent_as_given(workload: ScoreWorkload, out: ScoreOutcome) -> bool:
+    """Whether the outcome's timed requests are the workload's own (its first ones, when
+    sampled), not the rows of multi-row requests sent one by one."""
+    if all(len(request) == 1 for request in workload.requests):
+        return True
+    return len(out.request_seconds) == len(workload.requests) and out.rows_done == len(
+        workload.rows
+    )
+
+
+def request_metrics(
+    workload: ScoreWorkload, r: Result, shape: Shape, peak_gflops: float | None
+) -> dict[str, Any]:
+    """Per-request figures of a system that sent the workload's requests one by one (or
+    its first rows, when sampled): the first request apart (it stores the shared prompt).
+
+    For a latency workload: the median and p95 of the later requests, and for our runner
+    its own cost, the median over later requests of (time - arithmetic at the peak rate).
+    Otherwise (families): the first request's time over the later ones' median."""
+    out = r.outcome
+    assert isinstance(out, ScoreOutcome)
+    seconds = out.request_seconds
+    if len(seconds) < 2:
+        return {}
+    later = seconds[1:]
+    m: dict[str, Any] = {
+        "first_request_s": seconds[0],
+        "later_request_median_s": statistics.median(later),
+    }
+    if not workload.latency:
+        m["cold_over_warm"] = seconds[0] / m["later_request_median_s"]
+        return m
+    m["later_request_p95_s"] = _percentile(later, 95)
+    if r.system in RUNNER_SYSTEMS and peak_gflops:
+        arithmetic = [
+            request_flops(shape, computed, request[0].tokens - computed, len(request[0].candidates))
+            / (peak_gflops * 1e9)
+            for request, computed in zip(
+                workload.requests[1 : len(seconds)], out.request_computed[1:], strict=True
+            )
+        ]
+        m["arithmetic_median_s"] = statistics.median(arithmetic)
+        m["own_median_s"] = statistics.median(
+            [t - a for t, a in zip(later, arithmetic, strict=True)]
+        )
+    return m
+
+
 def compute_metrics(
-    workload: Workload, results: list[Result], params: int, peak_gflops: float | None
+    workload: Workload, results: list[Result], shape: Shape, peak_gflops: float | None
 ) -> None:
+    params = shape.params(embedding=False)
     ok = [r for r in results if r.status == "ok" and r.outcome is not None]
     ref = next((r for r in ok if r.system == REFERENCE[workload.kind]), None)
     for r in ok:
@@ -75,14 +157,17 @@ def compute_metrics(
         if check is r:
             check = None
         if isinstance(r.outcome, ScoreOutcome):
+            assert isinstance(workload, ScoreWorkload)
             out = r.outcome
-            m["rows_per_s"] = len(workload.rows) / r.seconds  # type: ignore[union-attr]
-            m["tokens_per_s"] = workload.prompt_tokens / r.seconds  # type: ignore[union-attr]
+            m["rows_per_s"] = len(workload.rows) / r.seconds
+            m["tokens_per_s"] = workload.prompt_tokens / r.seconds
             m["rows_timed"] = out.rows_done
             m["computed_tokens"] = out.computed_tokens
             gflops = 2 * params * out.computed_tokens / r.measured_seconds / 1e9
             if check is not None and isinstance(check.outcome, ScoreOutcome):
                 m |= compare_scores(out, check.outcome)
+            if len(workload.requests) > 1 and _sent_as_given(workload, out):
+                m |= request_metrics(workload, r, shape, peak_gflops)
         else:
             assert isinstance(r.outcome, GenerateOutcome)
             out = r.outcome
@@ -116,19 +201,46 @@ def _pct(value: float | None) -> str:
 
 
 SCORE_COLUMNS = ("rows/s", "tok/s", "ratio", "max|Δ|", "argmax")
+LATENCY_COLUMNS = ("first s", "median ms", "p95 ms", "arith ms", "own ms", "ratio", "max|Δ|")
 GENERATE_COLUMNS = ("prefill/s", "decode/s", "ratio", "text=")
 COMMON_COLUMNS = ("GFLOP/s", "%matmul", "mem GiB")
 
 
+def _latency(workload: Workload) -> bool:
+    return isinstance(workload, ScoreWorkload) and workload.latency
+
+
+def _columns(workload: Workload) -> tuple[str, ...]:
+    if workload.kind == "generate":
+        return GENERATE_COLUMNS
+    return LATENCY_COLUMNS if _latency(workload) else SCORE_COLUMNS
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.1f}"
+
+
 def _cells(workload: Workload, r: Result) -> tuple[str, ...]:
     m = r.metrics
-    if workload.kind == "score":
+    columns = _columns(workload)
+    values: tuple[str, ...]
+    if columns is SCORE_COLUMNS:
         values = (
             _f(m["rows_per_s"], ".2f"),
             _f(m["tokens_per_s"], ".0f"),
             _f(m["ratio"], ".2f"),
             _f(m.get("max_abs_diff"), ".1e"),
             _pct(m.get("argmax_agree")),
+        )
+    elif columns is LATENCY_COLUMNS:
+        values = (
+            _f(m.get("first_request_s"), ".2f"),
+            _ms(m.get("later_request_median_s")),
+            _ms(m.get("later_request_p95_s")),
+            _ms(m.get("arithmetic_median_s")),
+            _ms(m.get("own_median_s")),
+            _f(m["ratio"], ".2f"),
+            _f(m.get("max_abs_diff"), ".1e"),
         )
     else:
         values = (
@@ -150,6 +262,13 @@ def _notes(workload: Workload, r: Result) -> str:
         notes.append(f"checked vs {m['checked_against']}")
     if m.get("centered"):
         notes.append(f"logprobs, centred; coverage {_pct(m.get('coverage'))}")
+    if _latency(workload) and m.get("argmax_agree") is not None:
+        notes.append(f"argmax {_pct(m['argmax_agree'])}")
+    if "cold_over_warm" in m:
+        notes.append(
+            f"first request {m['first_request_s']:.3f} s, later {m['later_request_median_s']:.3f}"
+            f" s (median): cold/warm {m['cold_over_warm']:.1f}"
+        )
     notes += [f"{k} {v}" for k, v in (m.get("notes") or {}).items()]
     return "; ".join(notes)
 
@@ -160,8 +279,7 @@ def format_workload(workload: Workload, results: list[Result]) -> list[str]:
     head = f"== {workload.name} ({workload.describe()})"
     if workload.kind == "score":
         head += f": {len(workload.rows)} rows, {workload.prompt_tokens} prompt tokens"
-    middle = SCORE_COLUMNS if workload.kind == "score" else GENERATE_COLUMNS
-    cols = ("system", "seconds", *middle, *COMMON_COLUMNS, "notes")
+    cols = ("system", "seconds", *_columns(workload), *COMMON_COLUMNS, "notes")
     table = [cols]
     for r in results:
         if r.status != "ok":
@@ -171,6 +289,12 @@ def format_workload(workload: Workload, results: list[Result]) -> list[str]:
         table.append((r.system, seconds, *_cells(workload, r), _notes(workload, r)))
     widths = [max(len(row[i]) for row in table) for i in range(len(cols) - 1)]
     lines = [head + f"; ratio = seconds / {ref} seconds (> 1: ours faster)"]
+    if _latency(workload):
+        lines.append(
+            "   first s: the first request (stores the shared prompt); median, p95: the later "
+            "requests; arith: their arithmetic at the best float32 matmul rate; own: median "
+            "of (request - arith), the runner's own cost"
+        )
     for row in table:
         cells = [row[0].ljust(widths[0])]
         cells += [c.rjust(w) for c, w in zip(row[1:-1], widths[1:], strict=True)]
@@ -194,6 +318,9 @@ def result_json(r: Result) -> dict[str, Any]:
     }
     if isinstance(r.outcome, GenerateOutcome):
         out["text"] = r.outcome.text
+    elif isinstance(r.outcome, ScoreOutcome):
+        out["request_seconds"] = r.outcome.request_seconds
+        out["request_computed_tokens"] = r.outcome.request_computed
     return out
 
 

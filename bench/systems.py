@@ -4,11 +4,13 @@ are checked against it)."""
 from __future__ import annotations
 
 from bench.base import System
+from bench.llamacpp import LlamaCpp, LlamaCppQ4
 from bench.ours import Ours, OursHTTP, OursRows
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.name: cls for cls in (Ours, OursRows, OursHTTP, Baseline, MlxLm, Transformers)
+    cls.name: cls
+    for cls in (Ours, OursRows, OursHTTP, Baseline, MlxLm, Transformers, LlamaCpp, LlamaCppQ4)
 }
 NAMES = tuple(SYSTEMS)
 

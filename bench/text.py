@@ -121,6 +121,14 @@ class TextMaker:
         assert len(self.encode(text)) == tokens, (tokens, len(self.encode(text)))
         return text
 
+    def single_tokens(self, texts: tuple[str, ...]) -> tuple[str, ...]:
+        """The `texts` that are one token, as scoring candidates must be: a real model's
+        tokenizer may split a few (SmolLM2 splits " Unsure")."""
+        kept = tuple(t for t in texts if len(self.encode(t)) == 1)
+        if not kept:
+            raise ValueError(f"none of {texts} is a single token for this tokenizer")
+        return kept
+
     def exact(self, tokens: int, head: str = "", tail: str = "") -> str:
         """`head + words + tail` of exactly `tokens` tokens (head/tail start at a pre-token
         boundary, e.g. a newline)."""

@@ -1,8 +1,10 @@
 """The named workloads: what is scored or generated, at each size, as seeded text.
 
 Every prompt has an exact token length under the benchmark model's tokenizer (bench/text.py).
-Sizes are the parameters below; `--size small` uses the second set, and `--param
-NAME.KEY=VALUE` replaces one (e.g. `--param decisions.rows=16`).
+Candidates are the listed answers that are one token under that tokenizer (all of them under
+the bench tokenizer; a real model's may split one, e.g. SmolLM2's " Unsure"). Sizes are the
+parameters below; `--size small` uses the second set, and `--param NAME.KEY=VALUE` replaces
+one (e.g. `--param decisions.rows=16`).
 
 - decisions: one request of `rows` rows; each row is a `prefix`-token few-shot block shared by
   all rows plus its own `question`-token question; candidates " Yes" " No" " Maybe" " Unsure".
@@ -10,6 +12,10 @@ NAME.KEY=VALUE` replaces one (e.g. `--param decisions.rows=16`).
 - families: `requests` requests in a row sharing one `system`-token system prompt, `rows` rows
   each (every question distinct); candidates " Yes" " No".
 - generate: a `prompt`-token prompt, then `new_tokens` greedy tokens.
+- requests ("decision requests"): `rows` requests of one row each, sent in sequence as a
+  supervisor asks per decision, sharing one `system`-token system prompt, each with its own
+  `question`-token question; candidates " Yes" " No". What counts is each request's latency:
+  the first stores the system prompt, the rest reuse it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from dataclasses import dataclass, field
 
 from bench.text import DECISION_ANSWERS, LETTERS, TextMaker
 
-NAMES = ("decisions", "choices", "families", "generate")
+# Appended in order: a workload's text is seeded by its index here.
+NAMES = ("decisions", "choices", "families", "generate", "requests")
 
 SIZES: dict[str, dict[str, dict[str, int]]] = {
     "decisions": {
@@ -37,6 +44,10 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
     "generate": {
         "default": {"prompt": 512, "new_tokens": 128},
         "small": {"prompt": 32, "new_tokens": 8},
+    },
+    "requests": {
+        "default": {"rows": 32, "system": 480, "question": 18},
+        "small": {"rows": 6, "system": 64, "question": 12},
     },
 }
 
@@ -56,6 +67,8 @@ class ScoreWorkload:
     name: str
     params: dict[str, int]
     requests: list[list[Row]]
+    # Each request's latency is the measure (first request apart), not only the total.
+    latency: bool = False
     kind: str = field(default="score", init=False)
 
     @property
@@ -109,9 +122,9 @@ def _question(maker: TextMaker, tokens: int) -> str:
 
 def decisions(maker: TextMaker, rows: int, prefix: int, question: int) -> ScoreWorkload:
     shared = _few_shot(maker, prefix)
+    answers = maker.single_tokens(DECISION_ANSWERS)
     batch = [
-        Row(shared + _question(maker, question), DECISION_ANSWERS, prefix + question)
-        for _ in range(rows)
+        Row(shared + _question(maker, question), answers, prefix + question) for _ in range(rows)
     ]
     params = {"rows": rows, "prefix": prefix, "question": question}
     return ScoreWorkload("decisions", params, [batch])
@@ -119,7 +132,8 @@ def decisions(maker: TextMaker, rows: int, prefix: int, question: int) -> ScoreW
 
 def choices(maker: TextMaker, rows: int, prompt: int) -> ScoreWorkload:
     tail = "\nOptions:" + "".join(LETTERS) + "\nAnswer:"
-    batch = [Row(maker.exact(prompt, tail=tail), LETTERS, prompt) for _ in range(rows)]
+    letters = maker.single_tokens(LETTERS)
+    batch = [Row(maker.exact(prompt, tail=tail), letters, prompt) for _ in range(rows)]
     return ScoreWorkload("choices", {"rows": rows, "prompt": prompt}, [batch])
 
 
@@ -127,7 +141,7 @@ def families(
     maker: TextMaker, requests: int, rows: int, system: int, question: int
 ) -> ScoreWorkload:
     shared = maker.exact(system, head="System:")
-    answers = DECISION_ANSWERS[:2]
+    answers = maker.single_tokens(DECISION_ANSWERS[:2])
     batches = [
         [Row(shared + _question(maker, question), answers, system + question) for _ in range(rows)]
         for _ in range(requests)
@@ -142,11 +156,22 @@ def generate(maker: TextMaker, prompt: int, new_tokens: int) -> GenerateWorkload
     return GenerateWorkload("generate", params, text, prompt, new_tokens)
 
 
+def decision_requests(maker: TextMaker, rows: int, system: int, question: int) -> ScoreWorkload:
+    shared = maker.exact(system, head="System:")
+    answers = maker.single_tokens(DECISION_ANSWERS[:2])
+    one_each = [
+        [Row(shared + _question(maker, question), answers, system + question)] for _ in range(rows)
+    ]
+    params = {"rows": rows, "system": system, "question": question}
+    return ScoreWorkload("requests", params, one_each, latency=True)
+
+
 BUILDERS: dict[str, Callable[..., Workload]] = {
     "decisions": decisions,
     "choices": choices,
     "families": families,
     "generate": generate,
+    "requests": decision_requests,
 }
 
 

@@ -5,10 +5,13 @@ about every system agreeing with ours (candidate logits, generated text), never 
 The in-process systems run through the CLI's own `run` (without the BLAS re-exec); the HTTP
 systems spawn runners and are marked slow. A stand-in Ollama runner without /v1/score
 (stdlib HTTP server, answers computed by our model) covers the baseline's completions path.
+The llama.cpp systems are skipped cleanly without llama-cpp-python (as in CI); with it, the
+`llama` test converts the small model to GGUF and checks llama.cpp-f32 against ours.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import json
 import math
@@ -21,6 +24,7 @@ from bench.__main__ import parse_args, run
 from bench.base import Context
 from bench.harness import run_system
 from bench.http import SpawnedRunner
+from bench.llamacpp import LlamaCpp, LlamaCppQ4
 from bench.models import SHAPES, load_tokenizer, write_model_dir
 from bench.ours import Ours, OursHTTP
 from bench.peers import Baseline
@@ -30,8 +34,12 @@ from runner.detokenize import go_string
 from runner.engine import Engine
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 LOGIT_TOLERANCE = 1e-3
-SCORE_WORKLOADS = ("decisions", "choices", "families")
+SCORE_WORKLOADS = ("decisions", "choices", "families", "requests")
+# Per-request figures of the requests workload (bench/report.py `request_metrics`).
+LATENCY = ("first_request_s", "later_request_median_s", "later_request_p95_s")
+OWN_COST = ("arithmetic_median_s", "own_median_s")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +70,23 @@ def _assert_agrees(result: dict, kind: str) -> None:
         assert result["new_tokens"] > 0
 
 
+def _assert_latency(section: dict, result: dict, own_cost: bool) -> None:
+    """The requests workload's per-request figures: one timing per request sent (the first
+    rows only, when sampled), the first request apart; the runner's own cost for ours."""
+    timed = result["rows_timed"]
+    assert timed <= section["params"]["rows"]
+    assert len(result["request_seconds"]) == len(result["request_computed_tokens"]) == timed
+    assert all(result[k] > 0 for k in LATENCY), result
+    assert result["later_request_p95_s"] >= result["later_request_median_s"]
+    if own_cost:
+        assert 0 < result["arithmetic_median_s"] < result["later_request_median_s"]
+        assert result["own_median_s"] > 0
+        # later requests reuse the stored system prompt: only their question is computed
+        assert max(result["request_computed_tokens"][1:]) <= section["params"]["question"]
+    else:
+        assert not any(k in result for k in OWN_COST)
+
+
 def test_cli_in_process_systems(model_dir, tmp_path, capsys):
     systems = ["ours", "ours-rows", "mlx-lm"] + (["transformers"] if HAS_TORCH else [])
     out = tmp_path / "results.json"
@@ -84,11 +109,18 @@ def test_cli_in_process_systems(model_dir, tmp_path, capsys):
             ours = results["ours"]
             assert ours["status"] == "ok" and ours["ratio"] == 1.0
             assert ours["computed_tokens"] > 0
+            latency = section["name"] == "requests"
+            if latency:  # one row per request already: ours-rows would repeat ours
+                assert results["ours-rows"]["status"] == "n/a"
             for name in systems[1:]:
-                _assert_agrees(results[name], "score")
-                assert results[name]["checked_against"] == "ours"
+                if not (latency and name == "ours-rows"):
+                    _assert_agrees(results[name], "score")
+                    assert results[name]["checked_against"] == "ours"
             # one-by-one systems timed 3 rows and scaled; ours-rows too
             assert results["mlx-lm"]["sampled"] and results["mlx-lm"]["rows_timed"] == 3
+            if latency:
+                _assert_latency(section, ours, own_cost=True)
+                _assert_latency(section, results["mlx-lm"], own_cost=False)
         else:
             assert results["ours"]["status"] == "n/a"
             for name in systems[2:]:
@@ -175,9 +207,8 @@ def _run(systems, model_dir, engine, tmp_path, baseline_url=None):
     for system in systems:
         for r in run_system(system, workloads, ctx, repeats=1, sample_rows=None):
             results[r.workload].append(r)
-    params = SHAPES["small"].params(embedding=False)
     for variants in workloads:
-        compute_metrics(variants.get(1), results[variants.name], params, 100.0)
+        compute_metrics(variants.get(1), results[variants.name], SHAPES["small"], 100.0)
         assert format_workload(variants.get(1), results[variants.name])
     return results
 
@@ -231,6 +262,11 @@ def test_http_systems(model_dir, bench_engine, tmp_path):
             assert r.metrics["max_abs_diff"] < LOGIT_TOLERANCE
             assert r.metrics["argmax_agree"] == 1.0
         assert baseline.outcome.notes["via"] == "/v1/score"
+    # one POST /v1/score per decision: latency, and the runner's own cost beyond arithmetic
+    _, http, baseline = results["requests"]
+    assert len(http.outcome.request_seconds) == len(http.outcome.values)
+    assert all(http.metrics[k] > 0 for k in (*LATENCY, *OWN_COST)), http.metrics
+    assert not any(k in baseline.metrics for k in OWN_COST)  # not our runner's figure
     _, http, baseline = results["generate"]
     if http.status == "unavailable":  # /v1/completions still answers 501
         assert "501" in http.reason
@@ -238,3 +274,51 @@ def test_http_systems(model_dir, bench_engine, tmp_path):
         assert http.status == "ok", http.reason
         assert http.metrics["new_tokens"] > 0 and http.metrics["ratio"] == 1.0
         assert baseline.status == "ok" and baseline.metrics["text_match"] == 1.0
+
+
+def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, monkeypatch):
+    """Without llama-cpp-python (CI never installs it) both llama.cpp systems are skipped
+    with a reason, on every workload, before anything is converted."""
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *args, **kwargs):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    workloads = build_workloads(list(NAMES), "small", load_tokenizer(model_dir).encode)
+    ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context)
+    for system in (LlamaCpp(), LlamaCppQ4()):
+        results = run_system(system, workloads, ctx, repeats=1, sample_rows=None)
+        assert [r.workload for r in results] == list(NAMES)
+        for r in results:
+            assert r.status == "skipped", r
+            assert "llama-cpp-python is not installed" in r.reason
+    assert not (model_dir.parent / f"{model_dir.name}.gguf").exists()
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+@pytest.mark.skipif(not HAS_TORCH, reason="converting to GGUF needs torch and transformers")
+def test_llama_cpp_agrees_with_ours(model_dir, bench_engine, tmp_path):
+    """The small model converted to GGUF (its bench tokenizer named "gpt-2" for the
+    converter): llama.cpp-f32 scores like ours and tokenizes like ours; llama.cpp-q4 runs.
+    The converter comes from $LLAMA_CPP_SRC or the cached llama-cpp-python sdist."""
+    results = _run([Ours(), LlamaCpp(), LlamaCppQ4()], model_dir, bench_engine, tmp_path)
+    for name in SCORE_WORKLOADS:
+        _, f32, q4 = results[name]
+        assert f32.status == "ok", f32.reason
+        assert f32.metrics["max_abs_diff"] < 1e-2, f32.metrics
+        assert f32.metrics["argmax_agree"] == 1.0
+        assert q4.status == "ok", q4.reason
+        assert q4.metrics["compared_rows"] == len(q4.outcome.values) > 0
+    # llama.cpp reuses its KV cache across rows: a row after the first computes its question
+    requests = results["requests"][1].outcome.request_computed
+    assert max(requests[1:]) < requests[0]
+    _, f32, q4 = results["generate"]
+    for r in (f32, q4):
+        assert r.status == "ok", r.reason
+        assert r.metrics["new_tokens"] > 0 and r.metrics["decode_tokens_per_s"] > 0
+    cache = model_dir.parent / f"{model_dir.name}.gguf"
+    assert (cache / "f32.gguf").exists() and (cache / "q4_k_m.gguf").exists()

@@ -1,0 +1,310 @@
+"""llama.cpp (through llama-cpp-python) on a GGUF converted from the same model directory.
+
+- `llama.cpp-f32`: a float32 GGUF and a float32 KV cache: the same arithmetic as ours, so
+  its logits are checked against ours like any other system's.
+- `llama.cpp-q4`: Q4_K_M quantized from that GGUF, default (f16) KV cache: what a llama.cpp
+  user runs. Its logits differ from ours by the quantization; the columns say by how much.
+
+Both keep one `Llama` with n_threads = n_threads_batch = the machine's cores and reuse
+their KV cache across rows, as llama.cpp's server does between requests: a row's longest
+common prefix with the tokens evaluated last is kept, the rest evaluated (one token at least,
+for the last position's logits). Text is tokenized by llama.cpp's own tokenizer, without BOS
+as /v1/score does; a candidate is the one token it appends to the prompt, as ours checks.
+
+The GGUFs are made once and kept next to the model (`<dir>/../<dir name>.gguf/`), with a
+stamp of the directory's files (names, sizes, modification times) and the llama-cpp-python
+version, so a changed model is converted again. Conversion runs llama.cpp's
+convert_hf_to_gguf.py (it needs torch and transformers: the reference extra) from
+`--llama-cpp-src DIR`, `$LLAMA_CPP_SRC`, or else the sdist of the installed llama-cpp-python,
+downloaded once with pip into the cache (only the converter, its `gguf-py` and `conversion`
+are kept). llama-cpp-python itself is optional (`pip install '.[llama]'`): without it both
+systems are skipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.base import (
+    Context,
+    GenerateOutcome,
+    ScoreOutcome,
+    Skipped,
+    System,
+    limited,
+    score_rows,
+)
+from bench.models import llama_cpp_pre_tokenizer
+from bench.workloads import GenerateWorkload, Row
+
+CONVERTER = "convert_hf_to_gguf.py"
+# What the converter needs beside itself, under the sdist's vendor/llama.cpp/.
+CONVERTER_PATHS = (CONVERTER, "gguf-py/", "conversion/")
+SDIST_ROOT = "vendor/llama.cpp/"
+N_CTX = 4096  # at most the model's context; every default workload's rows fit
+F32, Q4 = "f32.gguf", "q4_k_m.gguf"
+STAMP = "source.json"
+
+# Runs convert_hf_to_gguf.py with argv[1] on sys.path (for its `conversion` package); when
+# argv[2] names a pre-tokenizer, the converter's recognition by token hash is replaced by it
+# (bench/models.py `llama_cpp_pre_tokenizer` says why our directories need that).
+CONVERT = """
+import runpy, sys
+src, pre = sys.argv[1], sys.argv[2]
+sys.path.insert(0, src)
+if pre:
+    from conversion.base import TextModel
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[3:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def import_llama_cpp() -> Any:
+    """The llama_cpp module; Skipped when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise Skipped(f"llama-cpp-python is not installed (pip install '.[llama]'): {e}") from None
+    # Its log callback prints every llama.cpp message (quantization's per tensor) otherwise.
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    return llama_cpp
+
+
+def sdist_cache(version: str) -> Path:
+    from runner.default_model import cache_root
+
+    return cache_root() / "llama-cpp-src" / version
+
+
+def converter_source(given: Path | None, version: str) -> Path:
+    """A directory holding convert_hf_to_gguf.py, gguf-py/ and conversion/: `given`
+    (--llama-cpp-src), $LLAMA_CPP_SRC, or the sdist of llama-cpp-python `version`,
+    downloaded and extracted into the cache on first use."""
+    env = os.environ.get("LLAMA_CPP_SRC", "").strip()
+    for source, path in (("--llama-cpp-src", given), ("LLAMA_CPP_SRC", Path(env) if env else None)):
+        if path is not None:
+            if not (path / CONVERTER).is_file():
+                raise ValueError(f"{source} {path} holds no {CONVERTER}")
+            return path
+    target = sdist_cache(version)
+    if (target / CONVERTER).is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        done = subprocess.run(
+            [*pip, f"llama-cpp-python=={version}", "-d", tmp], capture_output=True, text=True
+        )
+        archives = list(Path(tmp).glob("*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+            raise Skipped(
+                f"could not download the llama-cpp-python {version} sdist for {CONVERTER} "
+                f"(give --llama-cpp-src DIR): {' '.join(tail)}"
+            )
+        staging = Path(tmp) / "src"
+        _extract_converter(archives[0], staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, target)  # a complete tree or none
+    return target
+
+
+def _extract_converter(archive: Path, into: Path) -> None:
+    """Only the converter's files from the sdist (its top directory and vendor/llama.cpp/
+    stripped), written by us so no member can land outside `into`."""
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            _, _, inner = member.name.partition("/")
+            if not member.isfile() or not inner.startswith(SDIST_ROOT):
+                continue
+            relative = inner[len(SDIST_ROOT) :]
+            if ".." in Path(relative).parts or not any(
+                relative == p or (p.endswith("/") and relative.startswith(p))
+                for p in CONVERTER_PATHS
+            ):
+                continue
+            out = into / relative
+            out.parent.mkdir(parents=True, exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None
+            out.write_bytes(source.read())
+
+
+def source_stamp(model_dir: Path, version: str) -> dict[str, Any]:
+    """What the GGUFs were made from: the directory's files and the converter version."""
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    listing = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    return {"model_dir": str(model_dir.resolve()), "files": digest, "llama_cpp_python": version}
+
+
+def convert(model_dir: Path, out: Path, src: Path, log: Path) -> None:
+    """convert_hf_to_gguf.py --outtype f32 as a subprocess, its own gguf-py first on the
+    path (it must win over an installed gguf); the output appears complete or not at all."""
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skipped(f"converting to GGUF needs {', '.join(missing)} (pip install '.[reference]')")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(src / "gguf-py"), env.get("PYTHONPATH")) if p
+    )
+    partial = out.with_suffix(".partial")
+    pre = llama_cpp_pre_tokenizer(model_dir) or ""
+    command = [sys.executable, "-c", CONVERT, str(src), pre, str(model_dir)]
+    command += ["--outtype", "f32", "--outfile", str(partial)]
+    with log.open("w") as sink:
+        done = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        last = log.read_text().strip().splitlines()[-1:]
+        raise RuntimeError(f"{CONVERTER} failed (see {log}): {' '.join(last)}")
+    os.replace(partial, out)
+
+
+def quantize(llama_cpp: Any, source: Path, out: Path) -> None:
+    """Q4_K_M from the f32 GGUF with llama.cpp's own quantizer (llama-quantize's code)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = os.cpu_count() or 1
+    partial = out.with_suffix(".partial")
+    status = llama_cpp.llama_model_quantize(
+        str(source).encode(), str(partial).encode(), ctypes.byref(params)
+    )
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed ({status}) on {source}")
+    os.replace(partial, out)
+
+
+def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
+    """The GGUF `name` (F32 or Q4) of ctx.model_dir, made on first use or after a change."""
+    model_dir = Path(ctx.model_dir)
+    version = llama_cpp.__version__
+    cache = model_dir.parent / f"{model_dir.name}.gguf"
+    stamp = source_stamp(model_dir, version)
+    stamp_path = cache / STAMP
+    if not stamp_path.exists() or json.loads(stamp_path.read_text()) != stamp:
+        cache.mkdir(parents=True, exist_ok=True)
+        for old in (stamp_path, cache / F32, cache / Q4):
+            old.unlink(missing_ok=True)
+        src = converter_source(ctx.llama_cpp_src, version)
+        convert(model_dir, cache / F32, src, cache / "convert.log")
+        stamp_path.write_text(json.dumps(stamp, indent=2))
+    if not (cache / name).exists():
+        quantize(llama_cpp, cache / F32, cache / name)
+    return cache / name
+
+
+class LlamaCpp(System):
+    name = "llama.cpp-f32"
+    description = "llama-cpp-python, f32 GGUF, f32 KV cache; prefix reuse across rows"
+    one_by_one = True
+    gguf = F32
+    kv_type: str | None = "GGML_TYPE_F32"  # None: llama.cpp's default (f16)
+
+    def prepare(self, ctx: Context) -> None:
+        llama_cpp = import_llama_cpp()
+        path = cached_gguf(llama_cpp, ctx, self.gguf)
+        cores = os.cpu_count() or 1
+        kv = {}
+        if self.kv_type is not None:
+            kv_type = getattr(llama_cpp, self.kv_type)
+            kv = {"type_k": kv_type, "type_v": kv_type}
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=min(N_CTX, ctx.max_tokens),
+            n_threads=cores,
+            n_threads_batch=cores,
+            logits_all=False,  # only the last position's logits: all scoring reads
+            verbose=False,
+            **kv,
+        )
+
+    def close(self) -> None:
+        self.llm.close()
+        self.llm = None
+
+    def _encode(self, text: str, bos: bool = False) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=bos, special=False)
+
+    def _candidate(self, prompt: str, tokens: list[int], candidate: str) -> int:
+        joined = self._encode(prompt + candidate)
+        if len(joined) != len(tokens) + 1 or joined[: len(tokens)] != tokens:
+            raise ValueError(f"candidate {candidate!r} is not one token after the prompt")
+        return joined[-1]
+
+    def _evaluate(self, tokens: list[int]) -> int:
+        """Bring the KV cache to `tokens`, reusing its longest common prefix with what was
+        evaluated last (all but one token at most: the last position's logits are needed);
+        returns the tokens evaluated. Llama.eval drops the cache past `n_tokens` itself."""
+        llm = self.llm
+        if len(tokens) > llm.n_ctx():
+            raise ValueError(f"{len(tokens)} tokens exceed n_ctx {llm.n_ctx()}")
+        cached = llm.input_ids[: llm.n_tokens]
+        n = min(len(cached), len(tokens))
+        differ = np.flatnonzero(cached[:n] != np.asarray(tokens[:n]))
+        keep = min(int(differ[0]) if differ.size else n, len(tokens) - 1)
+        llm.n_tokens = keep
+        llm.eval(tokens[keep:])
+        return len(tokens) - keep
+
+    def _last_logits(self) -> np.ndarray:
+        llm = self.llm
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        def score_row(row: Row) -> tuple[list[float | None], int]:
+            tokens = self._encode(row.prompt)
+            wanted = [self._candidate(row.prompt, tokens, c) for c in row.candidates]
+            computed = self._evaluate(tokens)
+            logits = self._last_logits()
+            return [float(logits[i]) for i in wanted], computed
+
+        return score_rows(limited(requests, limit), score_row)
+
+    def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
+        """Greedy: the prompt's forward gives the first token (prefill), then one forward per
+        token; decode_seconds spans the n - 1 forwards that give tokens 2..n (decode_tokens).
+        BOS only where the GGUF's add_bos_token says, as ours follows tokenizer_config."""
+        llm = self.llm
+        tokens = self._encode(workload.prompt, bos=True)
+        llm.reset()  # a prompt is prefilled whole, as the other systems do
+        started = time.perf_counter()
+        llm.eval(tokens)
+        out = [int(np.argmax(self._last_logits()))]
+        prefilled = time.perf_counter()
+        while len(out) < new_tokens and out[-1] != llm.token_eos():
+            llm.eval([out[-1]])
+            out.append(int(np.argmax(self._last_logits())))
+        ended = time.perf_counter()
+        if out[-1] == llm.token_eos():  # not text, and not counted: as EvalCount
+            text_tokens = out[:-1]
+        else:
+            text_tokens = out
+        return GenerateOutcome(
+            text=llm.detokenize(text_tokens).decode("utf-8", errors="replace"),
+            prompt_tokens=len(tokens),
+            new_tokens=len(text_tokens),
+            prefill_seconds=prefilled - started,
+            decode_seconds=ended - prefilled,
+            decode_tokens=len(out) - 1,
+        )
+
+
+class LlamaCppQ4(LlamaCpp):
+    name = "llama.cpp-q4"
+    description = "llama-cpp-python, Q4_K_M GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q4
+    kv_type = None
