@@ -1,4 +1,4 @@
-"""Pick an optimised BLAS for MLX's CPU backend on Linux.
+"""The BLAS under MLX's CPU backend on Linux: OpenBLAS, and the runner's sgemm dispatch.
 
 The `mlx-cpu` wheel links the netlib reference BLAS it bundles (about 4 GFLOP/s for a
 float32 matmul here); libmlx resolves `cblas_sgemm` dynamically, so preloading OpenBLAS
@@ -6,19 +6,34 @@ float32 matmul here); libmlx resolves `cblas_sgemm` dynamically, so preloading O
 `LD_PRELOAD` only works at process start, so the runner re-executes itself once with it set.
 `OLLAMA_MLX_RUNNER_BLAS=reference` keeps the bundled BLAS.
 
-Two OpenBLAS thread pools then live in the process: MLX's (preloaded) and numpy's own, which
-decode steps use (runner/models/cpu_gemv.py). An idle OpenBLAS thread spins on sched_yield
-for 2**28 cycles (~0.1 s) before sleeping, so each pool's spinning took the cores from the
-other's work and from MLX's single-threaded element-wise ops: with both pools busy, a
-16-token forward of Qwen3-0.6B took 1892 ms against 338 ms with `OPENBLAS_THREAD_TIMEOUT=4`
-(2**4 cycles: threads sleep at once). The re-exec sets it too, unless it is already set.
+Ahead of OpenBLAS goes the runner's own `cblas_sgemm` (runner/native/sgemm_dispatch.c),
+which sends the products OpenBLAS handles badly (one row: decode; a few rows: short
+forwards) to the kernels that do them well, and passes everything else through. It is
+compiled once with the machine's C compiler into the runner's cache directory; without a
+compiler the runner runs on OpenBLAS alone and decode steps take numpy's gemv instead
+(runner/backend/gemv.py), which `Backend.for_device` decides by `dispatch_active()`.
+
+Two OpenBLAS thread pools may live in the process: MLX's (preloaded) and numpy's own. An
+idle OpenBLAS thread spins on sched_yield for 2**28 cycles (~0.1 s) before sleeping, so each
+pool's spinning took the cores from the other's work and from MLX's single-threaded
+element-wise ops: with both pools busy, a 16-token forward of Qwen3-0.6B took 1892 ms against
+338 ms with `OPENBLAS_THREAD_TIMEOUT=4` (2**4 cycles: threads sleep at once). The re-exec
+sets it too, unless it is already set.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -27,6 +42,8 @@ CANDIDATES = (
 )
 MARKER = "OLLAMA_MLX_RUNNER_BLAS"
 THREAD_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
+DISPATCH_SOURCE = Path(__file__).parent / "native" / "sgemm_dispatch.c"
+DISPATCH_SYMBOL = "runner_sgemm_dispatch_version"
 
 
 def optimised_blas() -> str | None:
@@ -36,21 +53,69 @@ def optimised_blas() -> str | None:
     return next((path for path in CANDIDATES if Path(path).exists()), None)
 
 
+def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
+    """The compiled sgemm dispatch library, building it on first use; None when no C
+    compiler is found or the build fails (the reason is logged)."""
+    from runner.default_model import cache_root
+
+    source = DISPATCH_SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:12]
+    target = (cache_dir or cache_root() / "native") / f"sgemm_dispatch-{digest}.so"
+    if target.exists():
+        return str(target)
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: MLX's one-row products stay in OpenBLAS's sgemm")
+        return None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(DISPATCH_SOURCE)]
+            subprocess.run([*command, "-ldl"], check=True, capture_output=True, timeout=120)
+            built.replace(target)  # atomic: a concurrent build leaves one complete file
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not build the sgemm dispatch (%s); using OpenBLAS alone", e)
+        return None
+    return str(target)
+
+
+def preload_libraries() -> list[str]:
+    """What to preload, in order: the dispatch (when OpenBLAS is there and it builds), then
+    OpenBLAS; empty when the reference BLAS is kept or no OpenBLAS is installed."""
+    library = optimised_blas()
+    if library is None:
+        return []
+    dispatch = sgemm_dispatch()
+    return [dispatch, library] if dispatch else [library]
+
+
 def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     """The environment to re-execute with, or None when nothing should change."""
-    library = optimised_blas()
-    if library is None or env.get(MARKER):
+    if env.get(MARKER):
+        return None
+    libraries = preload_libraries()
+    if not libraries:
         return None
     changes = {}
-    preloaded = env.get("LD_PRELOAD", "")
-    if library not in preloaded.split(":"):
-        changes["LD_PRELOAD"] = ":".join(p for p in (library, preloaded) if p)
+    preloaded = env.get("LD_PRELOAD", "").split(":")
+    missing = [lib for lib in libraries if lib not in preloaded]
+    if missing:
+        changes["LD_PRELOAD"] = ":".join([*missing, *(p for p in preloaded if p)])
     name, value = THREAD_TIMEOUT
     if name not in env:
         changes[name] = value
     if not changes:
         return None
-    return {**env, **changes, MARKER: library}
+    return {**env, **changes, MARKER: libraries[-1]}
+
+
+def dispatch_active() -> bool:
+    """Whether the runner's sgemm dispatch is in this process (preloaded)."""
+    try:
+        return hasattr(ctypes.CDLL(None), DISPATCH_SYMBOL)
+    except OSError:
+        return False
 
 
 def describe() -> str:
@@ -58,7 +123,12 @@ def describe() -> str:
     preloaded = os.environ.get("LD_PRELOAD", "")
     library = next((p for p in CANDIDATES if p in preloaded.split(":")), None)
     if library:
-        return f"OpenBLAS ({library}) preloaded over the mlx-cpu reference BLAS"
+        dispatch = " behind the runner's sgemm dispatch" if dispatch_active() else ""
+        return f"OpenBLAS ({library}) preloaded over the mlx-cpu reference BLAS{dispatch}"
     if sys.platform.startswith("linux"):
         return "the mlx-cpu reference BLAS (install libopenblas0-pthread for ~30x faster matmul)"
     return "the platform BLAS"
+
+
+if __name__ == "__main__":  # scripts/test: what to preload for an in-process test run
+    print(":".join(preload_libraries()))

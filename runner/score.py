@@ -54,9 +54,18 @@ def prepare_rows(
         raise BadRequest(f"max_tokens must be between 1 and {context_length}")
     # An id must index both the tokenizer's table and the model's output rows.
     id_limit = min(tokenizer.vocab_size, vocab_size)
+    # Every prompt and prompt + candidate, tokenized in one parallel batch, then checked in
+    # Go's order, so the first failure is still the answer (a row with too many candidates
+    # fails before any of them is read: they are not tokenized).
+    texts = []
+    for row in request.rows:
+        texts.append(row.prompt)
+        if len(row.candidates) <= MAX_CANDIDATES:
+            texts += [row.prompt + c for c in row.candidates]
+    encoded = iter(tokenizer.encode_batch(texts))
     rows: list[Row] = []
     for i, row in enumerate(request.rows):
-        tokens = tokenizer.encode(row.prompt)
+        tokens = next(encoded)
         if not 1 <= len(tokens) <= max_tokens:
             raise BadRequest(
                 f"prompt {i} has {len(tokens)} tokens; expected 1–{max_tokens} "
@@ -66,7 +75,7 @@ def prepare_rows(
             raise BadRequest(f"prompt {i} requires 1–{MAX_CANDIDATES} candidates")
         candidates: list[int] = []
         for candidate in row.candidates:
-            joined = tokenizer.encode(row.prompt + candidate)
+            joined = next(encoded)
             if (
                 tokenizer.is_special(candidate)
                 or len(joined) != len(tokens) + 1

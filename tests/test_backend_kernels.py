@@ -180,3 +180,17 @@ def test_gemv_linear_takes_only_one_float32_row(monkeypatch):
         np.testing.assert_allclose(np.array(layer(x)), np.array(expected[key]), atol=1e-5)
     assert calls == [(1, 1, 32)]
     assert not gemv.one_row(mx.ones((1, 32), dtype=mx.bfloat16), layer.weight)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_models_loaded_with_numpy_gemv_decode_through_it_with_the_same_logits(tmp_path, arch):
+    from tests.tiny import load_tiny_model
+
+    model = load_tiny_model(arch, tmp_path / arch, backend=CPU.replace(gemv=True))
+    linears = [m for _, m in model.module.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is gemv.GemvLinear for m in linears)
+    caches = model.make_caches()
+    model.hidden(mx.array([[3, 5, 7, 11]]), caches)
+    step = model.unembed(model.hidden(mx.array([[13]]), caches)[0, -1:])  # numpy, one row
+    whole = model.module.model(mx.array([[3, 5, 7, 11, 13]]))[0, -1:]  # MLX, five rows
+    np.testing.assert_allclose(np.array(step), np.array(model.unembed(whole)), atol=1e-4)

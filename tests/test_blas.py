@@ -1,37 +1,54 @@
-"""The re-exec environment: OpenBLAS preloaded, its idle threads told to sleep at once."""
+"""The BLAS under MLX's CPU backend: the re-exec environment (the runner's sgemm dispatch and
+OpenBLAS preloaded, OpenBLAS's idle threads told to sleep at once), and the dispatch itself
+computing what OpenBLAS computes."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 from runner import blas
 
 LIBRARY = "/opt/lib/libblas.so.3"
+DISPATCH = "/cache/native/sgemm_dispatch-0.so"
 
 
 @pytest.fixture(autouse=True)
 def present(monkeypatch):
     monkeypatch.setattr(blas, "optimised_blas", lambda: LIBRARY)
+    monkeypatch.setattr(blas, "sgemm_dispatch", lambda cache_dir=None: DISPATCH)
 
 
-def test_fresh_environment_gets_the_library_and_the_thread_timeout():
+def test_fresh_environment_gets_the_dispatch_the_library_and_the_thread_timeout():
     env = blas.preload_env({"PATH": "/bin", "LD_PRELOAD": "/x.so"})
     assert env == {
         "PATH": "/bin",
-        "LD_PRELOAD": f"{LIBRARY}:/x.so",
+        "LD_PRELOAD": f"{DISPATCH}:{LIBRARY}:/x.so",
         "OPENBLAS_THREAD_TIMEOUT": "4",
         blas.MARKER: LIBRARY,
     }
 
 
+def test_without_the_dispatch_openblas_alone(monkeypatch):
+    monkeypatch.setattr(blas, "sgemm_dispatch", lambda cache_dir=None: None)
+    env = blas.preload_env({})
+    assert env is not None and env["LD_PRELOAD"] == LIBRARY
+
+
 def test_preloaded_by_the_caller_still_gets_the_thread_timeout():
-    env = blas.preload_env({"LD_PRELOAD": LIBRARY})
+    env = blas.preload_env({"LD_PRELOAD": f"{DISPATCH}:{LIBRARY}"})
     assert env is not None
-    assert env["LD_PRELOAD"] == LIBRARY and env["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert env["LD_PRELOAD"] == f"{DISPATCH}:{LIBRARY}" and env["OPENBLAS_THREAD_TIMEOUT"] == "4"
 
 
 def test_nothing_to_change_or_already_re_executed_means_no_re_exec():
-    assert blas.preload_env({"LD_PRELOAD": LIBRARY, "OPENBLAS_THREAD_TIMEOUT": "9"}) is None
+    preloaded = {"LD_PRELOAD": f"{DISPATCH}:{LIBRARY}", "OPENBLAS_THREAD_TIMEOUT": "9"}
+    assert blas.preload_env(preloaded) is None
     assert blas.preload_env({blas.MARKER: LIBRARY}) is None
 
 
@@ -43,3 +60,60 @@ def test_a_user_thread_timeout_is_kept():
 def test_reference_blas_asked_for_changes_nothing(monkeypatch):
     monkeypatch.undo()
     assert blas.preload_env({blas.MARKER: "reference"}) is None
+
+
+def test_no_compiler_means_no_dispatch(monkeypatch, tmp_path):
+    monkeypatch.undo()
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert blas.sgemm_dispatch(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the dispatch computes what OpenBLAS computes ---------------------------------------
+
+CHECK = """
+import json, sys
+import mlx.core as mx, numpy as np
+from runner import blas
+from runner.backend import Backend
+rng = np.random.default_rng(0)
+worst = 0.0
+for m in (1, 2, 5, 20, 32, 33, 100):
+    for k, n in ((300, 700), (1024, 96), (64, 9)):
+        A = rng.standard_normal((m, k)).astype(np.float32)
+        B = rng.standard_normal((k, n)).astype(np.float32)
+        bias = rng.standard_normal(n).astype(np.float32)
+        want = A.astype(np.float64) @ B.astype(np.float64)
+        for ta in (False, True):
+            for tb in (False, True):
+                a = mx.array(A.T.copy()).T if ta else mx.array(A)
+                b = mx.array(B.T.copy()).T if tb else mx.array(B)
+                got = np.array(a @ b)
+                with_bias = np.array(mx.addmm(mx.array(bias), a, b))  # beta = 1
+                scale = np.abs(want).max()
+                worst = max(worst, np.abs(got - want).max() / scale,
+                            np.abs(with_bias - (want + bias)).max() / scale)
+print(json.dumps({"active": blas.dispatch_active(), "gemv": Backend.cpu().gemv, "worst": worst}))
+"""
+
+
+def test_the_dispatch_computes_what_the_blas_computes(monkeypatch, tmp_path):
+    """Under MLX, with the dispatch and OpenBLAS preloaded: one row, few rows and many rows,
+    every transposition, with and without a beta (addmm), equal float64 products; and the
+    backend then leaves decode's one-row products to it."""
+    monkeypatch.undo()
+    library = blas.optimised_blas()
+    if library is None or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("needs Linux, OpenBLAS and a C compiler")
+    dispatch = blas.sgemm_dispatch(tmp_path)
+    assert dispatch is not None and os.path.exists(dispatch)
+    assert blas.sgemm_dispatch(tmp_path) == dispatch  # built once
+    env = {**os.environ, "LD_PRELOAD": f"{dispatch}:{library}", blas.MARKER: library}
+    run = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["active"] and not result["gemv"]
+    assert result["worst"] < 1e-5

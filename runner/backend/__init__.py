@@ -9,7 +9,8 @@ measured (docs/DESIGN.md §4 has the figures), and the runner computes them anot
   (MLX's CPU exp/sigmoid/tanh are scalar), for blocks large enough to pay for leaving MLX's
   lazy graph (`backend.host`);
 - causal attention in query blocks that skip the keys the mask hides (`backend.attention`);
-- one-row products (decode) through numpy's gemv (`backend.gemv`);
+- one-row products (decode) through a gemv: the runner's sgemm dispatch under MLX
+  (runner/blas.py) where it could be built, else numpy's gemv (`backend.gemv`);
 - narrower batches of scoring rows (wide ones fall out of the CPU's caches).
 
 A `Backend` is a frozen value: the policy for one backend, with every threshold. The runner
@@ -25,6 +26,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from runner import blas
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,9 @@ class Backend:
     causal_query_block: int
     # backend.host: SwiGLU / GELU-GLU blocks of at least this many elements run in numpy.
     host_activation_min_elements: int | None
-    # backend.gemv: one-row float32 products (decode steps) through numpy's gemv.
+    # backend.gemv: one-row float32 products (decode steps) through numpy's gemv; only
+    # where the runner's sgemm dispatch is not under MLX (it does the same inside MLX's graph,
+    # without a synchronisation per product).
     gemv: bool
     # cache.session: suffix tokens per batched scoring forward.
     batch_tokens: int
@@ -61,7 +66,7 @@ class Backend:
             blocked_causal_min_queries=16,  # below this (decode) the fused call's fewer ops win
             causal_query_block=128,  # L=1024: 64 or 512 are slower (docs/DESIGN.md §4)
             host_activation_min_elements=1 << 15,
-            gemv=True,
+            gemv=not blas.dispatch_active(),
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
             batch_tokens=512,
