@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {message}", file=sys.stderr, flush=True)
         engine.stop(timeout=1)
         return 1
+    # What loading made lives as long as the process: keep it out of the cyclic collector's
+    # scans, which took ~5% of a batched score request's CPU time.
+    gc.collect()
+    gc.freeze()
     try:
         asyncio.run(serve(runner, args.port))
     finally:

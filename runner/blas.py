@@ -44,6 +44,7 @@ MARKER = "OLLAMA_MLX_RUNNER_BLAS"
 THREAD_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
 DISPATCH_SOURCE = Path(__file__).parent / "native" / "sgemm_dispatch.c"
 DISPATCH_SYMBOL = "runner_sgemm_dispatch_version"
+DISPATCH_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-pthread")
 
 
 def optimised_blas() -> str | None:
@@ -58,7 +59,8 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
     compiler is found or the build fails (the reason is logged)."""
     from runner.default_model import cache_root
 
-    source = DISPATCH_SOURCE.read_bytes()
+    # Built for this CPU (-march=native): the name keys the source, the flags and the CPU.
+    source = DISPATCH_SOURCE.read_bytes() + " ".join(DISPATCH_FLAGS).encode() + _cpu().encode()
     digest = hashlib.sha256(source).hexdigest()[:12]
     target = (cache_dir or cache_root() / "native") / f"sgemm_dispatch-{digest}.so"
     if target.exists():
@@ -71,13 +73,26 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(DISPATCH_SOURCE)]
+            command = [compiler, *DISPATCH_FLAGS, "-o", str(built), str(DISPATCH_SOURCE)]
             subprocess.run([*command, "-ldl"], check=True, capture_output=True, timeout=120)
             built.replace(target)  # atomic: a concurrent build leaves one complete file
+        for stale in target.parent.glob("sgemm_dispatch-*.so"):
+            if stale != target:  # an older source or another CPU's; a running process keeps
+                stale.unlink(missing_ok=True)  # its mapped copy
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the sgemm dispatch (%s); using OpenBLAS alone", e)
         return None
     return str(target)
+
+
+def _cpu() -> str:
+    """What identifies this CPU's instruction set (the model name and flags on Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags", "Features")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
 
 
 def preload_libraries() -> list[str]:

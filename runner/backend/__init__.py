@@ -62,10 +62,13 @@ class Backend:
         return cls(
             name="cpu",
             compute_dtype=mx.float32,
-            host_softmax_min_elements=0,
+            # Leaving MLX's graph costs a synchronisation (~0.1-0.2 ms); MLX's scalar exp costs
+            # 11-27 ns an element, numpy's 0.5-2.5: numpy pays from a few thousand elements.
+            host_softmax_min_elements=8192,
             blocked_causal_min_queries=16,  # below this (decode) the fused call's fewer ops win
             causal_query_block=128,  # L=1024: 64 or 512 are slower (docs/DESIGN.md §4)
-            host_activation_min_elements=1 << 15,
+            # A 20-token forward's SwiGLU ([20, 1536] on SmolLM2) took 0.83 ms a layer in MLX.
+            host_activation_min_elements=8192,
             gemv=not blas.dispatch_active(),
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).

@@ -1,9 +1,10 @@
 """Transcendental element-wise ops on MLX's CPU backend, computed by numpy.
 
 MLX's CPU backend computes exp and sigmoid one scalar at a time; numpy's ufuncs are SIMD
-(AVX-512 / AVX2 on x86, NEON on ARM). Measured on this project's 2-core AVX-512 machine, on
-2.1M float32: MLX exp 11.6, sigmoid 15.9, power(2, x) 4.3 ns an element; numpy exp 0.45,
-exp2 0.22 ns. Prefill and batched scoring spent about a fifth of each forward there
+(AVX-512 / AVX2 on x86, NEON on ARM). Measured an element, float32: on a 2-core AVX-512
+machine MLX exp 11.6, sigmoid 15.9, power(2, x) 4.3 ns, numpy exp 0.45 ns; on the 2-core
+AVX2 CI machine MLX exp 27, sigmoid 27, power(2, x) 11 ns, numpy exp 2.5 ns (its exp2 is
+not SIMD there: 5 ns). Prefill and batched scoring spent about a fifth of each forward there
 (Qwen3-0.6B shape, median of 5 interleaved runs: 16 rows x 16 tokens over a 512-token
 prefix 2653 -> 2130 ms, a 512-token prefill 4681 -> 3913 ms, with softmax and SwiGLU here).
 
@@ -43,12 +44,14 @@ def host_views(*arrays: mx.array) -> list[np.ndarray]:
     return views
 
 
-def exp2_softmax_inplace(parts: list[np.ndarray], hidden: list[np.ndarray | None]) -> np.ndarray:
-    """Softmax numerators in base 2, in place: every part becomes 2**(x - m) (0 where
-    `hidden` is True), m being the row maximum over all parts' last axes, which together are
-    one softmax row; returns the row sums ([..., 1]). Parts share their leading shape (empty
-    parts are ignored); a `hidden` mask broadcasts against its part. Rows must keep at least
-    one visible entry."""
+def softmax_numerators_inplace(
+    parts: list[np.ndarray], hidden: list[np.ndarray | None]
+) -> np.ndarray:
+    """Softmax numerators, in place: every part becomes e**(x - m) (0 where `hidden` is True),
+    m being the row maximum over all parts' last axes, which together are one softmax row;
+    returns the row sums ([..., 1]). Parts share their leading shape (empty parts are
+    ignored); a `hidden` mask broadcasts against its part. Rows must keep at least one
+    visible entry. (numpy's exp is SIMD on AVX2 and AVX-512; its exp2 only on AVX-512.)"""
     kept = [(p, m) for p, m in zip(parts, hidden, strict=True) if p.shape[-1]]  # drop empties
     parts = [p for p, _ in kept]
     for part, mask in kept:
@@ -60,7 +63,7 @@ def exp2_softmax_inplace(parts: list[np.ndarray], hidden: list[np.ndarray | None
     total = np.zeros_like(top)
     for part in parts:
         part -= top
-        np.exp2(part, out=part)
+        np.exp(part, out=part)
         total += part.sum(axis=-1, keepdims=True)
     return total
 

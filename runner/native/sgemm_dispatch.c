@@ -1,82 +1,240 @@
 /*
- * cblas_sgemm for MLX's CPU backend, preloaded ahead of the BLAS that does the work
- * (runner/blas.py). MLX's CPU backend calls cblas_sgemm for every float32 product; OpenBLAS
- * (0.3.21, Debian 12) handles products with few rows badly, because it packs the whole
- * weight matrix for them. Measured on a 2-core AMD EPYC, MLX float32, OpenBLAS 2 threads:
+ * cblas_sgemm for MLX's CPU backend, preloaded ahead of the BLAS that does the rest
+ * (runner/blas.py builds it once with the machine's C compiler, -O3 -march=native).
  *
- *   one row (decode steps, one query per head): sgemm reads weights at ~10 GB/s, sgemv at
- *     ~20-30 GB/s: such products go to cblas_sgemv;
- *   2..SMALL_ROWS rows (short forwards, one decision over a cached prefix): the same product
- *     computed as (op(B)^T op(A)^T)^T, the orientation OpenBLAS packs cheaply, runs 1.6x
- *     faster (M=20, K=576, N=1536: 55 -> 87 GFLOP/s); the few-row result is transposed back;
- *   everything else: passed through unchanged.
+ * MLX's CPU backend hands every float32 product to cblas_sgemm. OpenBLAS (0.3.21, Debian 12)
+ * packs both operands of every product, which pays off for many rows and is ruinous for few:
+ * a forward of a few tokens reads every weight matrix from memory once, and packing turns
+ * that into ~3 GB/s of weights (measured: M=20 rows, 60 cold 576x1536 weights, 28-34
+ * GFLOP/s; one row: sgemm 7 GB/s). Products of up to SMALL_ROWS rows against a
+ * row-major weight used transposed (C = A W^T: MLX's `x @ W.T`, and attention's q k^T) are
+ * computed here instead: each 4-row block of W is streamed from memory once and multiplied
+ * with every row of A from the cache, in 4x4 blocks of vector dot products, the columns of C
+ * split across the machine's cores. Everything else passes through unchanged.
  *
- * Numbers are the underlying BLAS's own: the same dot products, summed in another order.
- * Column-major calls, and anything the paths above do not cover, pass through untouched.
+ * Numbers: the same dot products as OpenBLAS, summed in another order (float32 rounding).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-enum { SMALL_ROWS = 32, MIN_WEIGHT_ELEMENTS = 1 << 16 };
+enum { SMALL_ROWS = 40, MAX_THREADS = 16, SPINS = 20000 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int,
                          float, float *, int);
 
+#if defined(__AVX512F__)
+#define VBYTES 64
+#elif defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define VL (VBYTES / 4)
+typedef float vf __attribute__((vector_size(VBYTES)));
+/* The same vector, readable at any float's address (rows need not be vector-aligned). */
+typedef float vf_unaligned __attribute__((vector_size(VBYTES), aligned(4), may_alias));
+
 static sgemm_fn next_sgemm;
 static sgemv_fn next_sgemv;
-static __thread float *scratch;
-static __thread size_t scratch_floats;
 
 /* Exported so the runner can tell that this dispatch is in the process. */
-int runner_sgemm_dispatch_version(void) { return 1; }
+int runner_sgemm_dispatch_version(void) { return 2; }
 
-static void resolve(void) {
-    next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
-    next_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
 }
 
-static float *scratch_of(size_t floats) {
-    if (floats > scratch_floats) {
-        free(scratch);
-        scratch = malloc(floats * sizeof(float));
-        scratch_floats = scratch ? floats : 0;
+/* The product's operands: C[m, n] = alpha A[m, k] W[n, k]^T + beta C. */
+struct product {
+    int m, n, k, lda, ldw, ldc;
+    float alpha, beta;
+    const float *a, *w;
+    float *c;
+};
+
+static void store(const struct product *p, int i, int j, float dot) {
+    float *out = p->c + (size_t)i * p->ldc + j;
+    *out = p->beta == 0.0f ? p->alpha * dot : p->alpha * dot + p->beta * *out;
+}
+
+/* Dot products of 4 rows of A with 3 rows of W over the first kv (a multiple of VL) of k:
+ * 12 accumulators, the 3 rows of W and one row of A in registers (16 with AVX2). */
+static void tile(const float *a[4], const float *w[3], int kv, float dot[4][3]) {
+    vf c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+    vf c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
+    for (int t = 0; t < kv; t += VL) {
+        const vf y0 = load(w0 + t), y1 = load(w1 + t), y2 = load(w2 + t);
+        vf x = load(a0 + t);
+        c00 += x * y0; c01 += x * y1; c02 += x * y2;
+        x = load(a1 + t);
+        c10 += x * y0; c11 += x * y1; c12 += x * y2;
+        x = load(a2 + t);
+        c20 += x * y0; c21 += x * y1; c22 += x * y2;
+        x = load(a3 + t);
+        c30 += x * y0; c31 += x * y1; c32 += x * y2;
     }
-    return scratch;
+    dot[0][0] = hsum(c00); dot[0][1] = hsum(c01); dot[0][2] = hsum(c02);
+    dot[1][0] = hsum(c10); dot[1][1] = hsum(c11); dot[1][2] = hsum(c12);
+    dot[2][0] = hsum(c20); dot[2][1] = hsum(c21); dot[2][2] = hsum(c22);
+    dot[3][0] = hsum(c30); dot[3][1] = hsum(c31); dot[3][2] = hsum(c32);
+}
+
+/* Columns [j0, j1) of C: 3 rows of W at a time (streamed from memory once, the next block
+ * fetched while this one is computed from the cache), each against every row of A (from the
+ * cache), 4 rows at a time. */
+static void columns(const struct product *p, int j0, int j1) {
+    const int k = p->k, kv = k - k % VL, groups = (p->m + 3) / 4;
+    for (int j = j0; j < j1; j += 3) {
+        const int nj = j1 - j < 3 ? j1 - j : 3, nn = j1 - j - 3 < 3 ? j1 - j - 3 : 3;
+        const float *w[3];
+        for (int jj = 0; jj < 3; jj++) w[jj] = p->w + (size_t)(j + (jj < nj ? jj : 0)) * p->ldw;
+        for (int i = 0, g = 0; i < p->m; i += 4, g++) {
+            const int ni = p->m - i < 4 ? p->m - i : 4;
+            const int t0 = (int)((long)k * g / groups), t1 = (int)((long)k * (g + 1) / groups);
+            for (int jj = 0; jj < nn; jj++) {
+                const float *next = p->w + (size_t)(j + 3 + jj) * p->ldw;
+                for (int t = t0; t < t1; t += 16) __builtin_prefetch(next + t, 0, 3);
+            }
+            const float *a[4];
+            for (int ii = 0; ii < 4; ii++)
+                a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
+            float dot[4][3];
+            tile(a, w, kv, dot);
+            for (int ii = 0; ii < ni; ii++)
+                for (int jj = 0; jj < nj; jj++) {
+                    float d = dot[ii][jj];
+                    for (int t = kv; t < k; t++) d += a[ii][t] * w[jj][t];
+                    store(p, i + ii, j + jj, d);
+                }
+        }
+    }
+}
+
+/* --- a small pool: the calling thread takes the first share, workers the others --------- */
+
+static int threads;  /* including the caller */
+static pthread_t pool[MAX_THREADS];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static atomic_uint generation;
+static atomic_int pending, sleeping;
+static struct product job;
+
+static void share(int index, int *j0, int *j1) {
+    const int blocks = (job.n + 2) / 3, per = blocks / threads, extra = blocks % threads;
+    const int first = index * per + (index < extra ? index : extra);
+    *j0 = first * 3;
+    *j1 = (first + per + (index < extra ? 1 : 0)) * 3;
+    if (*j1 > job.n) *j1 = job.n;
+}
+
+static void *worker(void *arg) {
+    const int index = (int)(size_t)arg;
+    unsigned seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
+            if (++spins < SPINS) continue;
+            pthread_mutex_lock(&lock);
+            atomic_fetch_add(&sleeping, 1);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &lock);
+            atomic_fetch_sub(&sleeping, 1);
+            pthread_mutex_unlock(&lock);
+        }
+        seen = atomic_load_explicit(&generation, memory_order_acquire);
+        int j0, j1;
+        share(index, &j0, &j1);
+        if (j0 < j1) columns(&job, j0, j1);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static pthread_mutex_t callers = PTHREAD_MUTEX_INITIALIZER;
+
+/* A forked child has none of the parent's workers: it starts its own when it needs them. */
+static void forked(void) {
+    threads = 0;
+    pthread_mutex_init(&callers, NULL);
+    pthread_mutex_init(&lock, NULL);
+    pthread_cond_init(&wake, NULL);
+    atomic_store(&sleeping, 0);
+}
+
+static void start_pool(void) { /* under `callers` */
+    const char *env = getenv("RUNNER_BLAS_THREADS");
+    long n = env ? atol(env) : sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+    for (int i = 1; i < threads; i++)
+        if (pthread_create(&pool[i], NULL, worker, (void *)(size_t)i) != 0) {
+            threads = i;
+            break;
+        }
+    static int registered;
+    if (!registered++) pthread_atfork(NULL, NULL, forked);
+}
+
+static void small_product(const struct product *p) {
+    pthread_mutex_lock(&callers); /* one product on the pool at a time */
+    if (threads == 0) start_pool();
+    /* Narrow products are not worth waking anyone for. */
+    if (threads == 1 || (long)p->n * p->k * p->m < (1L << 18)) {
+        pthread_mutex_unlock(&callers);
+        columns(p, 0, p->n);
+        return;
+    }
+    job = *p;
+    atomic_store(&pending, threads - 1);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    if (atomic_load(&sleeping) > 0) {
+        pthread_mutex_lock(&lock);
+        pthread_cond_broadcast(&wake);
+        pthread_mutex_unlock(&lock);
+    }
+    int j0, j1;
+    share(0, &j0, &j1);
+    if (j0 < j1) columns(&job, j0, j1);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) sched_yield();
+    pthread_mutex_unlock(&callers);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-    if (!next_sgemm) resolve();
+    if (!next_sgemm) {
+        next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+        next_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
+    }
     if (order == ROW_MAJOR && m == 1 && next_sgemv) {
-        /* c[1,n] = alpha a[1,k] op(b)[k,n] + beta c: the row times op(b). */
-        int incx = ta == NO_TRANS ? 1 : lda;
+        /* One row: c[1,n] = alpha a[1,k] op(b)[k,n] + beta c, the BLAS's gemv (it streams the
+         * weights at ~13-18 GB/s here; this file's blocks reach ~11-14). */
+        const int incx = ta == NO_TRANS ? 1 : lda;
         if (tb == TRANS) /* b is stored [n, k] */
             next_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
         else /* b is stored [k, n] */
             next_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, incx, beta, c, 1);
         return;
     }
-    if (order == ROW_MAJOR && m > 1 && m <= SMALL_ROWS && (long)n * k >= MIN_WEIGHT_ELEMENTS) {
-        float *t = scratch_of((size_t)n * m);
-        if (t) {
-            /* t[n,m] = op(b)^T op(a)^T, then c = t^T (+ beta c). */
-            next_sgemm(ROW_MAJOR, tb == TRANS ? NO_TRANS : TRANS, ta == NO_TRANS ? TRANS : NO_TRANS,
-                       n, m, k, alpha, b, ldb, a, lda, 0.0f, t, m);
-            for (int i = 0; i < m; i++) {
-                float *row = c + (size_t)i * ldc;
-                const float *col = t + i;
-                if (beta == 0.0f)
-                    for (int j = 0; j < n; j++) row[j] = col[(size_t)j * m];
-                else
-                    for (int j = 0; j < n; j++) row[j] = col[(size_t)j * m] + beta * row[j];
-            }
-            return;
-        }
+    if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && m <= SMALL_ROWS && m > 0 &&
+        n > 0 && k > 0) {
+        const struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
+        small_product(&p);
+        return;
     }
     next_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
