@@ -5,7 +5,8 @@
 - `llama.cpp-q4`: Q4_K_M quantized from that GGUF, default (f16) KV cache: what a llama.cpp
   user runs. Its logits differ from ours by the quantization; the columns say by how much.
 
-Both keep one `Llama` with n_threads = n_threads_batch = the machine's cores and reuse
+Each runs in a process of its own (spawned: no MLX, no torch in it), as a user runs llama.cpp,
+and keeps one `Llama` with n_threads = n_threads_batch = the machine's cores and reuses
 their KV cache across rows, as llama.cpp's server does between requests: a row's longest
 common prefix with the tokens evaluated last is kept, the rest evaluated (one token at least,
 for the last position's logits). Text is tokenized by llama.cpp's own tokenizer, without BOS
@@ -28,6 +29,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -207,34 +209,24 @@ def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
     return cache / name
 
 
-class LlamaCpp(System):
-    name = "llama.cpp-f32"
-    description = "llama-cpp-python, f32 GGUF, f32 KV cache; prefix reuse across rows"
-    one_by_one = True
-    gguf = F32
-    kv_type: str | None = "GGML_TYPE_F32"  # None: llama.cpp's default (f16)
+class LlamaCppProcess:
+    """One `Llama` in this process: what runs in the llama.cpp system's own process."""
 
-    def prepare(self, ctx: Context) -> None:
+    def __init__(self, path: str, max_tokens: int, kv_type: str | None):
         llama_cpp = import_llama_cpp()
-        path = cached_gguf(llama_cpp, ctx, self.gguf)
         cores = os.cpu_count() or 1
         kv = {}
-        if self.kv_type is not None:
-            kv_type = getattr(llama_cpp, self.kv_type)
-            kv = {"type_k": kv_type, "type_v": kv_type}
+        if kv_type is not None:
+            kv = {"type_k": getattr(llama_cpp, kv_type), "type_v": getattr(llama_cpp, kv_type)}
         self.llm = llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=min(N_CTX, ctx.max_tokens),
+            model_path=path,
+            n_ctx=min(N_CTX, max_tokens),
             n_threads=cores,
             n_threads_batch=cores,
             logits_all=False,  # only the last position's logits: all scoring reads
             verbose=False,
             **kv,
         )
-
-    def close(self) -> None:
-        self.llm.close()
-        self.llm = None
 
     def _encode(self, text: str, bos: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=bos, special=False)
@@ -264,7 +256,7 @@ class LlamaCpp(System):
         llm = self.llm
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 
-    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+    def score(self, rows: list[Row]) -> ScoreOutcome:
         def score_row(row: Row) -> tuple[list[float | None], int]:
             tokens = self._encode(row.prompt)
             wanted = [self._candidate(row.prompt, tokens, c) for c in row.candidates]
@@ -272,7 +264,7 @@ class LlamaCpp(System):
             logits = self._last_logits()
             return [float(logits[i]) for i in wanted], computed
 
-        return score_rows(limited(requests, limit), score_row)
+        return score_rows(rows, score_row)
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         """Greedy: the prompt's forward gives the first token (prefill), then one forward per
@@ -301,6 +293,64 @@ class LlamaCpp(System):
             decode_seconds=ended - prefilled,
             decode_tokens=len(out) - 1,
         )
+
+
+def _serve(connection: Any, path: str, max_tokens: int, kv_type: str | None) -> None:
+    """The llama.cpp process: answer (method, args) calls until told to stop."""
+    engine = LlamaCppProcess(path, max_tokens, kv_type)
+    connection.send(("ready", None))
+    while (call := connection.recv()) is not None:
+        method, args = call
+        try:
+            connection.send(("ok", getattr(engine, method)(*args)))
+        except Exception as e:  # reported to the bench, which fails this workload
+            connection.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class LlamaCpp(System):
+    """llama.cpp in a process of its own, as a user runs it. In the bench's own process its
+    threads share the machine with MLX's and ran 2x slower (a one-row request over a cached
+    prompt: 88 -> 200 ms, measured with MLX merely imported and used once)."""
+
+    name = "llama.cpp-f32"
+    description = "llama-cpp-python in its own process, f32 GGUF, f32 KV cache; prefix reuse"
+    one_by_one = True
+    gguf = F32
+    kv_type: str | None = "GGML_TYPE_F32"  # None: llama.cpp's default (f16)
+
+    def prepare(self, ctx: Context) -> None:
+        llama_cpp = import_llama_cpp()
+        path = cached_gguf(llama_cpp, ctx, self.gguf)
+        spawn = multiprocessing.get_context("spawn")  # a clean process: no MLX, no torch
+        self.connection, child = spawn.Pipe()
+        self.process = spawn.Process(
+            target=_serve, args=(child, str(path), ctx.max_tokens, self.kv_type), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self._answer()
+
+    def _answer(self) -> Any:
+        status, value = self.connection.recv()
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self.connection.send((method, args))
+        return self._answer()
+
+    def close(self) -> None:
+        self.connection.send(None)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+    def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
+        return self._call("score", limited(requests, limit))
+
+    def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
+        return self._call("generate", workload, new_tokens)
 
 
 class LlamaCppQ4(LlamaCpp):

@@ -11,7 +11,8 @@ one (e.g. `--param decisions.rows=16`).
 - choices: one request of `rows` unrelated `prompt`-token prompts; candidates " A" .. " Z".
 - families: `requests` requests in a row sharing one `system`-token system prompt, `rows` rows
   each (every question distinct); candidates " Yes" " No".
-- generate: a `prompt`-token prompt, then `new_tokens` greedy tokens.
+- generate: a `prompt`-token prompt ending in the start of a count, then `new_tokens` greedy
+  tokens (a real model goes on counting instead of stopping early).
 - requests ("decision requests"): `rows` requests of one row each, sent in sequence as a
   supervisor asks per decision, sharing one `system`-token system prompt, each with its own
   `question`-token question; candidates " Yes" " No". What counts is each request's latency:
@@ -43,7 +44,7 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
     },
     "generate": {
         "default": {"prompt": 512, "new_tokens": 128},
-        "small": {"prompt": 32, "new_tokens": 8},
+        "small": {"prompt": 48, "new_tokens": 8},
     },
     "requests": {
         "default": {"rows": 32, "system": 480, "question": 18},
@@ -150,8 +151,14 @@ def families(
     return ScoreWorkload("families", params, batches)
 
 
+# A real model continues a count for hundreds of tokens, so every system decodes the whole
+# budget (after "Answer:" SmolLM2 stops after 8 tokens, and decode rates over 8 tokens mean
+# little); random-weight models never stop anyway.
+COUNT_TAIL = "\nCount to 1000: 1, 2, 3, 4,"
+
+
 def generate(maker: TextMaker, prompt: int, new_tokens: int) -> GenerateWorkload:
-    text = maker.exact(prompt, tail="\nAnswer:")
+    text = maker.exact(prompt, tail=COUNT_TAIL)
     params = {"prompt": prompt, "new_tokens": new_tokens}
     return GenerateWorkload("generate", params, text, prompt, new_tokens)
 
