@@ -33,6 +33,7 @@ from .wire import (
     decode_completion_request,
     decode_score_request,
     encode_json,
+    go_encodable,
 )
 
 log = logging.getLogger(__name__)
@@ -113,23 +114,33 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def score(request: web.Request) -> web.Response:
     endpoint = request.app[SCORE_KEY]
-    try:
-        body = decode_score_request(await request.read())
+    body = await request.read()
+    loop = asyncio.get_running_loop()
+    try:  # decoding a large body takes time: never on the loop (/v1/status must answer)
+        decoded = await loop.run_in_executor(None, decode_score_request, body)
     except DecodeError as e:
         raise BadRequest(str(e)) from None
-    plan = await asyncio.get_running_loop().run_in_executor(None, endpoint.prepare, body)
+    plan = await loop.run_in_executor(None, endpoint.prepare, decoded)
     job = _submit(request, lambda job: endpoint.execute(plan, job))
     with cancelled_on_disconnect(request, job):
-        return json_response(await _outcome(job))
+        answer = await _outcome(job)
+    if not go_encodable(answer):
+        # Go's encoder refuses a non-finite logit and writes nothing: the answer is a 200
+        # with an empty body, which a Go client reads as an error, never as a 0.
+        log.error("score: a logit is not finite; answering with an empty body, as Go does")
+        return web.Response(status=200, content_type="application/json")
+    return json_response(answer)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     endpoint = request.app[COMPLETIONS_KEY]
+    body = await request.read()
+    loop = asyncio.get_running_loop()
     try:
-        body = decode_completion_request(await request.read())
+        decoded = await loop.run_in_executor(None, decode_completion_request, body)
     except DecodeError:
         raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
-    prepared = await asyncio.get_running_loop().run_in_executor(None, endpoint.prepare, body)
+    prepared = await loop.run_in_executor(None, endpoint.prepare, decoded)
     return await stream_jsonl(request, lambda job, emit: endpoint.execute(prepared, job, emit))
 
 
@@ -170,6 +181,12 @@ async def stream_jsonl(
                     response = web.StreamResponse(status=200)
                     response.content_type = "application/jsonl"
                     await response.prepare(request)
+                elif not go_encodable(item):
+                    # Go's encoder refuses a non-finite logprob and its handler stops the
+                    # stream there: no more lines, no Done line, the work cancelled.
+                    log.error("completion: a logprob is not finite; ending the stream")
+                    job.cancel()
+                    break
                 else:
                     assert response is not None
                     await response.write(encode_json(item))
@@ -253,4 +270,6 @@ def build_app(runner: Runner, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
     app.router.add_post("/v1/completions", completions)
     for (method, path), target in REDIRECTS.items():
         app.router.add_route(method, path, _redirect(target))
+        if method == "GET":  # Go's GET patterns match HEAD too
+            app.router.add_route("HEAD", path, _redirect(target))
     return app

@@ -92,7 +92,10 @@ class Sampler:
     def __init__(self, options: SamplerOptions, context_length: int, history: list[int]):
         self.options = options
         self.repeat_penalty = options.repeat_penalty if options.repeat_penalty > 0 else 1.0
-        window = options.repeat_last_n if options.repeat_last_n >= 0 else context_length
+        # < 0: the whole context, as Go; more than the context is the context (Go would
+        # allocate a ring of that size and fail).
+        window = min(options.repeat_last_n, context_length)
+        window = window if window >= 0 else context_length
         penalised = (
             self.repeat_penalty != 1
             or options.presence_penalty != 0

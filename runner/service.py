@@ -55,16 +55,19 @@ class Runner:
         self.backend = backend if backend is not None else Backend.for_device()
         self.context_length = model.context_length
         self.cache_budget = cache_budget or ByteBudget(budget_from_env())
-        batch_tokens = self.backend.batch_tokens
+        chunk = self.backend.prefill_chunk_tokens
         self.score_cache = PrefixCache(
             model,
             name="score",
             budget=self.cache_budget,
             keep_hidden=True,
-            batch_tokens=batch_tokens,
+            chunk_tokens=chunk,
+            batch_tokens=self.backend.batch_tokens,
         )
         self.scorer = Scorer(model, self.score_cache)
-        self.generate_cache = PrefixCache(model, name="generate", budget=self.cache_budget)
+        self.generate_cache = PrefixCache(
+            model, name="generate", budget=self.cache_budget, chunk_tokens=chunk
+        )
         self.generator = Generator(model, tokenizer, self.generate_cache)
         self.memory = StatusMemory(engine)
 

@@ -1,24 +1,38 @@
 """Wire types of the runner protocol, spelled as the Go structs are (docs/PROTOCOL.md §3).
 
-Go decodes JSON keys case-insensitively, ignores unknown keys and turns `null` into the zero
-value. `/v1/score` goes further: its keys also match with underscores left out (`max_tokens`,
-`MaxTokens`, `maxtokens` are one key). `decode_score_request` gives that behaviour by
-normalising every object key before msgspec converts the document into typed structs.
+Decoding follows Go's `json.Decoder.Decode` into a zero-valued struct (`go_document`):
+- only the first JSON value of the body is read; whatever follows it is ignored;
+- keys match case-insensitively, unknown keys are ignored, `null` leaves the zero value;
+  `/v1/score` goes further: its keys also match with underscores left out (`max_tokens`,
+  `MaxTokens`, `maxtokens` are one key);
+- a byte of invalid UTF-8 inside a string, and a `\\u` escape of a lone surrogate, become
+  U+FFFD, one per byte (Go's `utf8.DecodeRune`);
+- integers must fit Go's int (int64), and numbers for Go's float32 fields must fit float32;
+- nesting deeper than `MAX_DEPTH` is refused (Go allows 10,000; msgspec's recursion stops
+  near 1,000, so the runner draws its own line well below).
+Encoding follows Go's `json.Encoder`: a non-finite float cannot be written (`go_encodable`).
 """
 
 from __future__ import annotations
 
+import codecs
+import math
+import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+MAX_DEPTH = 500
+FLOAT32_MAX = 3.4028234663852886e38
+GoInt = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+GoFloat32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
 class MediaItem(msgspec.Struct):
     data: bytes = b""  # base64 on the wire, as Go's []byte
-    id: int = 0
+    id: GoInt = 0
     kind: str = ""
 
 
@@ -29,7 +43,7 @@ class ScoreRow(msgspec.Struct):
 
 class ScoreRequest(msgspec.Struct):
     rows: list[ScoreRow] = msgspec.field(default_factory=list)
-    maxtokens: int = 0
+    maxtokens: GoInt = 0
     media: list[MediaItem] = msgspec.field(default_factory=list)
 
 
@@ -59,18 +73,87 @@ def _normalise_keys(value: Any, key: Callable[[str], str]) -> Any:
     return value
 
 
+def _replace_byte(error: UnicodeError) -> tuple[str, int]:
+    assert isinstance(error, UnicodeDecodeError)
+    return "\ufffd", error.start + 1  # one U+FFFD per invalid byte, as Go
+
+
+codecs.register_error("runner-go-replace", _replace_byte)
+
+# A string literal, or one bracket outside strings.
+_SCAN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# In a string: an escaped surrogate pair (kept), a lone surrogate (replaced), or any escape.
+_ESCAPE = re.compile(
+    r"\\(u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[dD][89a-fA-F][0-9a-fA-F]{2}|.)"
+)
+
+
+def _keep_or_replace(match: re.Match[str]) -> str:
+    escape = match.group(1)
+    if len(escape) == 5 and escape[0] == "u":  # a surrogate escape standing alone
+        return "\\ufffd"
+    return match.group(0)
+
+
+def go_document(body: bytes, kind_name: str) -> Any:
+    """The first JSON value of `body`, as Go's json.Decoder reads it (see the module
+    docstring); raises DecodeError with a Go-like message."""
+    start = len(body) - len(body.lstrip())
+    if start == len(body):
+        raise DecodeError("EOF")
+    first = body[start : start + 1]
+    if body[start : start + 4] == b"null":
+        return None
+    if first not in (b"{", b"["):
+        what = {b'"': "string", b"t": "bool", b"f": "bool"}.get(first, "number")
+        if first not in b'"tf-0123456789':
+            what = "a value"  # not JSON at all: msgspec's message below says why
+            _syntax(body[start:])
+        raise DecodeError(f"json: cannot unmarshal {what} into Go value of type {kind_name}")
+    depth, end = 0, None
+    for token in _SCAN.finditer(body, start):
+        bracket = token.group()
+        if bracket in (b"{", b"["):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise DecodeError(f"exceeded max depth ({MAX_DEPTH})")
+        elif bracket in (b"}", b"]"):
+            depth -= 1
+            if depth == 0:
+                end = token.end()
+                break
+    if end is None:  # no end: a syntax error before it, or a body cut short
+        _syntax(body[start:])
+        raise DecodeError("unexpected EOF")
+    text = body[start:end].decode("utf-8", "runner-go-replace")
+    if "\\u" in text:
+        text = _ESCAPE.sub(_keep_or_replace, text)
+    try:
+        return msgspec.json.decode(text.encode())
+    except msgspec.DecodeError as e:
+        raise DecodeError(str(e)) from None
+
+
+def _syntax(text: bytes) -> None:
+    """Raise the decoder's message for malformed JSON (nothing when the text is only cut
+    short, which the caller reports as Go does: unexpected EOF)."""
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        if "truncated" not in str(e):
+            raise DecodeError(str(e)) from None
+
+
 def _decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
     """Go's json.Decoder into a zero-valued struct: keys matched through `key`."""
-    if not body.strip():
-        raise DecodeError("EOF")
+    document = go_document(body, kind.__name__)
+    if document is None:  # Go decodes `null` into a struct as a no-op
+        return kind()
+    if not isinstance(document, dict):
+        raise DecodeError(f"json: cannot unmarshal array into Go value of type {kind.__name__}")
     try:
-        document = msgspec.json.decode(body)
-        if document is None:  # Go decodes `null` into a struct as a no-op
-            return kind()
-        if not isinstance(document, dict):
-            raise DecodeError(f"expected a JSON object, got {type(document).__name__}")
         return msgspec.convert(_normalise_keys(document, key), kind, strict=True)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:
         raise DecodeError(str(e)) from None
 
 
@@ -90,6 +173,19 @@ def encode_json(value: Any) -> bytes:
     return _json_encoder.encode(value) + b"\n"
 
 
+def go_encodable(value: Any) -> bool:
+    """Whether Go's json.Encoder could write `value`: it refuses NaN and infinities (and
+    then writes nothing at all), where msgspec would write `null`, which a Go client reads
+    as 0 without an error."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list | tuple):
+        return all(go_encodable(v) for v in value)
+    if isinstance(value, msgspec.Struct):
+        return all(go_encodable(getattr(value, f)) for f in value.__struct_fields__)
+    return True
+
+
 # --- /v1/completions ------------------------------------------------------------------------
 # CompletionRequest and CompletionResponse have no JSON tags in Go, so their keys are the Go
 # field names; api.Options keys are its snake_case tags. Go matches keys case-insensitively
@@ -101,25 +197,25 @@ class Options(msgspec.Struct):
     """api.Options with its embedded Runner options. Fields the runner does not use are
     declared anyway so that a value of the wrong type fails decoding as it does in Go."""
 
-    num_ctx: int = 0
-    num_batch: int = 0
-    num_gpu: int = 0
-    main_gpu: int = 0
+    num_ctx: GoInt = 0
+    num_batch: GoInt = 0
+    num_gpu: GoInt = 0
+    main_gpu: GoInt = 0
     use_mmap: bool = False
-    num_thread: int = 0
-    draft_num_predict: int = 0
-    num_keep: int = 0
-    seed: int = 0
-    num_predict: int = 0
-    top_k: int = 0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    typical_p: float = 0.0
-    repeat_last_n: int = 0
-    temperature: float = 0.0
-    repeat_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    num_thread: GoInt = 0
+    draft_num_predict: GoInt = 0
+    num_keep: GoInt = 0
+    seed: GoInt = 0
+    num_predict: GoInt = 0
+    top_k: GoInt = 0
+    top_p: GoFloat32 = 0.0
+    min_p: GoFloat32 = 0.0
+    typical_p: GoFloat32 = 0.0
+    repeat_last_n: GoInt = 0
+    temperature: GoFloat32 = 0.0
+    repeat_penalty: GoFloat32 = 0.0
+    presence_penalty: GoFloat32 = 0.0
+    frequency_penalty: GoFloat32 = 0.0
     stop: list[str] = msgspec.field(default_factory=list)
 
 
@@ -128,7 +224,7 @@ class CompletionRequest(msgspec.Struct):
     media: list[MediaItem] = msgspec.field(default_factory=list)
     options: Options = msgspec.field(default_factory=Options)
     logprobs: bool = False
-    toplogprobs: int = 0
+    toplogprobs: GoInt = 0
 
 
 class TopLogprob(msgspec.Struct):

@@ -195,7 +195,9 @@ async def test_rules_apply_in_order(client, llama_runner):
         (b"{not json", "malformed"),
         (b'{"rows": 5}', "Expected `array`"),
         (b'{"rows": [{"prompt": ["x"]}]}', "Expected `str`"),
-        (b'"just a string"', "expected a JSON object"),
+        (b'"just a string"', "cannot unmarshal string into Go value of type ScoreRequest"),
+        (b"[1, 2]", "cannot unmarshal array"),
+        (b'{"rows": [', "unexpected EOF"),
     ],
 )
 async def test_bad_bodies_are_400_with_the_decoder_message(client, body, fragment):

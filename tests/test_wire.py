@@ -43,8 +43,13 @@ def test_media_items_decode_base64():
     [
         (b"", "EOF"),
         (b"   ", "EOF"),
-        (b"{", "truncated"),
-        (b"[1,2]", "expected a JSON object"),
+        (b"{", "unexpected EOF"),
+        (b"[1,2]", "cannot unmarshal array"),
+        (b"{not json", "malformed"),
+        (b'{"max_tokens": 9223372036854775808}', "<= 9223372036854775807"),
+        (b'{"max_tokens": -9223372036854775809}', ">= -9223372036854775808"),
+        (b"{" * 501 + b"}" * 501, "exceeded max depth (500)"),
+        (b'{"x":' + b"[" * 600 + b"]" * 600 + b"}", "exceeded max depth"),
         (b'{"rows":"x"}', "Expected `array`"),
         (b'{"rows":[{"prompt":3}]}', "Expected `str`"),
         (b'{"max_tokens":"9"}', "Expected `int`"),
@@ -73,6 +78,38 @@ def test_bad_bodies_raise_decoder_message(body, fragment):
 )
 def test_go_quote_matches_strconv_quote(text, quoted):
     assert go_quote(text) == quoted
+
+
+def test_what_follows_the_first_value_is_ignored_as_go_decoder_does():
+    request = decode_score_request(b' {"max_tokens": 7} {"max_tokens": 9} trailing ] junk')
+    assert request.maxtokens == 7
+
+
+@pytest.mark.parametrize(
+    ("raw", "prompt"),
+    [
+        (b'"a\xffb"', "a\ufffdb"),  # an invalid byte: one U+FFFD
+        (b'"a\xe2\x82b"', "a\ufffd\ufffdb"),  # a cut sequence: one U+FFFD a byte, as Go
+        (b'"\\ud800x"', "\ufffdx"),  # a lone high surrogate escape
+        (b'"x\\udc00"', "x\ufffd"),  # a lone low surrogate escape
+        (b'"\\ud83d\\ude00"', "\U0001f600"),  # a pair stays a pair
+        (b'"\\\\ud800"', "\\ud800"),  # an escaped backslash, then plain text
+    ],
+)
+def test_invalid_utf8_and_lone_surrogates_become_replacement_characters(raw, prompt):
+    body = b'{"rows": [{"prompt": ' + raw + b', "candidates": ["x"]}]}'
+    assert decode_score_request(body).rows[0].prompt == prompt
+
+
+def test_go_int_and_float32_bounds_hold_in_completions():
+    from runner.wire import decode_completion_request
+
+    edge = b'{"options": {"num_predict": -9223372036854775808, "temperature": 3.4e38}}'
+    request = decode_completion_request(edge)
+    assert request.options.num_predict == -(1 << 63)
+    for bad in (b'{"options": {"temperature": 3.5e38}}', b'{"TopLogprobs": 1e19}'):
+        with pytest.raises(DecodeError):
+            decode_completion_request(bad)
 
 
 def test_null_body_is_the_zero_request_as_go_decodes_it():

@@ -56,6 +56,9 @@ class Backend:
     gemv: bool
     # cache.session: suffix tokens per batched scoring forward.
     batch_tokens: int
+    # cache.session: prompt tokens per prefill forward, and so the work between two checks
+    # for cancellation (a forward cannot be interrupted).
+    prefill_chunk_tokens: int
 
     @classmethod
     def cpu(cls) -> Backend:
@@ -73,6 +76,9 @@ class Backend:
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
             batch_tokens=512,
+            # A 2048-token chunk of Qwen3-0.6B is ~12 s of CPU work before a cancellation is
+            # seen; 512 costs one more read of the weights every 512 tokens (~3%).
+            prefill_chunk_tokens=512,
         )
 
     @classmethod
@@ -86,6 +92,7 @@ class Backend:
             host_activation_min_elements=None,
             gemv=False,
             batch_tokens=8192,  # GPUs want wide batches
+            prefill_chunk_tokens=2048,
         )
 
     @classmethod
