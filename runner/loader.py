@@ -1,7 +1,8 @@
 """Turn `--model NAME` into a `ModelSource`: the default model, a local Hugging Face / mlx-lm
 directory, or a name in the Ollama model store (runner/store.py).
 
-Nothing is built here: `runner.models.build_model` consumes the `ModelSource`.
+Nothing is built here: `runner.models.build_model` consumes the `ModelSource`. A directory is
+read as given, symlinks followed; the shards its index names must be plain file names in it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,20 @@ def load_model_source(name_or_path: str) -> ModelSource:
         source = load_local_dir(resolve_default_model())
         source.name = DEFAULT_ALIAS
         return source
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return load_local_dir(path)
+    if _is_dir(name_or_path):
+        return load_local_dir(Path(name_or_path).expanduser())
     if name_or_path.startswith(("/", "./", "../", "~")):  # meant as a path, not a name
         raise ModelLoadError(f"{name_or_path} is not a model directory")
     return load_store_model(name_or_path)
+
+
+def _is_dir(name_or_path: str) -> bool:
+    """Whether the argument names an existing directory; `~nobody/x` or a NUL byte make
+    `expanduser` raise, and such an argument names none."""
+    try:
+        return Path(name_or_path).expanduser().is_dir()
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _read_json(path: Path, *, optional: bool = False) -> Any:
@@ -51,13 +60,37 @@ def _weight_files(path: Path) -> list[Path]:
     """The shards named by model.safetensors.index.json, else every *.safetensors."""
     index = _read_json(path / "model.safetensors.index.json", optional=True)
     if index is not None:
-        names = sorted(set((index.get("weight_map") or {}).values()))
-        files = [path / name for name in names]
+        files = [path / name for name in _shard_names(index)]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path}")
     return files
+
+
+def _shard_names(index: Any) -> list[str]:
+    """The files an index's `weight_map` names, each refused unless it is a plain file name
+    in the model directory: an index must not make the loader read elsewhere. (Symlinks are
+    followed: the Hugging Face cache links every file to its blob store.)"""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError("model.safetensors.index.json has no weight_map object")
+    for name in weight_map.values():
+        if not _plain_file_name(name):
+            raise ModelLoadError(
+                f"model.safetensors.index.json names {name!r}, not a file in the model directory"
+            )
+    return sorted(set(weight_map.values()))
+
+
+def _plain_file_name(name: Any) -> bool:
+    """No separator, not `.` or `..`, and no NUL (which would cut the C path short)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "\0" not in name
+        and Path(name).name == name
+    )
 
 
 def _dir_quantization(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -18,6 +18,13 @@ class ModelLoadError(Exception):
     """A model cannot be loaded; the message is printed after `Error: ` at start-up."""
 
 
+def show(value: Any) -> str:
+    """A value read from a model's files, for a one-line error message: its repr (so control
+    characters are escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 @dataclass
 class ModelSource:
     name: str

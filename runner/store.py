@@ -5,25 +5,48 @@ names map to `manifests/<host>/<namespace>/<name>/<tag>`, configs are JSON layer
 exact name, and tensor layers are safetensors blobs whose quantized linears are stored as
 `<t>` (packed), `<t>.scale`, `<t>.bias`. Those are renamed to mlx-lm's `P.weight`,
 `P.scales`, `P.biases`, and the quantization parameters become an mlx-lm quantization dict.
+
+Invariant: nothing outside `$OLLAMA_MODELS` is ever read, whatever a name or a manifest says.
+- A name becomes path components only after each part passed Ollama's rules (`parse_name`),
+  which leave no room for `/`, `.`/`..`, empty parts or NUL bytes.
+- A digest names a blob only if it is `sha256:` (or `sha256-`) and 64 hex digits, as in
+  Ollama (`blob_path`).
+- Every file is opened at its resolved path, and only once that path was checked to lie inside
+  the resolved store (`inside_store`), so no symlink in the store leads elsewhere.
+- A layer's `name` is only compared with fixed file names and shown in messages; it never
+  becomes part of a path.
+Every refusal is a `ModelLoadError`, printed as one `Error:` line at start-up.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelLoadError, ModelSource
+from runner.source import ModelLoadError, ModelSource, show
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 TENSOR_MEDIA_TYPE = "application/vnd.ollama.image.tensor"
 JSON_MEDIA_TYPE = "application/vnd.ollama.image.json"
+
+# Ollama's name parts (types/model/name.go, `isValidPart`): the first byte a letter, digit or
+# "_", then also "-", and by kind "." and ":"; a length limit per kind.
+NAME_PARTS: dict[str, tuple[int, re.Pattern[str], str]] = {
+    "host": (350, re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*"), "letters, digits, _ - . :"),
+    "namespace": (80, re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*"), "letters, digits, _ -"),
+    "model": (80, re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*"), "letters, digits, _ - ."),
+    "tag": (80, re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*"), "letters, digits, _ - ."),
+}
+# The only digests Ollama turns into blob paths (manifest/paths.go, `BlobsPath`).
+DIGEST = re.compile(r"sha256[:-][0-9a-fA-F]{64}")
 
 # Canonical quant type -> (default group size, bits, MLX mode); aliases as in x/quant.
 QUANT_TYPES: dict[str, tuple[int, int, str]] = {
@@ -54,29 +77,95 @@ class ModelName:
     model: str
     tag: str
 
+    def parts(self) -> tuple[str, str, str, str]:
+        return self.host, self.namespace, self.model, self.tag
+
     def manifest_path(self, models: Path) -> Path:
-        return models / "manifests" / self.host / self.namespace / self.model / self.tag
+        """Where Ollama writes this name's manifest: the parts as spelled."""
+        return models.joinpath("manifests", *self.parts())
+
+
+def valid_part(kind: str, part: str) -> bool:
+    """Whether `part` is a valid `kind` part of an Ollama name (so also a plain file name)."""
+    limit, pattern, _ = NAME_PARTS[kind]
+    return len(part) <= limit and pattern.fullmatch(part) is not None
 
 
 def parse_name(name: str) -> ModelName:
-    """`[host/][namespace/]model[:tag]`; the tag is what follows the last `:`."""
-    rest, sep, tag = name.rpartition(":")
-    if not sep:
-        rest, tag = name, DEFAULT_TAG
-    parts = rest.split("/")
-    bad = any(p in ("", ".", "..") for p in [*parts, tag]) or "/" in tag
-    if len(parts) > 3 or bad:
-        raise ModelLoadError(f"invalid model name {name!r}")
-    if len(parts) == 3:
-        return ModelName(parts[0], parts[1], parts[2], tag)
-    if len(parts) == 2:
-        return ModelName(DEFAULT_HOST, parts[0], parts[1], tag)
-    return ModelName(DEFAULT_HOST, DEFAULT_NAMESPACE, parts[0], tag)
+    """Ollama's `ParseName`: `[[scheme://]host/][namespace/]model[:tag]`, defaults filled in.
+
+    The tag is what follows the last `:` if no `/` comes after it (so `host:port/ns/model` has
+    none). A separator promises a part: `ns/` or `model:` with nothing there is invalid, not a
+    default. Ollama accepts no `@digest` suffix (`@` is in no part's alphabet), nor does this.
+    """
+    rest, tag = name, DEFAULT_TAG
+    if name.rfind(":") > name.rfind("/"):
+        rest, _, tag = name.rpartition(":")
+    *prefix, model = rest.split("/")
+    host, namespace = DEFAULT_HOST, DEFAULT_NAMESPACE
+    if prefix:
+        namespace = prefix.pop()
+    if prefix:
+        scheme, sep, host = "/".join(prefix).partition("://")  # the scheme is not part of paths
+        host = host if sep else scheme
+    parsed = ModelName(host, namespace, model, tag)
+    for kind, part in zip(NAME_PARTS, parsed.parts(), strict=True):
+        if not valid_part(kind, part):
+            limit, _, alphabet = NAME_PARTS[kind]
+            raise ModelLoadError(
+                f"invalid model name {show(name)}: {kind} {show(part)} must be 1 to {limit} "
+                f"of {alphabet}, starting with a letter, digit or _"
+            )
+    return parsed
 
 
-def blob_path(models: Path, digest: str) -> Path:
-    """`sha256:abc` -> `<models>/blobs/sha256-abc`."""
-    return models / "blobs" / digest.replace(":", "-", 1)
+def find_manifest(models: Path, name: ModelName) -> Path:
+    """The path of `name`'s manifest as the store spells it.
+
+    Ollama compares names ignoring case: before it reads a manifest, each part of the name
+    takes the spelling of a stored name that equals it ignoring case (`getExistingName`). Here
+    each directory level does the same: the part as spelled if it exists, else the first
+    (sorted) valid entry equal to it ignoring case, else the part as spelled (then "not found").
+    """
+    path = models / "manifests"
+    for kind, part in zip(NAME_PARTS, name.parts(), strict=True):
+        path = path / _stored_spelling(path, kind, part)
+    return path
+
+
+def _stored_spelling(directory: Path, kind: str, part: str) -> str:
+    """`part`, or the entry of `directory` that spells it in another case (see above)."""
+    if os.path.lexists(directory / part):
+        return part
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return part
+    folded = part.lower()  # parts are ASCII, so this is Go's strings.EqualFold
+    return next((e for e in entries if e.lower() == folded and valid_part(kind, e)), part)
+
+
+def blob_path(models: Path, digest: Any, where: str = "") -> Path:
+    """`sha256:<hex>` -> `<models>/blobs/sha256-<hex>`; any other digest is refused, as in
+    Ollama's `BlobsPath`, so no digest can name a file outside `blobs/`."""
+    if not isinstance(digest, str) or DIGEST.fullmatch(digest) is None:
+        raise ModelLoadError(
+            f"{where}invalid digest {show(digest)} (expected sha256: and 64 hex digits)"
+        )
+    return models / "blobs" / digest.replace(":", "-")
+
+
+def inside_store(models: Path, path: Path) -> Path:
+    """`path` with every symlink resolved, refused unless it lies inside `models` (resolved
+    too): names and digests cannot leave the store, and neither may a link in it. Reading the
+    resolved path means the file checked is the file read."""
+    try:
+        root, real = models.resolve(), path.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise ModelLoadError(f"cannot resolve {path}: {e}") from None
+    if not real.is_relative_to(root):
+        raise ModelLoadError(f"{path} leads outside the model store {root} (to {real})")
+    return real
 
 
 def load_safetensors(path: Path, what: str | None = None) -> tuple[dict[str, mx.array], dict]:
@@ -90,15 +179,35 @@ def load_safetensors(path: Path, what: str | None = None) -> tuple[dict[str, mx.
     return arrays, metadata
 
 
+def _layers(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """The manifest's layers, refused unless each is an object whose `mediaType`, `digest`
+    and `name` are strings, null or absent (Go decodes them into string fields)."""
+    layers = data.get("layers")
+    if layers is None:
+        return []
+    if not isinstance(layers, list):
+        raise ModelLoadError(f"manifest {path}: layers is not a list")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise ModelLoadError(f"manifest {path}: layer {i} is not a JSON object")
+        for key in ("mediaType", "digest", "name"):
+            if layer.get(key) is not None and not isinstance(layer[key], str):
+                raise ModelLoadError(f"manifest {path}: layer {i} {key} is not a string")
+    return layers
+
+
 class Manifest:
     """A loaded manifest plus the helpers the runner needs (Go's `ModelManifest`)."""
 
     def __init__(self, models: Path, path: Path, data: dict[str, Any]):
         self.models, self.path, self.data = models, path, data
-        self.layers: list[dict[str, Any]] = list(data.get("layers") or [])
+        self.layers = _layers(data, path)
 
-    def blob_path(self, digest: str) -> Path:
-        return blob_path(self.models, digest)
+    def layer_path(self, layer: dict[str, Any]) -> Path:
+        """The blob a layer's digest names, symlinks resolved and checked to stay in the
+        store."""
+        where = f"manifest {self.path}, layer {show(layer.get('name', '?'))}: "
+        return inside_store(self.models, blob_path(self.models, layer.get("digest"), where))
 
     def tensor_layers(self) -> list[dict[str, Any]]:
         return [layer for layer in self.layers if layer.get("mediaType") == TENSOR_MEDIA_TYPE]
@@ -113,7 +222,7 @@ class Manifest:
         layer = self.config_layer(name)
         if layer is None:
             raise ModelLoadError(f'config "{name}" not found in manifest')
-        path = self.blob_path(layer.get("digest", ""))
+        path = self.layer_path(layer)
         try:
             return path.read_bytes()
         except OSError as e:
@@ -130,12 +239,12 @@ class Manifest:
 
 def load_manifest(name: str, models: Path | None = None) -> Manifest:
     models = models if models is not None else models_dir()
-    path = parse_name(name).manifest_path(models)
+    path = find_manifest(models, parse_name(name))
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(inside_store(models, path).read_bytes())
     except FileNotFoundError:
         raise ModelLoadError(f"model {name!r} not found (no manifest at {path})") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read manifest {path}: {e}") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"manifest {path} is not a JSON object")
@@ -192,6 +301,8 @@ def _blob_quant_infos(arrays: dict[str, mx.array], meta: dict[str, str]) -> dict
         scale = arrays.get(name + ".scale")
         if scale is None or name.endswith((".scale", ".bias", ".scales", ".biases")):
             continue
+        if weight.ndim == 0 or scale.ndim == 0:  # refused by `_quantization`
+            continue
         qtype = meta.get(name + ".quant_type") or meta.get("quant_type", "")
         group = _int(meta.get(name + ".group_size") or meta.get("group_size"))
         inferred = infer_affine_from_shapes(weight.shape[-1], scale.shape[-1], qtype.upper())
@@ -210,17 +321,26 @@ def _config_quant(config: dict[str, Any]) -> tuple[QuantInfo | None, dict[str, Q
         return None, {}
     defaults = None
     if block.get("mode") or block.get("bits"):
-        mode = block.get("mode") or "affine"
+        mode = _mode(block.get("mode"), "quantization.mode")
         qtype = mode.upper() if mode != "affine" else f"INT{block.get('bits', 4)}"
         defaults = QuantInfo(qtype, _int(block.get("group_size")), _int(block.get("bits")), mode)
     overrides = {}
     for key, value in block.items():
         if isinstance(value, dict):
-            mode = value.get("mode") or "affine"
+            mode = _mode(value.get("mode"), f"quantization.{key}.mode")
             overrides[key + ".weight"] = QuantInfo(
                 mode.upper(), _int(value.get("group_size")), _int(value.get("bits")), mode
             )
     return defaults, overrides
+
+
+def _mode(value: Any, key: str) -> str:
+    """A quantization mode named in config.json; absent means affine."""
+    if not value:
+        return "affine"
+    if not isinstance(value, str):
+        raise ModelLoadError(f"config.json: {key} {show(value)} is not a string")
+    return value
 
 
 def _int(value: Any) -> int:
@@ -287,6 +407,8 @@ def _quantization(
         weight = weights.get(weight_name)
         if weight is None:
             raise ModelLoadError(f"quantization scales {name} have no weight tensor")
+        if weight.ndim == 0 or weights[name].ndim == 0:
+            raise ModelLoadError(f"quantized tensor {weight_name} or its scales is a scalar")
         params = _resolve(infos.get(weight_name), default, weight, weights[name])
         if not params:
             raise ModelLoadError(
@@ -342,7 +464,7 @@ def load_store_model(name: str, models: Path | None = None) -> ModelSource:
         if digest in seen:
             continue
         seen.add(digest)
-        path = manifest.blob_path(digest)
+        path = manifest.layer_path(layer)
         arrays, meta = load_safetensors(path, f"blob {path} ({layer.get('name', '?')})")
         raw.update(arrays)
         infos.update(_blob_quant_infos(arrays, meta))

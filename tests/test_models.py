@@ -115,6 +115,30 @@ def test_missing_unexpected_and_misshaped_weights_are_named(tmp_path: Path) -> N
     assert "lm_head.weight has shape (384, 32), expected (384, 64)" in message
 
 
+@pytest.mark.parametrize("dtype", [mx.int32, mx.uint8, mx.int8, mx.bool_, mx.complex64])
+def test_weights_of_a_non_floating_dtype_are_refused(tmp_path: Path, dtype: mx.Dtype) -> None:
+    """Before: integer and boolean weights loaded and computed garbage, complex ones failed at
+    the first request."""
+    s = source(write_tiny_model("LlamaForCausalLM", tmp_path))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    s.weights[name] = (s.weights[name] * 100).astype(dtype)
+    want = f"weights do not match LlamaForCausalLM: {name} has dtype {str(dtype)[9:]}, expected"
+    with pytest.raises(ModelLoadError, match=f"^{want} float32$"):
+        build_model(s)
+
+
+def test_packed_quantized_weights_must_keep_their_dtype(tmp_path: Path) -> None:
+    s = source(write_tiny_model("LlamaForCausalLM", tmp_path))
+    name = "model.layers.0.mlp.up_proj"
+    packed, scales, biases = mx.quantize(s.weights[f"{name}.weight"], 64, 4)
+    s.weights |= {f"{name}.weight": packed, f"{name}.scales": scales, f"{name}.biases": biases}
+    s.quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
+    build_model(s)  # as written
+    s.weights[f"{name}.weight"] = packed.astype(mx.float32)
+    with pytest.raises(ModelLoadError, match=f"{name}.weight has dtype float32, expected uint32"):
+        build_model(s)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_dtype_casts_floating_weights(tmp_path: Path, models: dict, arch: str) -> None:
     backend = Backend.for_device().replace(compute_dtype=mx.bfloat16)

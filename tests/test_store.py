@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -22,6 +27,7 @@ from runner.store import (
     parse_name,
 )
 from tests.ollama_store import add_tensor_layer, quantized_blob_arrays, write_ollama_model
+from tools.spawned import SpawnedRunner
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 DOWN_PROJ = "model.layers.0.mlp.down_proj"
@@ -84,6 +90,9 @@ def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # ---- names, models dir, manifests and blobs ----
 
 
+HEX = "0123456789abcdef" * 4  # 64 hex digits
+
+
 @pytest.mark.parametrize(
     ("name", "parts"),
     [
@@ -93,6 +102,14 @@ def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         ("me/mine:q4", ("registry.ollama.ai", "me", "mine", "q4")),
         ("example.com/me/mine:v1.2", ("example.com", "me", "mine", "v1.2")),
         ("localhost:5000/me/mine:v1", ("localhost:5000", "me", "mine", "v1")),
+        # a ":" before the last "/" belongs to the host: no tag, so "latest"
+        ("h:5000/a/b", ("h:5000", "a", "b", "latest")),
+        # Ollama drops a "scheme://" in front of the host
+        ("https://example.com/me/mine:v1", ("example.com", "me", "mine", "v1")),
+        ("_why/_the/_lucky:_stiff", ("_why", "_the", "_lucky", "_stiff")),
+        ("Qwen3:0.6B-Q4_K_M", ("registry.ollama.ai", "library", "Qwen3", "0.6B-Q4_K_M")),
+        ("h/n/" + "m" * 80 + ":" + "t" * 80, ("h", "n", "m" * 80, "t" * 80)),
+        ("h" * 350 + "/" + "n" * 80 + "/m", ("h" * 350, "n" * 80, "m", "latest")),
     ],
 )
 def test_parse_name(name: str, parts: tuple[str, str, str, str]) -> None:
@@ -102,9 +119,44 @@ def test_parse_name(name: str, parts: tuple[str, str, str, str]) -> None:
     assert parsed.manifest_path(Path("/m")) == Path("/m/manifests", host, ns, model, tag)
 
 
-@pytest.mark.parametrize("name", ["", "mine:", "a/b/c/d", "../mine", "me//mine", "h:5000/a/b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "mine:",  # a separator promises a part
+        ":latest",
+        "me/",
+        "/mine",
+        "me//mine",
+        "//mine",
+        "a/b/c/d",  # the host would be "a/b"
+        "../mine",
+        "a/../../b",
+        "..",
+        ".hidden",
+        "me/..:x",
+        "mine:..",
+        "/etc/passwd",
+        "/abs/ns/model",
+        "mi\0ne",
+        "mine\n",
+        "mine ",
+        "modèle",
+        "-mine",
+        "me/-mine",
+        "mine:-tag",
+        "ns.with.dot/mine",  # dots are not allowed in a namespace
+        "me/mi:ne/x",  # ":" only in a host
+        f"mine@sha256:{HEX}",  # Ollama accepts no digest suffix
+        f"mine:v1@sha256-{HEX}",
+        "m" * 81,
+        "mine:" + "t" * 81,
+        "n" * 81 + "/mine",
+        "h" * 351 + "/n/mine",
+    ],
+)
 def test_parse_name_rejects(name: str) -> None:
-    with pytest.raises(ModelLoadError, match="invalid model name"):
+    with pytest.raises(ModelLoadError, match=r"^invalid model name .* must be 1 to "):
         parse_name(name)
 
 
@@ -127,7 +179,11 @@ def test_models_dir_default(value, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_blob_path() -> None:
-    assert blob_path(Path("/m"), "sha256:abc") == Path("/m/blobs/sha256-abc")
+    assert blob_path(Path("/m"), f"sha256:{HEX}") == Path(f"/m/blobs/sha256-{HEX}")
+    # Ollama's BlobsPath also takes its own file spelling and upper-case hex
+    assert blob_path(Path("/m"), f"sha256-{HEX}") == Path(f"/m/blobs/sha256-{HEX}")
+    upper = HEX.upper()
+    assert blob_path(Path("/m"), f"sha256:{upper}") == Path(f"/m/blobs/sha256-{upper}")
 
 
 def test_manifest_layers_and_configs(models: Path, hf_dir: Path) -> None:
@@ -136,12 +192,12 @@ def test_manifest_layers_and_configs(models: Path, hf_dir: Path) -> None:
     assert manifest.path == models / "manifests/registry.ollama.ai/me/tiny/v1"
     assert {layer["name"] for layer in manifest.tensor_layers()} == set(fake_weights())
     for layer in manifest.layers:
-        blob = manifest.blob_path(layer["digest"])
+        blob = manifest.layer_path(layer)
         assert (
             blob.name == layer["digest"].replace(":", "-") and blob.stat().st_size == layer["size"]
         )
     assert json.loads(manifest.read_config("config.json")) == CONFIG
-    config_blob = manifest.blob_path(manifest.data["config"]["digest"])
+    config_blob = manifest.layer_path(manifest.data["config"])
     assert json.loads(config_blob.read_text())["model_format"] == "safetensors"
 
 
@@ -172,7 +228,7 @@ def test_unreadable_blob(models: Path, hf_dir: Path, damage: str) -> None:
     write_ollama_model(models, "tiny", hf_dir)
     manifest = load_manifest("tiny")
     layer = next(x for x in manifest.tensor_layers() if x["name"] == f"{Q_PROJ}.weight")
-    blob = manifest.blob_path(layer["digest"])
+    blob = manifest.layer_path(layer)
     if damage == "delete":
         blob.unlink()
     elif damage == "truncate":
@@ -181,6 +237,245 @@ def test_unreadable_blob(models: Path, hf_dir: Path, damage: str) -> None:
         blob.write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match=f"cannot read blob .*{Q_PROJ}.weight"):
         load_store_model("tiny")
+
+
+# ---- bare names resolve as in Ollama (with a store written by tests/ollama_store.py) ----
+
+
+@pytest.mark.parametrize(
+    ("written", "asked"),
+    [
+        ("registry.ollama.ai/library/tiny:latest", "tiny"),
+        ("tiny", "registry.ollama.ai/library/tiny:latest"),
+        ("registry.ollama.ai/me/tiny:latest", "me/tiny"),
+        ("tiny:v2", "library/tiny:v2"),
+        ("example.com/me/tiny:v1", "example.com/me/tiny:v1"),
+        ("example.com/me/tiny:v1", "https://example.com/me/tiny:v1"),
+        ("localhost:5000/me/tiny:latest", "localhost:5000/me/tiny"),
+        # Ollama compares names ignoring case; the store's spelling is the one read
+        ("Me/Tiny:V1", "me/tiny:v1"),
+        ("me/tiny:v1", "ME/TINY:V1"),
+        ("tiny", "Registry.Ollama.AI/Library/TINY:Latest"),
+    ],
+)
+def test_names_resolve_as_in_ollama(models: Path, hf_dir: Path, written: str, asked: str):
+    write_ollama_model(models, written, hf_dir)
+    manifest = load_manifest(asked)
+    assert manifest.path == parse_name(written).manifest_path(models)
+    assert load_model_source(asked).config == CONFIG
+
+
+def test_the_exact_spelling_wins(models: Path, hf_dir: Path, tmp_path: Path) -> None:
+    """With two spellings stored (possible on a case-sensitive file system only), the name as
+    given picks its own; Ollama would take whichever its map iteration meets last."""
+    write_ollama_model(models, "Tiny", hf_dir)
+    if (models / "manifests/registry.ollama.ai/library/tiny").exists():
+        pytest.skip("case-insensitive file system")
+    other = write_hf_dir(tmp_path / "other")
+    (other / "config.json").write_text(json.dumps(CONFIG | {"vocab_size": 33}))
+    write_ollama_model(models, "tiny", other)
+    assert load_store_model("tiny").config["vocab_size"] == 33
+    assert load_store_model("Tiny").config["vocab_size"] == 32
+    assert load_store_model("TINY").config["vocab_size"] == 32  # "Tiny" sorts first
+
+
+def test_other_tags_and_namespaces_do_not_match(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "me/tiny:v1", hf_dir)
+    for other in ("me/tiny", "tiny:v1", "you/tiny:v1", "me/tinier:v1", "other.host/me/tiny:v1"):
+        with pytest.raises(ModelLoadError, match="not found"):
+            load_manifest(other)
+
+
+# ---- hostile stores: nothing outside $OLLAMA_MODELS is read (runner/store.py) ----
+
+
+def edit_manifest(models: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = parse_name(name).manifest_path(models)
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def set_layer(models: Path, model: str, layer_name: str, /, **fields: Any) -> None:
+    """Overwrite fields of the layer called `layer_name` in `model`'s manifest."""
+
+    def edit(manifest: dict[str, Any]) -> None:
+        layer = next(x for x in manifest["layers"] if x.get("name") == layer_name)
+        layer.update(fields)
+
+    edit_manifest(models, model, edit)
+
+
+@pytest.fixture
+def outside(tmp_path: Path, hf_dir: Path) -> Path:
+    """Files beside the store that a hostile manifest points at. They are valid (a config and
+    the whole model's weights), so a load that read them would succeed."""
+    path = tmp_path / "outside"
+    path.mkdir()
+    shutil.copy(hf_dir / "config.json", path / "config.json")
+    shutil.copy(hf_dir / "model.safetensors", path / "weights.safetensors")
+    return path
+
+
+def hostile_digests(outside: Path, file: str) -> list[Any]:
+    return [
+        str(outside / file),  # an absolute path: `blobs / "/x"` is "/x"
+        f"sha256:../../../outside/{file}",  # through blobs/sha256-.. (made to exist below)
+        f"sha256:{HEX}/../../../outside/{file}",
+        f"sha512:{HEX}{HEX}",
+        f"md5:{HEX[:32]}",
+        f"sha256:{HEX[:-1]}",
+        f"sha256:{HEX}0",
+        f"sha256:{HEX}\n",
+        f" sha256:{HEX}",
+        "sha256:" + "g" * 64,
+        f"sha256::{HEX}",
+        "",
+        None,  # Go decodes null as absent
+    ]
+
+
+@pytest.mark.parametrize("index", range(13))
+@pytest.mark.parametrize("layer", ["config.json", f"{Q_PROJ}.weight"])
+def test_hostile_digests_are_refused(
+    models: Path, hf_dir: Path, outside: Path, layer: str, index: int
+) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    (models / "blobs" / "sha256-..").mkdir()  # so that a traversal would resolve
+    file = "config.json" if layer == "config.json" else "weights.safetensors"
+    digest = hostile_digests(outside, file)[index]
+    set_layer(models, "tiny", layer, digest=digest)
+    manifest = parse_name("tiny").manifest_path(models)
+    want = f"^manifest {re.escape(str(manifest))}, layer '{re.escape(layer)}': invalid digest "
+    with pytest.raises(ModelLoadError, match=want) as err:
+        load_model_source("tiny")
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_digest_is_refused(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    edit_manifest(models, "tiny", lambda m: m["layers"][0].pop("digest"))
+    with pytest.raises(ModelLoadError, match="invalid digest None"):
+        load_store_model("tiny")
+
+
+def test_ollamas_other_digest_spellings_load(models: Path, hf_dir: Path) -> None:
+    """`sha256-<hex>` is accepted by Ollama's BlobsPath too; it names the same blob."""
+    write_ollama_model(models, "tiny", hf_dir)
+
+    def respell(manifest: dict[str, Any]) -> None:
+        for layer in manifest["layers"]:
+            layer["digest"] = layer["digest"].replace(":", "-")
+
+    edit_manifest(models, "tiny", respell)
+    assert set(load_store_model("tiny").weights) == set(fake_weights())
+
+
+def move_out(path: Path, outside: Path) -> Path:
+    """Move `path` to `outside` and leave a symlink to it in its place."""
+    target = outside / (path.name + ".moved")
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+@pytest.mark.parametrize("what", ["config blob", "tensor blob", "manifest", "manifests dir"])
+def test_symlinks_out_of_the_store_are_refused(
+    models: Path, hf_dir: Path, outside: Path, what: str
+) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    manifest = load_manifest("tiny")
+    if what == "config blob":
+        link = manifest.layer_path(manifest.config_layer("config.json") or {})
+    elif what == "tensor blob":
+        link = manifest.layer_path(next(iter(manifest.tensor_layers())))
+    elif what == "manifest":
+        link = manifest.path
+    else:
+        link = models / "manifests"
+    move_out(link, outside)
+    with pytest.raises(ModelLoadError, match=r"leads outside the model store .*outside"):
+        load_model_source("tiny")
+
+
+def test_symlinks_within_the_store_are_followed(models: Path, hf_dir: Path, tmp_path: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    manifest = load_manifest("tiny")
+    (models / "elsewhere").mkdir()
+    for layer in manifest.layers:  # every blob a link to a file elsewhere in the store
+        move_out(manifest.layer_path(layer), models / "elsewhere")
+    link = tmp_path / "link-to-store"  # and $OLLAMA_MODELS itself a link
+    link.symlink_to(models)
+    assert set(load_store_model("tiny", link).weights) == set(fake_weights())
+
+
+def test_a_symlink_loop_is_refused(models: Path, hf_dir: Path) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    manifest = load_manifest("tiny")
+    blob = manifest.layer_path(manifest.config_layer("config.json") or {})
+    blob.unlink()
+    blob.symlink_to(blob.name)
+    with pytest.raises(ModelLoadError, match=re.escape(blob.name)):
+        load_store_model("tiny")
+
+
+@pytest.mark.parametrize(
+    "name", ["../tiny", "a/../../tiny", "/no/such/tiny", "tiny/../../../x", "ti\0ny", "tiny\0"]
+)
+def test_names_that_would_escape_never_reach_the_disk(
+    models: Path, hf_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    opened: list[str] = []
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: opened.append(str(p)) or real_read(p))
+    with pytest.raises(ModelLoadError):
+        load_model_source(name)
+    assert opened == []
+
+
+@pytest.mark.parametrize(
+    "layer_name", ["../config.json", "/config.json", "x/config.json", "./config.json", None]
+)
+def test_layer_names_are_never_paths(models: Path, hf_dir: Path, layer_name: Any) -> None:
+    """A config is the JSON layer named exactly so; other names are not resolved as paths."""
+    write_ollama_model(models, "tiny", hf_dir)
+    set_layer(models, "tiny", "config.json", name=layer_name)
+    with pytest.raises(ModelLoadError, match=r'^config "config\.json" not found in manifest$'):
+        load_store_model("tiny")
+
+
+@pytest.mark.parametrize(
+    ("layers", "problem"),
+    [
+        ({}, "layers is not a list"),
+        ("x", "layers is not a list"),
+        ([1], "layer 0 is not a JSON object"),
+        ([None], "layer 0 is not a JSON object"),
+        ([{"mediaType": 1}], "layer 0 mediaType is not a string"),
+        ([{"digest": {"a": 1}}], "layer 0 digest is not a string"),
+        ([{"digest": 64}], "layer 0 digest is not a string"),
+        ([{"name": ["config.json"]}], "layer 0 name is not a string"),
+    ],
+)
+def test_malformed_manifests_are_refused(
+    models: Path, hf_dir: Path, layers: Any, problem: str
+) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    edit_manifest(models, "tiny", lambda m: m.update(layers=layers))
+    with pytest.raises(ModelLoadError, match=f"^manifest .*: {problem}$"):
+        load_store_model("tiny")
+
+
+@pytest.mark.slow
+def test_a_hostile_manifest_is_one_error_line(models: Path, hf_dir: Path, outside: Path):
+    write_ollama_model(models, "tiny", hf_dir)
+    set_layer(models, "tiny", "config.json", digest=str(outside / "config.json"))
+    with SpawnedRunner("--model", "tiny", env={"OLLAMA_MODELS": str(models)}) as process:
+        assert process.wait(timeout=120) == 1
+        output = process.output()
+    errors = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "invalid digest" in errors[0], output
 
 
 # ---- round trips HF dir -> Ollama store -> ModelSource ----
@@ -306,6 +601,36 @@ def test_microscaled_formats_map_to_mlx_modes(
     assert source.quantization["mode"] == mode
 
 
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        {"a.weight": mx.array(1.0), "a.weight.scale": mx.array(1.0)},
+        {"a.weight": mx.zeros((4, 8), dtype=mx.uint32), "a.weight.scale": mx.array(1.0)},
+        {"a.weight": mx.array(1, dtype=mx.uint32), "a.scales": mx.ones((1,))},
+    ],
+)
+def test_scalar_quantized_tensors_are_refused(models: Path, hf_dir: Path, arrays) -> None:
+    write_ollama_model(models, "tiny", hf_dir)
+    add_tensor_layer(models, "tiny", "a.weight", arrays)
+    with pytest.raises(ModelLoadError, match=r"^quantized tensor a\.weight or its scales is a"):
+        load_store_model("tiny")
+
+
+@pytest.mark.parametrize(
+    ("block", "key"),
+    [
+        ({"mode": 5, "bits": 4}, "quantization.mode"),
+        ({"x": {"mode": ["a"]}}, "quantization.x.mode"),
+    ],
+)
+def test_config_quantization_modes_must_be_names(models: Path, tmp_path: Path, block, key: str):
+    hf = write_hf_dir(tmp_path / "hfq")
+    (hf / "config.json").write_text(json.dumps(CONFIG | {"quantization": block}))
+    write_ollama_model(models, "tiny", hf)
+    with pytest.raises(ModelLoadError, match=f"^config.json: {re.escape(key)} .* is not a string$"):
+        load_store_model("tiny")
+
+
 def test_global_scale_is_refused(models: Path, hf_dir: Path) -> None:
     write_ollama_model(models, "tiny", hf_dir)
     name = "model.layers.0.mlp.up_proj.weight"
@@ -388,6 +713,35 @@ def test_local_dir_sharded(tmp_path: Path) -> None:
         load_local_dir(hf)
 
 
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "/abs/model.safetensors",
+        "sub/model.safetensors",
+        "..",
+        ".",
+        "",
+        "model.safetensors\0x",
+        5,
+        None,
+    ],
+)
+def test_local_index_names_only_files_in_the_directory(hf_dir: Path, shard: Any) -> None:
+    (hf_dir.parent / "outside.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes())
+    index = {"weight_map": {f"{EMBED}.weight": "model.safetensors", f"{Q_PROJ}.weight": shard}}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="not a file in the model directory"):
+        load_local_dir(hf_dir)
+
+
+@pytest.mark.parametrize("index", [{}, {"weight_map": ["model.safetensors"]}, []])
+def test_local_index_without_a_weight_map(hf_dir: Path, index: Any) -> None:
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="has no weight_map object"):
+        load_local_dir(hf_dir)
+
+
 def test_local_dir_mlx_quantized(tmp_path: Path) -> None:
     weights = fake_weights()
     packed, scales, biases = mx.quantize(weights.pop(f"{Q_PROJ}.weight"), 64, 4)
@@ -415,7 +769,9 @@ def test_local_dir_missing_files(hf_dir: Path, missing: str) -> None:
         load_local_dir(hf_dir)
 
 
-@pytest.mark.parametrize("spelling", ["/no/such/dir", "./nowhere", "~/nowhere-at-all"])
+@pytest.mark.parametrize(
+    "spelling", ["/no/such/dir", "./nowhere", "~/nowhere-at-all", "~no-such-user-here/x", "~\0"]
+)
 def test_missing_directory_is_not_a_store_name(spelling: str, models: Path) -> None:
     with pytest.raises(ModelLoadError, match="is not a model directory"):
         load_model_source(spelling)
@@ -425,6 +781,35 @@ def test_local_dir_corrupt_safetensors(hf_dir: Path) -> None:
     data = (hf_dir / "model.safetensors").read_bytes()
     (hf_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_local_dir(hf_dir)
+
+
+def safetensors_bytes(header: Any, data: bytes = b"", header_length: int | None = None) -> bytes:
+    text = json.dumps(header).encode()
+    length = len(text) if header_length is None else header_length
+    return struct.pack("<Q", length) + text + data
+
+
+F32_PAIR = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (b"", "Unable to read 8 bytes"),
+        (safetensors_bytes({EMBED + ".weight": F32_PAIR}, b"\0" * 4), "exceeding the size"),
+        (
+            safetensors_bytes({EMBED + ".weight": F32_PAIR | {"shape": [1000]}}, b"\0" * 8),
+            "Expecting 4000 bytes",
+        ),
+        (safetensors_bytes({"a": F32_PAIR | {"dtype": "Q9"}}, b"\0" * 8), "unsupported dtype"),
+        (safetensors_bytes({"a": F32_PAIR}, b"\0" * 8, 2**60), "Invalid json header length"),
+        (safetensors_bytes([1, 2]), "Invalid json metadata"),
+    ],
+)
+def test_malformed_safetensors_are_refused(hf_dir: Path, data: bytes, problem: str) -> None:
+    (hf_dir / "model.safetensors").write_bytes(data)
+    with pytest.raises(ModelLoadError, match=f"^cannot read .*model.safetensors: .*{problem}"):
         load_local_dir(hf_dir)
 
 

@@ -5,13 +5,22 @@ the scaling under `rope_parameters` and rely on class defaults for absent keys; 
 `ModelArgs` read `rope_theta`/`rope_scaling` and have defaults of their own. Each family's
 `build_module` turns the transformers config into the dict mlx-lm should see, and refuses
 with a ModelLoadError naming the field what neither can express.
+
+Invariant: a config value no model can have is refused at load, by the checks here, with a
+ModelLoadError that names the key; it is never left to fail inside mlx-lm (TypeError,
+ZeroDivisionError) or to build a model that fails at the first request. Every family's
+`build_module` runs `check_decoder`, and the helpers below for its own keys, on the config with
+its defaults filled in, before anything reads it. The rules are transformers 5's types (a size
+is a JSON integer, a flag a JSON boolean, null only where transformers derives the value) and
+what the arithmetic needs (positive sizes, heads that divide as the attention requires).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from runner.source import ModelLoadError
+from runner.source import ModelLoadError, show
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -23,14 +32,125 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _YARN_UNSUPPORTED = ("attention_factor", "mscale", "mscale_all_dim")
 
 
+# MLX's array dimensions and RoPE offsets are 32-bit: no cache can hold a longer context.
+MAX_CONTEXT = 2**31 - 1
+
+# The sizes every family here is built from, by their transformers names.
+DECODER_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def integer(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """A JSON integer (not a float, not a boolean) in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise ModelLoadError(f"config.json: {name} must be {kind}, not {show(value)}")
+    if maximum is not None and value > maximum:
+        raise ModelLoadError(f"config.json: {name} {value} is more than {maximum}")
+    return value
+
+
+def number(value: Any, name: str) -> float:
+    """A positive, finite JSON number (Python's json also reads NaN and Infinity)."""
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if isinstance(value, bool) or not finite or value <= 0:
+        raise ModelLoadError(f"config.json: {name} must be a positive number, not {show(value)}")
+    return float(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """A JSON boolean: a string such as "false" would be read as true."""
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"config.json: {name} must be true or false, not {show(value)}")
+    return value
+
+
+def json_object(value: Any, name: str) -> dict[str, Any]:
+    """A JSON object; null or absent is an empty one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"config.json: {name} must be an object, not {show(value)}")
+    return value
+
+
+def check_decoder(
+    c: dict[str, Any],
+    *,
+    nullable: tuple[str, ...] = (),
+    hidden_by_heads: bool = False,
+    rotary_fraction: float = 1.0,
+) -> None:
+    """Refuse the shared sizes and flags of a decoder that no model can have, before mlx-lm
+    divides by them or builds arrays of them.
+
+    `c` has the family's defaults filled in. `nullable` keys may be null where transformers
+    derives them (head_dim = hidden_size // heads, num_key_value_heads = heads);
+    `hidden_by_heads` is the `validate_architecture` of the transformers classes that have
+    one; `rotary_fraction` of head_dim is what RoPE rotates, in pairs.
+    """
+    for key in DECODER_SIZES:
+        if key not in nullable or c.get(key) is not None:
+            integer(c.get(key), key)
+    integer(c.get("max_position_embeddings"), "max_position_embeddings", maximum=MAX_CONTEXT)
+    number(c.get("rms_norm_eps"), "rms_norm_eps")
+    for key in ("tie_word_embeddings", "attention_bias"):
+        flag(c.get(key, False), key)
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"config.json: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}"
+        )
+    if hidden_by_heads and hidden % heads:
+        raise ModelLoadError(
+            f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+        )
+    head_dim = c.get("head_dim") or hidden // heads
+    rotary = int(head_dim * rotary_fraction)
+    if rotary <= 0 or rotary % 2:
+        raise ModelLoadError(
+            f"config.json: RoPE would rotate {rotary} of the {head_dim} dimensions of each head; "
+            "it rotates pairs"
+        )
+
+
+def check_layer_kinds(kinds: Any, allowed: tuple[str, ...], n: int) -> list[str]:
+    """transformers' `validate_layer_type`: one allowed kind per layer."""
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != n
+        or not all(isinstance(kind, str) and kind in allowed for kind in kinds)
+    ):
+        raise ModelLoadError(
+            f"config.json: layer_types must give one of {', '.join(allowed)} for each of the "
+            f"{n} layers, not {show(kinds)}"
+        )
+    return kinds
+
+
 def hf_rope_parameters(
-    config: dict[str, Any], params: dict[str, Any] | None = None, *, default_theta: float
+    config: dict[str, Any],
+    params: dict[str, Any] | None = None,
+    *,
+    default_theta: float,
+    where: str = "rope_parameters",
 ) -> dict[str, Any]:
     """transformers 5's standardized rope dict: `rope_parameters`, else the legacy
     `rope_scaling` + `rope_theta`, with its defaults filled in."""
     if params is None:
-        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    params = dict(params)
+        params = json_object(config.get("rope_parameters"), "rope_parameters") or json_object(
+            config.get("rope_scaling"), "rope_scaling"
+        )
+    params = dict(json_object(params, where))
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.pop("type", None)
     params.setdefault("rope_theta", default_theta)
@@ -58,8 +178,32 @@ def mlx_rope(params: dict[str, Any], where: str = "rope_parameters") -> tuple[fl
                 raise ModelLoadError(f"{where}.{key} is not supported for yarn RoPE")
         if params.get("truncate", True) is not True:
             raise ModelLoadError(f"{where}.truncate=false is not supported for yarn RoPE")
+    check_rope(params, where)
     scaling = None if rope_type == "default" else params
     return float(params["rope_theta"]), scaling
+
+
+def check_rope(params: dict[str, Any], where: str = "rope_parameters") -> None:
+    """Refuse RoPE values that leave no meaningful frequencies: bases and factors that are
+    not positive numbers, a rotated fraction outside (0, 1], and the divisions by zero of
+    llama3's smoothing. `params` is an `hf_rope_parameters` dict of a supported type."""
+    number(params.get("rope_theta"), f"{where}.rope_theta")
+    fraction = params.get("partial_rotary_factor", 1.0)
+    if number(fraction, f"{where}.partial_rotary_factor") > 1:
+        raise ModelLoadError(f"config.json: {where}.partial_rotary_factor {fraction} is above 1")
+    rope_type = params["rope_type"]
+    if rope_type != "default":
+        number(params.get("factor"), f"{where}.factor")
+    if rope_type in ("llama3", "yarn"):
+        original = params.get("original_max_position_embeddings")
+        integer(original, f"{where}.original_max_position_embeddings")
+    if rope_type == "llama3":
+        low = number(params.get("low_freq_factor", 1.0), f"{where}.low_freq_factor")
+        high = number(params.get("high_freq_factor", 4.0), f"{where}.high_freq_factor")
+        if low == high:  # the smoothing divides by their difference
+            raise ModelLoadError(
+                f"config.json: {where}.low_freq_factor and high_freq_factor are both {low}"
+            )
 
 
 def require(config: dict[str, Any], key: str, *allowed: Any) -> None:

@@ -25,7 +25,18 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from runner.backend.install import Kernels
-from runner.models.config import FULL, SLIDING, hf_rope_parameters, mlx_rope, require
+from runner.models.config import (
+    FULL,
+    SLIDING,
+    check_decoder,
+    check_layer_kinds,
+    hf_rope_parameters,
+    integer,
+    json_object,
+    mlx_rope,
+    number,
+    require,
+)
 from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
 from runner.models.registry import register
 from runner.source import ModelLoadError
@@ -53,14 +64,17 @@ _DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
 def _rope_by_kind(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """transformers' per-kind rope dicts, also from the legacy keys it still converts."""
-    nested = c.get("rope_parameters") or {}
+    nested = json_object(c.get("rope_parameters"), "rope_parameters")
     if FULL not in nested and SLIDING not in nested:
+        legacy = json_object(c.get("rope_scaling"), "rope_scaling")
         nested = {
-            FULL: {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1e6)},
+            FULL: {**legacy, "rope_theta": c.get("rope_theta", 1e6)},
             SLIDING: {"rope_theta": c.get("rope_local_base_freq", 1e4)},
         }
     return {
-        kind: hf_rope_parameters(c, nested.get(kind) or {}, default_theta=theta)
+        kind: hf_rope_parameters(
+            c, nested.get(kind) or {}, default_theta=theta, where=f"rope_parameters.{kind}"
+        )
         for kind, theta in _DEFAULT_THETA.items()
     }
 
@@ -109,13 +123,21 @@ class Gemma3(DecoderModel):
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
         c = {**GEMMA3_DEFAULTS, **config}
+        check_decoder(c, hidden_by_heads=True)
         require(c, "hidden_activation", "gelu_pytorch_tanh")  # mlx-lm: tanh-approximate GELU
         require(c, "use_bidirectional_attention", False, None)  # mlx-lm is causal only
         n = c["num_hidden_layers"]
-        pattern = c.get("sliding_window_pattern", 6)
-        kinds = c.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-        if len(kinds) != n or not set(kinds) <= {SLIDING, FULL}:
-            raise ModelLoadError(f"layer_types {kinds!r} do not fit {n} Gemma3 layers")
+        # mlx-lm divides by the pattern even where layer_types decides
+        pattern = integer(c.get("sliding_window_pattern", 6), "sliding_window_pattern")
+        kinds = c.get("layer_types")
+        if kinds is None:
+            kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        check_layer_kinds(kinds, (SLIDING, FULL), n)
+        if SLIDING in kinds:
+            integer(c["sliding_window"], "sliding_window")
+        number(c["query_pre_attn_scalar"], "query_pre_attn_scalar")
+        if c.get("final_logit_softcapping") is not None:
+            number(c["final_logit_softcapping"], "final_logit_softcapping")
         rope_params = _rope_by_kind(c)
         scaled = {kind: mlx_rope(p, f"rope_parameters.{kind}") for kind, p in rope_params.items()}
         c["rope_theta"], c["rope_scaling"] = scaled[FULL]

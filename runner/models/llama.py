@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from runner.backend.install import Kernels
-from runner.models.config import hf_rope_parameters, mlx_rope, require
+from runner.models.config import check_decoder, flag, hf_rope_parameters, mlx_rope, require
 from runner.models.decoder import DecoderModel
 from runner.models.registry import register
 
@@ -40,6 +40,9 @@ class Llama(DecoderModel):
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
         c = {**LLAMA_DEFAULTS, **config}
+        # transformers derives a null head_dim and num_key_value_heads, as mlx-lm does
+        check_decoder(c, nullable=("head_dim", "num_key_value_heads"), hidden_by_heads=True)
+        flag(c.get("mlp_bias", False), "mlp_bias")
         require(c, "hidden_act", "silu")  # mlx-lm's llama MLP is always SwiGLU
         rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
         # mlx-lm's llama reads only rope_theta / rope_scaling, never rope_parameters

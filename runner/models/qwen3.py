@@ -14,7 +14,17 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend.install import Kernels
-from runner.models.config import SLIDING, hf_rope_parameters, mlx_rope, require
+from runner.models.config import (
+    FULL,
+    SLIDING,
+    check_decoder,
+    check_layer_kinds,
+    flag,
+    hf_rope_parameters,
+    integer,
+    mlx_rope,
+    require,
+)
 from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
 from runner.models.registry import register
 
@@ -32,6 +42,8 @@ QWEN3_DEFAULTS: dict[str, Any] = {
     "head_dim": 128,  # transformers' default, not hidden_size // heads
     "hidden_act": "silu",
     "attention_bias": False,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
 }
 
 
@@ -66,20 +78,27 @@ class Qwen3(DecoderModel):
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
         c = {**QWEN3_DEFAULTS, **config}
+        check_decoder(c, nullable=("num_key_value_heads",))
+        if c["num_key_value_heads"] is None:  # transformers' meaning; mlx-lm needs the number
+            c["num_key_value_heads"] = c["num_attention_heads"]
         require(c, "hidden_act", "silu")
         rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
         c["rope_theta"], c["rope_scaling"] = mlx_rope(rope)
         c.pop("rope_parameters", None)  # mlx-lm would re-read it as the scaling config
         # transformers: a window only with use_sliding_window, on layer_types' sliding layers
         # (by default those from max_window_layers on); mlx-lm's Qwen3 has no windows at all
-        window = c.get("sliding_window") if c.get("use_sliding_window") else None
-        first_sliding = c.get("max_window_layers", 28)
-        kinds = c.get("layer_types") or [
-            SLIDING if i >= first_sliding else "full_attention"
-            for i in range(c["num_hidden_layers"])
-        ]
+        sliding = flag(c["use_sliding_window"], "use_sliding_window")
+        window = c.get("sliding_window") if sliding else None
+        if window is not None:
+            integer(window, "sliding_window")
+        n = c["num_hidden_layers"]
+        kinds = c.get("layer_types")
+        if kinds is None:
+            first_sliding = integer(c["max_window_layers"], "max_window_layers", minimum=0)
+            kinds = [SLIDING if i >= first_sliding else FULL for i in range(n)]
+        check_layer_kinds(kinds, (FULL, SLIDING), n)
         if window is None:
-            kinds = ["full_attention"] * len(kinds)
+            kinds = [FULL] * n
         module = _Model(qwen3.ModelArgs.from_dict(c), list(kinds), window)
         if c["attention_bias"]:
             add_attention_bias(module.layers)

@@ -23,12 +23,28 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 
 from runner.backend.install import Kernels
-from runner.models.config import FULL, hf_rope_parameters, require
+from runner.models.config import (
+    FULL,
+    check_decoder,
+    check_layer_kinds,
+    check_rope,
+    hf_rope_parameters,
+    integer,
+    require,
+)
 from runner.models.decoder import DecoderModel
 from runner.models.registry import register
 from runner.source import ModelLoadError
 
 LINEAR = "linear_attention"
+# The gated-delta layers' sizes.
+LINEAR_SIZES = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 
 # transformers 5 Qwen3_5TextConfig defaults, where mlx-lm's differ.
 QWEN3_5_DEFAULTS: dict[str, Any] = {
@@ -78,18 +94,30 @@ class Qwen3_5(DecoderModel):
         require(c, "hidden_act", "silu")  # MLP and the gated-delta conv activation
         if c.get("num_experts"):
             raise ModelLoadError("num_experts: Qwen3.5 MoE is a different architecture")
-        n = c["num_hidden_layers"]
-        interval = c.get("full_attention_interval", 4)
-        kinds = c.get("layer_types") or [LINEAR if (i + 1) % interval else FULL for i in range(n)]
-        if len(kinds) != n or not set(kinds) <= {FULL, LINEAR}:
-            raise ModelLoadError(f"layer_types {kinds!r} do not fit {n} Qwen3.5 layers")
         rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
         if rope["rope_type"] != "default":
             raise ModelLoadError(f"rope_parameters.rope_type {rope['rope_type']!r} not supported")
+        rope.setdefault("partial_rotary_factor", 0.25)
+        check_rope(rope)
+        check_decoder(c, rotary_fraction=rope["partial_rotary_factor"])
+        for key in LINEAR_SIZES:
+            integer(c[key], key)
+        if c["linear_num_value_heads"] % c["linear_num_key_heads"]:
+            raise ModelLoadError(
+                f"config.json: linear_num_value_heads {c['linear_num_value_heads']} is not a "
+                f"multiple of linear_num_key_heads {c['linear_num_key_heads']}"
+            )
+        n = c["num_hidden_layers"]
+        # mlx-lm divides by the interval even where layer_types decides
+        interval = integer(c.get("full_attention_interval", 4), "full_attention_interval")
+        kinds = c.get("layer_types")
+        if kinds is None:
+            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+        check_layer_kinds(kinds, (FULL, LINEAR), n)
         c["rope_parameters"] = {
             "type": "default",
             "rope_theta": rope["rope_theta"],
-            "partial_rotary_factor": rope.get("partial_rotary_factor", 0.25),
+            "partial_rotary_factor": rope["partial_rotary_factor"],
         }
         args = qwen3_5.TextModelArgs.from_dict(c)
         module = qwen3_5.TextModel(args)

@@ -27,7 +27,7 @@ from runner.backend import Backend
 from runner.backend.install import Kernels, install
 from runner.cache.batch import verify_batched_rows
 from runner.models.base import Model
-from runner.source import ModelLoadError, ModelSource
+from runner.source import ModelLoadError, ModelSource, show
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,17 @@ def registered_architectures() -> list[str]:
 
 def resolve_architecture(config: dict[str, Any]) -> tuple[str, ModelFamily]:
     architectures = config.get("architectures")
-    if isinstance(architectures, str):
-        architectures = [architectures]
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    ):
+        raise ModelLoadError(
+            f"config.json: architectures must be a list of names, not {show(architectures)}"
+        )
     name = architectures[0] if architectures else config.get("model_type")
     if not name:
         raise ModelLoadError("no architectures found in config.json")
+    if not isinstance(name, str):
+        raise ModelLoadError(f"config.json: model_type must be a name, not {show(name)}")
     family = _REGISTRY.get(name)
     if family is None:
         raise ModelLoadError(f"unsupported architecture: {name}")
@@ -89,7 +95,8 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
     architecture, family = resolve_architecture(source.config)
     try:
         module = family.build_module(source.config)
-    except (TypeError, ValueError, KeyError) as e:  # mlx-lm's ModelArgs rejecting the config
+    except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as e:
+        # mlx-lm rejecting a config that the family's checks (runner/models/config.py) let by
         raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
     weights = dict(source.weights)
     if hasattr(module, "sanitize"):
@@ -133,19 +140,39 @@ def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dic
 
 
 def _check_weights(module: nn.Module, weights: dict[str, mx.array], architecture: str) -> None:
-    """What `load_weights(strict=True)` checks, said as one clear ModelLoadError."""
+    """What `load_weights(strict=True)` checks, said as one clear ModelLoadError, and the
+    dtypes it does not check: a floating parameter takes any floating dtype (the cast comes
+    later), any other (packed quantized data) exactly its own. An integer or boolean tensor in
+    a floating place would otherwise compute garbage, a complex one fail at the first request.
+    """
     expected = dict(tree_flatten(module.parameters()))
     problems = [f"missing {k}" for k in sorted(expected.keys() - weights.keys())]
     problems += [f"unexpected {k}" for k in sorted(weights.keys() - expected.keys())]
     for k in sorted(expected.keys() & weights.keys()):
-        if not isinstance(weights[k], mx.array):
+        got, want = weights[k], expected[k]
+        if not isinstance(got, mx.array):
             problems.append(f"{k} is not an array")
-        elif weights[k].shape != expected[k].shape:
-            problems.append(f"{k} has shape {weights[k].shape}, expected {expected[k].shape}")
+        elif got.shape != want.shape:
+            problems.append(f"{k} has shape {got.shape}, expected {want.shape}")
+        elif not _dtype_fits(got.dtype, want.dtype):
+            problems.append(
+                f"{k} has dtype {_dtype_name(got.dtype)}, expected {_dtype_name(want.dtype)}"
+            )
     if problems:
         shown = "; ".join(problems[:8])
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         raise ModelLoadError(f"weights do not match {architecture}: {shown}{more}")
+
+
+def _dtype_fits(got: mx.Dtype, want: mx.Dtype) -> bool:
+    """Any floating dtype for a floating parameter, else exactly the parameter's."""
+    if mx.issubdtype(want, mx.floating):
+        return mx.issubdtype(got, mx.floating)
+    return got == want
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def _cast(module: nn.Module, dtype: mx.Dtype) -> None:

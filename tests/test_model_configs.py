@@ -1,0 +1,253 @@
+"""Impossible config values are refused at load (runner/models/config.py), for every family.
+
+Each case edits the family's tiny config (tests/data/configs) and expects `build_model` to
+raise a ModelLoadError naming the key, before any weight is looked at: before these checks
+such configs raised TypeError or ZeroDivisionError inside mlx-lm, or built a model that failed
+at the first request or answered with a context length of 0 or less.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.models import build_model
+from runner.models.gemma3 import Gemma3
+from runner.models.llama import Llama
+from runner.models.qwen3 import Qwen3
+from runner.source import ModelLoadError, ModelSource
+from tests.tiny import TINY_ARCHITECTURES, tiny_config, write_tiny_model
+from tools.spawned import SpawnedRunner
+
+
+def refused(arch: str, edits: dict[str, Any]) -> str:
+    """The one-line message `build_model` refuses `arch`'s tiny config with, once edited."""
+    config = tiny_config(arch) | edits
+    with pytest.raises(ModelLoadError) as err:
+        build_model(ModelSource(name="x", config=config, tokenizer_json=""))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# What every family refuses: (edits, the start of the message after "config.json: ").
+EVERY_FAMILY: list[tuple[dict[str, Any], str]] = [
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, not 0"),
+    ({"max_position_embeddings": -4096}, "max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": None}, "max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": "4096"}, "max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": 2**31}, "max_position_embeddings 2147483648 is more than"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer, not 0"),
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, not -64"),
+    ({"hidden_size": 64.0}, "hidden_size must be a positive integer, not 64.0"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, not '64'"),
+    ({"hidden_size": True}, "hidden_size must be a positive integer, not True"),
+    ({"hidden_size": None}, "hidden_size must be a positive integer, not None"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a positive integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"num_attention_heads": [4]}, "num_attention_heads must be a positive integer"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive integer"),
+    (
+        {"num_key_value_heads": 3},
+        "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    ),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"vocab_size": -384}, "vocab_size must be a positive integer"),
+    ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
+    ({"intermediate_size": {"size": 128}}, "intermediate_size must be a positive integer"),
+    ({"head_dim": 0}, "head_dim must be a positive integer"),
+    ({"head_dim": "16"}, "head_dim must be a positive integer"),
+    ({"head_dim": 15}, "RoPE would rotate "),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive number"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, not nan"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"attention_bias": 1}, "attention_bias must be true or false"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
+    ({"architectures": [None]}, "architectures must be a list of names"),
+    ({"architectures": {"0": "LlamaForCausalLM"}}, "architectures must be a list of names"),
+    ({"architectures": None, "model_type": 3}, "model_type must be a name"),
+    ({"rope_parameters": ["rope_theta", 10000.0]}, "rope_parameters must be an object"),
+]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize(("edits", "message"), EVERY_FAMILY)
+def test_every_family_refuses(arch: str, edits: dict[str, Any], message: str) -> None:
+    assert refused(arch, edits).startswith(f"config.json: {message}")
+
+
+FAMILY: list[tuple[str, dict[str, Any], str]] = [
+    # transformers' LlamaConfig and Gemma3TextConfig: hidden_size a multiple of the heads
+    ("LlamaForCausalLM", {"hidden_size": 66}, "hidden_size 66 is not a multiple of"),
+    ("LlamaForCausalLM", {"mlp_bias": "no"}, "mlp_bias must be true or false"),
+    # a null head_dim is hidden_size // heads, here 9: odd
+    ("LlamaForCausalLM", {"head_dim": None, "hidden_size": 36}, "RoPE would rotate 9 "),
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear"}}, "rope_parameters.factor"),
+    (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "linear", "factor": 0}},
+        "rope_parameters.factor must be a positive number, not 0",
+    ),
+    (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
+        "rope_parameters.rope_theta must be a positive number, not -1.0",
+    ),
+    (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+        "rope_parameters.rope_theta must be a positive number",
+    ),
+    (
+        "LlamaForCausalLM",
+        {"rope_theta": None, "rope_parameters": None},
+        "rope_parameters.rope_theta must be a positive number, not None",
+    ),
+    (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": tiny_config("LlamaForCausalLM")["rope_parameters"]
+            | {"high_freq_factor": 1.0}
+        },
+        "rope_parameters.low_freq_factor and high_freq_factor are both 1.0",
+    ),
+    (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": tiny_config("LlamaForCausalLM")["rope_parameters"]
+            | {"original_max_position_embeddings": 0}
+        },
+        "rope_parameters.original_max_position_embeddings must be a positive integer",
+    ),
+    (
+        "LlamaForCausalLM",
+        {"rope_scaling": "linear", "rope_parameters": None},
+        "rope_scaling must be an object",
+    ),
+    ("Qwen3ForCausalLM", {"layer_types": ["full_attention"]}, "layer_types must give one of"),
+    ("Qwen3ForCausalLM", {"layer_types": "full_attention"}, "layer_types must give one of"),
+    (
+        "Qwen3ForCausalLM",
+        {"layer_types": ["full_attention", "linear_attention"]},
+        "layer_types must give one of full_attention, sliding_attention for each of the 2",
+    ),
+    ("Qwen3ForCausalLM", {"use_sliding_window": "true"}, "use_sliding_window must be true"),
+    (
+        "Qwen3ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 0},
+        "sliding_window must be a positive integer, not 0",
+    ),
+    (
+        "Qwen3ForCausalLM",
+        {"layer_types": None, "max_window_layers": -1},
+        "max_window_layers must be an integer of at least 0, not -1",
+    ),
+    ("Gemma3ForCausalLM", {"hidden_size": 66}, "hidden_size 66 is not a multiple of"),
+    ("Gemma3ForCausalLM", {"layer_types": ["sliding_attention"] * 5}, "layer_types must give"),
+    ("Gemma3ForCausalLM", {"layer_types": [None] * 4}, "layer_types must give"),
+    ("Gemma3ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("Gemma3ForCausalLM", {"sliding_window": None}, "sliding_window must be a positive integer"),
+    (
+        "Gemma3ForCausalLM",
+        {"sliding_window_pattern": 0},
+        "sliding_window_pattern must be a positive integer",
+    ),
+    ("Gemma3ForCausalLM", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a"),
+    (
+        "Gemma3ForCausalLM",
+        {"final_logit_softcapping": "30"},
+        "final_logit_softcapping must be a positive number",
+    ),
+    (
+        "Gemma3ForCausalLM",
+        {"final_logit_softcapping": 0.0},
+        "final_logit_softcapping must be a positive number",
+    ),
+    (
+        "Gemma3ForCausalLM",
+        {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": -8.0}}},
+        "rope_parameters.full_attention.factor must be a positive number, not -8.0",
+    ),
+    (
+        "Gemma3ForCausalLM",
+        {"rope_parameters": {"sliding_attention": ["default"]}},
+        "rope_parameters.sliding_attention must be an object",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        {"layer_types": ["linear_attention"] * 3},
+        "layer_types must give one of full_attention, linear_attention for each of the 4",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        {"layer_types": ["sliding_attention"] * 4},
+        "layer_types must give one of",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        {"full_attention_interval": 0},
+        "full_attention_interval must be a positive integer",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        {"linear_num_value_heads": 3},
+        "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2",
+    ),
+    ("Qwen3_5ForCausalLM", {"linear_num_key_heads": 0}, "linear_num_key_heads must be a"),
+    ("Qwen3_5ForCausalLM", {"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim must be a"),
+    ("Qwen3_5ForCausalLM", {"linear_value_head_dim": "16"}, "linear_value_head_dim must be a"),
+    (
+        "Qwen3_5ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0}},
+        "rope_parameters.partial_rotary_factor must be a positive number, not 0",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+        "rope_parameters.partial_rotary_factor 1.5 is above 1",
+    ),
+    # RoPE rotates head_dim * partial_rotary_factor dimensions, in pairs
+    ("Qwen3_5ForCausalLM", {"head_dim": 6}, "RoPE would rotate 3 of the 6 dimensions"),
+]
+
+
+@pytest.mark.parametrize(("arch", "edits", "message"), FAMILY)
+def test_family_refuses(arch: str, edits: dict[str, Any], message: str) -> None:
+    assert refused(arch, edits).startswith(f"config.json: {message}")
+
+
+def test_null_sizes_that_transformers_derives_are_accepted() -> None:
+    """transformers 5 reads a null head_dim and num_key_value_heads of Llama, and a null
+    num_key_value_heads of Qwen3, as derived values; so do the adapters."""
+    llama = tiny_config("LlamaForCausalLM") | {"head_dim": None, "num_key_value_heads": None}
+    args = Llama.build_module(llama).args
+    assert (args.head_dim or 64 // 4, args.num_key_value_heads) == (16, 4)
+    qwen3 = tiny_config("Qwen3ForCausalLM") | {"num_key_value_heads": None}
+    assert Qwen3.build_module(qwen3).args.num_key_value_heads == 4
+
+
+def test_unused_keys_are_not_checked() -> None:
+    """Keys a family does not read stay its own business: Llama has no sliding window, and
+    Gemma3's flat `rope_parameters` without per-kind entries is what transformers ignores."""
+    Llama.build_module(tiny_config("LlamaForCausalLM") | {"sliding_window": "none"})
+    flat = {"rope_type": "default", "rope_theta": "ignored"}
+    Gemma3.build_module(tiny_config("Gemma3ForCausalLM") | {"rope_parameters": flat})
+
+
+@pytest.mark.slow
+def test_an_impossible_config_is_one_error_line(tmp_path: Path) -> None:
+    path = write_tiny_model("LlamaForCausalLM", tmp_path / "bad")
+    config = json.loads((path / "config.json").read_text()) | {"hidden_size": "64"}
+    (path / "config.json").write_text(json.dumps(config))
+    with SpawnedRunner("--model", str(path)) as process:
+        assert process.wait(timeout=120) == 1
+        output = process.output()
+    errors = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: config.json: hidden_size must be a positive integer, not '64'"], (
+        output
+    )
