@@ -95,7 +95,8 @@ def write_golden(arch: str) -> Path:
 
 
 def main() -> None:
-    for arch in TINY_ARCHITECTURES:
+    only = sys.argv[1:]  # architectures; all by default
+    for arch in only or TINY_ARCHITECTURES:
         path = write_golden(arch)
         for case in json.loads(path.read_text())["cases"]:
             eos = " (EOS)" if case["eos"] else ""

@@ -2,6 +2,8 @@
 
     python tests/golden/make_goldens.py            # goldens: tests/data/golden/<arch>.npz
     python tests/golden/make_goldens.py --configs  # also configs: tests/data/configs/<arch>.json
+                                                   # and weight manifests (<arch>.weights.json)
+    python tests/golden/make_goldens.py --only A   # one architecture
 
 Configs are written by transformers' own config classes (`save_pretrained`), so they have the
 shape transformers 5 writes. Goldens are the last-position logits of the transformers model
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
-from tiny import CONFIGS, GOLDEN, TINY_ARCHITECTURES, write_tiny_model
+from tiny import CONFIGS, GOLDEN, HAND_WRITTEN, TINY_ARCHITECTURES, manifest_path, write_tiny_model
 
 SEQUENCE_LENGTHS = (5, 23, 40)  # 23 and 40 pass Gemma3's window of 8 several times
 TOKENS = {"bos_token_id": 0, "eos_token_id": 2}  # <|endoftext|>, <|im_end|> in tiny.py
@@ -127,6 +129,57 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
         return json.loads((Path(tmp) / "config.json").read_text())
 
 
+# Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
+INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {}
+
+
+def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
+    """How tests/tiny.py draws a weight, from its name and transformers' own initial value:
+    a constant vector (a norm's identity, a bias) keeps its constant plus noise, A_log is
+    log(U(1, 16)), q/k projections and recurrent input projections get std 0.1 so attention
+    and gates are not uniform, the rest std 0.02."""
+    for key, init in INIT_OVERRIDES.get(arch, {}).items():
+        if key in name:
+            return init
+    if name.endswith("A_log"):
+        return ("log_uniform", 16.0)
+    flat = value.detach().float().reshape(-1)
+    if value.ndim == 1 and bool((flat == flat[0]).all()):
+        return ("norm", float(flat[0]))
+    if "conv1d" in name:
+        return ("normal", 0.3)
+    if any(k in name for k in ("q_proj", "k_proj", "in_proj", "q_a_proj", "q_b_proj", "kv_a_proj")):
+        return ("normal", 0.1)
+    return ("normal", 0.02)
+
+
+def weight_manifest(arch: str) -> dict[str, Any]:
+    """Names, shapes and initialisers of the transformers model's weights for the tiny config
+    (tied copies once: the name save_pretrained keeps)."""
+    import torch
+    import transformers
+
+    config = json.loads((CONFIGS / f"{arch}.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        hf_config = transformers.AutoConfig.from_pretrained(tmp)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(hf_config)
+    manifest = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        # the names and layout of a checkpoint, which save_pretrained may convert from the
+        # module's own (transformers 5 stores some fused experts split, for example)
+        model.save_pretrained(tmp, safe_serialization=True)
+        from safetensors import safe_open
+
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for name in st.keys():
+                    value = st.get_tensor(name)
+                    manifest[name] = [list(value.shape), list(initialiser(arch, name, value))]
+    return dict(sorted(manifest.items()))
+
+
 def golden_sequences(vocab_size: int = SHAPE["vocab_size"]) -> list[np.ndarray]:
     rng = np.random.default_rng(1234)
     return [rng.integers(0, vocab_size, n).astype(np.int32) for n in SEQUENCE_LENGTHS]
@@ -169,14 +222,20 @@ def write_golden(arch: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", action="store_true", help="rewrite the configs first")
+    parser.add_argument("--only", action="append", help="this architecture (repeatable)")
     args = parser.parse_args()
+    chosen = args.only or list(TINY_ARCHITECTURES)
     if args.configs:
         CONFIGS.mkdir(parents=True, exist_ok=True)
-        for arch in TINY_ARCHITECTURES:
+        for arch in chosen:
             text = json.dumps(transformers_config(arch), indent=2, sort_keys=True)
             (CONFIGS / f"{arch}.json").write_text(text + "\n")
             print("wrote", CONFIGS / f"{arch}.json")
-    for arch in TINY_ARCHITECTURES:
+            if json.loads(text)["model_type"] not in HAND_WRITTEN:
+                manifest = json.dumps(weight_manifest(arch), indent=1, sort_keys=True)
+                manifest_path(arch).write_text(manifest + "\n")
+                print("wrote", manifest_path(arch))
+    for arch in chosen:
         print("wrote", write_golden(arch))
 
 
