@@ -174,7 +174,7 @@ def weight_manifest(arch: str) -> dict[str, Any]:
 
         for f in sorted(Path(tmp).glob("*.safetensors")):
             with safe_open(str(f), "pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     value = st.get_tensor(name)
                     manifest[name] = [list(value.shape), list(initialiser(arch, name, value))]
     return dict(sorted(manifest.items()))
