@@ -123,25 +123,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(flags: cli.Flags, stop: Stop):
-    """The model, loaded on the engine's thread; a signal meanwhile ends the process (exit 0)
-    without waiting for the load, a failure is `Error:` and exit 1."""
-    try:
-        from . import blas
-        from .cache.budget import ByteBudget, budget_from_env
-        from .engine import Engine
-        from .service import Runner
-    except Exception as e:  # a broken installation: MLX or a dependency cannot load
-        fail(f"cannot start the runner: {type(e).__name__}: {e}")
-    log.info("CPU BLAS: %s", blas.describe())
-    engine = Engine()
-    limit = flags.cache_bytes if flags.cache_bytes is not None else budget_from_env()
+    """The model, loaded off the main thread (importing MLX, mlx-lm and transformers alone
+    takes seconds of C code that no signal interrupts), so that the main thread sees a stop
+    within 50 ms and ends the process (exit 0) without waiting for the load; a failure is
+    `Error:` and exit 1."""
     outcome: dict[str, object] = {}
 
     def loading() -> None:
         try:
+            from . import blas
+            from .cache.budget import ByteBudget, budget_from_env
+            from .engine import Engine
+            from .service import Runner
+        except Exception as e:  # a broken installation: MLX or a dependency cannot load
+            outcome["error"] = f"cannot start the runner: {type(e).__name__}: {e}"
+            return
+        try:
+            log.info("CPU BLAS: %s", blas.describe())
+            limit = flags.cache_bytes if flags.cache_bytes is not None else budget_from_env()
+            engine = Engine()
             outcome["runner"] = Runner.load(engine, flags.model, cache_budget=ByteBudget(limit))
-        except BaseException as e:  # reported by the main thread
-            outcome["error"] = e
+        except Exception as e:  # reported by the main thread
+            outcome["error"] = str(e) or type(e).__name__
 
     thread = threading.Thread(target=loading, name="load", daemon=True)
     thread.start()
@@ -150,8 +153,7 @@ def load(flags: cli.Flags, stop: Stop):
             log.info("stopping during the load")
             finish(0)
     if "error" in outcome:
-        error = outcome["error"]
-        fail(str(error) or type(error).__name__)
+        fail(str(outcome["error"]))
     return outcome["runner"]
 
 

@@ -84,8 +84,9 @@ async def go_errors(request: web.Request, handler: Callable[[web.Request], Await
     except web.HTTPException:
         raise
     except Cancelled:
-        # The client is gone (or the runner is stopping): nobody reads this answer.
-        return error_response("request cancelled", 499)
+        if request.app[RUNNER_KEY].engine.stopping:  # the client is there: say why
+            return error_response("runner is stopping", 503)
+        return error_response("request cancelled", 499)  # the client is gone
     except Exception as e:  # the process never dies from a request
         log.exception("request %s failed", request.path)
         return error_response(str(e) or type(e).__name__, 500)

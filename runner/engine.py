@@ -89,6 +89,11 @@ class Engine:
         return job.result
 
     # --- lifecycle --------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` was called: a job cancelled now was cancelled by the shutdown."""
+        return self._stopping.is_set()
+
     def stop(self, timeout: float | None = None) -> bool:
         """Cancel everything and end the worker; True when it ended within `timeout`."""
         with self._lock:

@@ -2,12 +2,16 @@
 
 Decoding follows Go's `json.Decoder.Decode` into a zero-valued struct (`go_document`):
 - only the first JSON value of the body is read; whatever follows it is ignored;
-- keys match case-insensitively, unknown keys are ignored, `null` leaves the zero value;
+- keys match case-insensitively (Unicode simple folding: `Optionſ` is `Options`), unknown
+  keys are ignored and their values are only checked for syntax (`1e400` under an unknown key
+  is fine); `null` leaves the zero value, also as an element of an array;
   `/v1/score` goes further: its keys also match with underscores left out (`max_tokens`,
   `MaxTokens`, `maxtokens` are one key);
 - a byte of invalid UTF-8 inside a string, and a `\\u` escape of a lone surrogate, become
   U+FFFD, one per byte (Go's `utf8.DecodeRune`);
-- integers must fit Go's int (int64), and numbers for Go's float32 fields must fit float32;
+- integers must fit Go's int (int64), and numbers for Go's float32 fields must round to a
+  finite float32 (`3.4028235e38`, Go's own spelling of the largest, is fine);
+- base64 (`[]byte` fields) may hold CR and LF, which Go's decoder skips;
 - nesting deeper than `MAX_DEPTH` is refused (Go allows 10,000; msgspec's recursion stops
   near 1,000, so the runner draws its own line well below).
 Encoding follows Go's `json.Encoder`: a non-finite float cannot be written (`go_encodable`).
@@ -15,7 +19,10 @@ Encoding follows Go's `json.Encoder`: a non-finite float cannot be written (`go_
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
+import decimal
 import math
 import re
 from collections.abc import Callable
@@ -25,15 +32,35 @@ import msgspec
 
 T = TypeVar("T")
 MAX_DEPTH = 500
-FLOAT32_MAX = 3.4028234663852886e38
+# Halfway between float32's largest value and the next power of two: what rounds below it is
+# finite in float32 (Go's ParseFloat(s, 32)), what reaches it rounds to infinity.
+FLOAT32_LIMIT = 3.4028235677973366e38
 GoInt = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-GoFloat32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+GoFloat32 = Annotated[float, msgspec.Meta(gt=-FLOAT32_LIMIT, lt=FLOAT32_LIMIT)]
 
 
 class MediaItem(msgspec.Struct):
-    data: bytes = b""  # base64 on the wire, as Go's []byte
+    data: str = ""  # base64 on the wire, as Go's []byte; `media_bytes` decodes it
     id: GoInt = 0
     kind: str = ""
+
+    def __post_init__(self) -> None:
+        media_bytes(self.data)  # a body with bad base64 does not decode, as in Go
+
+    @property
+    def raw(self) -> bytes:
+        """The item's bytes."""
+        return media_bytes(self.data)
+
+
+def media_bytes(data: str) -> bytes:
+    """Go's base64.StdEncoding.Decode of a []byte field: CR and LF are skipped, padding is
+    required; a ValueError says where the input went wrong."""
+    text = data.replace("\r", "").replace("\n", "")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("illegal base64 data") from None
 
 
 class ScoreRow(msgspec.Struct):
@@ -64,13 +91,57 @@ class DecodeError(ValueError):
     """The body is not JSON of the expected shape; the message is the decoder's."""
 
 
+class _Zero:
+    """A null array element: the element type's zero value, as Go leaves it."""
+
+
+ZERO = _Zero()
+
+
 def _normalise_keys(value: Any, key: Callable[[str], str]) -> Any:
-    """Keys through `key`, recursively; nulls dropped (Go leaves the zero value for null)."""
+    """Keys through `key`, recursively; null members dropped and null elements marked `ZERO`
+    (Go leaves the zero value for both); numbers (read as Decimal, so that a number too large
+    for a float only fails where a field needs it) as float."""
     if isinstance(value, dict):
         return {key(k): _normalise_keys(v, key) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_normalise_keys(v, key) for v in value]
+        return [ZERO if v is None else _normalise_keys(v, key) for v in value]
+    if isinstance(value, decimal.Decimal):
+        return float(value)  # beyond float64: an infinity, which no field accepts
     return value
+
+
+def _zero_fill(value: Any, info: msgspec.inspect.Type) -> Any:
+    """Replace `ZERO` elements by the zero value of their place in the target type."""
+    if isinstance(info, msgspec.inspect.Metadata):
+        return _zero_fill(value, info.type)
+    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        for field in info.fields:
+            if field.encode_name in value:
+                value[field.encode_name] = _zero_fill(value[field.encode_name], field.type)
+    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        item = info.item_type
+        return [_zero_of(item) if v is ZERO else _zero_fill(v, item) for v in value]
+    return value
+
+
+def _zero_of(info: msgspec.inspect.Type) -> Any:
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    zeros = {
+        msgspec.inspect.StrType: "",
+        msgspec.inspect.IntType: 0,
+        msgspec.inspect.FloatType: 0.0,
+        msgspec.inspect.BoolType: False,
+        msgspec.inspect.StructType: {},
+        msgspec.inspect.ListType: [],
+    }
+    return zeros.get(type(info))
+
+
+def fold_key(key: str) -> str:
+    """Go's key matching: Unicode simple case folding (`ſ` is `s`, the Kelvin sign `k`)."""
+    return "".join(c.casefold() if len(c.casefold()) == 1 else c.lower() for c in key)
 
 
 def _replace_byte(error: UnicodeError) -> tuple[str, int]:
@@ -98,7 +169,7 @@ def _keep_or_replace(match: re.Match[str]) -> str:
 def go_document(body: bytes, kind_name: str) -> Any:
     """The first JSON value of `body`, as Go's json.Decoder reads it (see the module
     docstring); raises DecodeError with a Go-like message."""
-    start = len(body) - len(body.lstrip())
+    start = len(body) - len(body.lstrip(b" \t\n\r"))  # JSON's whitespace, as Go's
     if start == len(body):
         raise DecodeError("EOF")
     first = body[start : start + 1]
@@ -129,9 +200,12 @@ def go_document(body: bytes, kind_name: str) -> Any:
     if "\\u" in text:
         text = _ESCAPE.sub(_keep_or_replace, text)
     try:
-        return msgspec.json.decode(text.encode())
+        return _DOCUMENT.decode(text.encode())
     except msgspec.DecodeError as e:
         raise DecodeError(str(e)) from None
+
+
+_DOCUMENT = msgspec.json.Decoder(float_hook=decimal.Decimal)
 
 
 def _syntax(text: bytes) -> None:
@@ -151,14 +225,25 @@ def _decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
         return kind()
     if not isinstance(document, dict):
         raise DecodeError(f"json: cannot unmarshal array into Go value of type {kind.__name__}")
+    filled = _zero_fill(_normalise_keys(document, key), _type_info(kind))
     try:
-        return msgspec.convert(_normalise_keys(document, key), kind, strict=True)
-    except msgspec.ValidationError as e:
+        return msgspec.convert(filled, kind, strict=True)
+    except (msgspec.ValidationError, ValueError) as e:  # ValueError: bad base64 (MediaItem)
         raise DecodeError(str(e)) from None
 
 
+_TYPE_INFO: dict[type, msgspec.inspect.Type] = {}
+
+
+def _type_info(kind: type) -> msgspec.inspect.Type:
+    """msgspec's description of `kind`, computed once (it walks every field)."""
+    if kind not in _TYPE_INFO:
+        _TYPE_INFO[kind] = msgspec.inspect.type_info(kind)
+    return _TYPE_INFO[kind]
+
+
 def _score_key(key: str) -> str:
-    return key.replace("_", "").lower()
+    return fold_key(key.replace("_", ""))
 
 
 def decode_score_request(body: bytes) -> ScoreRequest:
@@ -259,4 +344,4 @@ class CompletionResponse(msgspec.Struct):
 
 
 def decode_completion_request(body: bytes) -> CompletionRequest:
-    return _decode(body, CompletionRequest, str.lower)
+    return _decode(body, CompletionRequest, fold_key)

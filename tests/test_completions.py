@@ -148,7 +148,7 @@ def test_media_items_decode():
     request = decode_completion_request(
         json.dumps({"Media": [{"DATA": data, "Id": 4, "kind": "image"}]}).encode()
     )
-    assert (request.media[0].data, request.media[0].id, request.media[0].kind) == (
+    assert (request.media[0].raw, request.media[0].id, request.media[0].kind) == (
         b"\x89PNG",
         4,
         "image",

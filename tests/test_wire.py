@@ -33,7 +33,7 @@ def test_media_items_decode_base64():
     request = decode_score_request(
         f'{{"rows":[],"media":[{{"data":"{data}","id":3,"Kind":"image"}}]}}'.encode()
     )
-    assert request.media[0].data == b"\x89PNG"
+    assert request.media[0].raw == b"\x89PNG"
     assert request.media[0].id == 3
     assert request.media[0].kind == "image"
 
