@@ -2,7 +2,7 @@
 
 Attention (the batched shared-prefix path and the CPU's blocked causal path, each with the
 softmax from numpy and from MLX), numpy's softmax numerators and gated activations, and
-one-row products through numpy's gemv.
+one-row products through numpy's gemv, and rotary embeddings from shared tables.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import activations
 
 from runner.backend import Backend, gemv, host
@@ -196,3 +197,90 @@ def test_models_loaded_with_numpy_gemv_decode_through_it_with_the_same_logits(tm
     step = model.unembed(model.hidden(mx.array([[13]]), caches)[0, -1:])  # numpy, one row
     whole = model.module.model(mx.array([[3, 5, 7, 11, 13]]))[0, -1:]  # MLX, five rows
     np.testing.assert_allclose(np.array(step), np.array(model.unembed(whole)), atol=1e-4)
+
+
+# --- rotary embeddings from shared tables -------------------------------------------------
+
+
+def _rope_modules():
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    return [
+        nn.RoPE(16, base=10000.0),
+        nn.RoPE(16, base=1e6, scale=0.125),  # linear scaling
+        nn.RoPE(8, base=10000.0),  # partial: 8 of 16 dims rotated
+        Llama3RoPE(
+            16,
+            max_position_embeddings=2048,
+            base=500000.0,
+            scaling_config={**llama3, "original_max_position_embeddings": 16},
+        ),
+    ]
+
+
+def rope_float64(x: np.ndarray, inv_freq: np.ndarray, offset: int) -> np.ndarray:
+    """The rotate-half rotary embedding of the leading 2 * len(inv_freq) dims, in float64."""
+    x = x.astype(np.float64)
+    half = len(inv_freq)
+    angles = np.arange(offset, offset + x.shape[-2])[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+@pytest.mark.parametrize("index", range(4), ids=["plain", "scaled", "partial", "llama3"])
+@pytest.mark.parametrize(("length", "offset"), [(1, 0), (1, 900), (37, 0), (5, 3000)])
+def test_table_rope_equals_mlx_rope(index, length, offset):
+    """Equal to mx.fast.rope within its float32 angles (x * inv_freq rounded near 3000 rad is
+    off by ~1e-4), and to the float64 rotation within float32 rounding."""
+    from runner.backend.rope import RopeTables, TableRoPE, inverse_frequencies
+
+    original = _rope_modules()[index]
+    inv_freq = inverse_frequencies(original)
+    table = TableRoPE(original, inv_freq, RopeTables())
+    x = mx.random.normal((2, 3, length, 16), key=mx.random.key(index))
+    got = np.array(table(x, offset=offset))
+    np.testing.assert_allclose(got, np.array(original(x, offset=offset)), atol=3e-4)
+    np.testing.assert_allclose(got, rope_float64(np.array(x), inv_freq, offset), atol=3e-6)
+
+
+def test_table_rope_hands_array_offsets_and_other_rules_to_mlx():
+    from runner.backend import rope
+
+    assert rope.inverse_frequencies(nn.RoPE(16, traditional=True)) is None
+    original = nn.RoPE(16)
+    table = rope.TableRoPE(original, rope.inverse_frequencies(original), rope.RopeTables())
+    x = mx.random.normal((2, 1, 3, 16), key=mx.random.key(1))
+    offsets = mx.array([4, 9])  # per-row offsets, as mlx-lm's batch caches give
+    assert mx.array_equal(table(x, offset=offsets), original(x, offset=offsets))
+
+
+def test_table_rope_installs_on_plain_modules_and_shares_one_table():
+    from runner.backend import rope
+
+    class Layer(nn.Module):
+        def __init__(self, traditional: bool):
+            super().__init__()
+            self.rope = nn.RoPE(16, traditional=traditional)
+            self.proj = nn.Linear(4, 4)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Layer(False), Layer(False), Layer(True)]
+
+    model = Model()
+    before = sorted(k for k, _ in tree_flatten(model.parameters()))
+    assert rope.install(model) == 2
+    after = sorted(k for k, _ in tree_flatten(model.parameters()))
+    assert before == after  # no parameters added or lost
+    first, second, third = (layer.rope for layer in model.layers)
+    assert isinstance(first, rope.TableRoPE) and isinstance(second, rope.TableRoPE)
+    assert type(third) is nn.RoPE  # traditional: mlx-lm's
+    x = mx.ones((1, 2, 5, 16))
+    first(x, offset=3)
+    second(x, offset=3)
+    assert first._tables is second._tables
+    ((span, _),) = first._tables._last.values()
+    assert span == (3, 5) and len(first._tables._last) == 1  # one table for both layers

@@ -50,6 +50,9 @@ class Backend:
     causal_query_block: int
     # backend.host: SwiGLU / GELU-GLU blocks of at least this many elements run in numpy.
     host_activation_min_elements: int | None
+    # backend.rope: plain rotary embeddings from one cos/sin table a forward (MLX's CPU
+    # fallback of fast.rope recomputes it in ~30 operations per call).
+    table_rope: bool
     # backend.gemv: one-row float32 products (decode steps) through numpy's gemv; only
     # where the runner's sgemm dispatch is not under MLX (it does the same inside MLX's graph,
     # without a synchronisation per product).
@@ -72,6 +75,7 @@ class Backend:
             causal_query_block=128,  # L=1024: 64 or 512 are slower (docs/DESIGN.md §4)
             # A 20-token forward's SwiGLU ([20, 1536] on SmolLM2) took 0.83 ms a layer in MLX.
             host_activation_min_elements=8192,
+            table_rope=True,
             gemv=not blas.dispatch_active(),
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
@@ -90,6 +94,7 @@ class Backend:
             blocked_causal_min_queries=None,
             causal_query_block=128,
             host_activation_min_elements=None,
+            table_rope=False,  # Metal and CUDA have a fast.rope kernel
             gemv=False,
             batch_tokens=8192,  # GPUs want wide batches
             prefill_chunk_tokens=2048,

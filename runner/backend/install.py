@@ -13,8 +13,8 @@ Invariants:
 - A declared class whose method no longer calls the expected name fails the load
   (`ModelLoadError`): an mlx-lm that moved the call would otherwise run without the kernel,
   and for attention that means wrong batched scores (runner/cache/batch.py).
-- Attention is installed on every backend (batched scoring needs it); activations and gemv
-  only where the backend's policy uses them.
+- Attention is installed on every backend (batched scoring needs it); activations, gemv and
+  table rotary embeddings (runner/backend/rope.py) only where the backend's policy uses them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from runner.backend import Backend, gemv
+from runner.backend import Backend, gemv, rope
 from runner.backend.attention import Attention
 from runner.backend.host import Activations
 from runner.source import ModelLoadError
@@ -61,7 +61,7 @@ def install(module: nn.Module, kernels: Kernels, backend: Backend) -> dict[str, 
             replacements[cls] = _calling(cls, SWIGLU_CALL, activations.swiglu, "swiglu")
         for cls in kernels.gelu_glu:
             replacements[cls] = _gelu_glu_mlp(cls, activations)
-    counts = dict.fromkeys(("attention", "swiglu", "gelu_glu", "gemv"), 0)
+    counts = dict.fromkeys(("attention", "swiglu", "gelu_glu", "gemv", "rope"), 0)
     for _, instance in module.named_modules():
         made = replacements.get(type(instance))
         if made is not None:
@@ -74,6 +74,8 @@ def install(module: nn.Module, kernels: Kernels, backend: Backend) -> dict[str, 
         )
     if backend.gemv:
         counts["gemv"] = gemv.install(module)
+    if backend.table_rope:
+        counts["rope"] = rope.install(module)
     return counts
 
 

@@ -1,0 +1,113 @@
+"""Rotary embeddings from tables shared by every layer of a forward (the CPU backend).
+
+MLX has no CPU kernel for `mx.fast.rope`; its fallback composes ~30 primitive operations for
+every call, recomputing the frequencies (`arange`, `exp`, `cos`, `sin`) for the queries and
+again for the keys of every layer. A decode step of SmolLM2 (30 layers) spends ~1,800 of its
+~4,000 operations there, and on MLX's CPU each operation costs ~5.5 us whatever its size
+(docs/DESIGN.md §4). `TableRoPE` computes the cos/sin table of a forward's positions once, in
+numpy, and every layer then applies it in 6 operations: `x * C + rotate_half(x) * S`.
+
+It replaces, on the instances of a loaded model only (runner/backend/install.py), the rotary
+modules whose rule is plain: `nn.RoPE` and mlx-lm's `Llama3RoPE`, not traditional (pairs
+interleaved), the rotated part the leading `dims` of each head. Others keep mlx-lm's.
+
+Invariants:
+- The result equals `mx.fast.rope`'s within float32 rounding of the angles (the table is
+  computed in float64); tests/test_backend_kernels.py compares them.
+- A table depends only on (frequencies, scale, offset, length); a model's layers share one
+  `RopeTables`, which keeps the last table per frequency vector, so the layers of one forward
+  evaluate it once.
+- An offset that is not a Python int (per-row offsets of mlx-lm's batch caches) goes to the
+  original module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+
+class RopeTables:
+    """The last (C, S) table per frequency vector, shared by a model's rotary modules."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[tuple[int, int], tuple[mx.array, mx.array]]] = {}
+
+    def get(self, key: int, inv_freq: np.ndarray, offset: int, length: int):
+        """C = [cos, cos], S = [-sin, sin] for positions offset .. offset + length - 1."""
+        last = self._last.get(key)
+        if last is not None and last[0] == (offset, length):
+            return last[1]
+        positions = np.arange(offset, offset + length, dtype=np.float64)
+        angles = positions[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        table = (
+            mx.array(np.concatenate([cos, cos], axis=-1).astype(np.float32)),
+            mx.array(np.concatenate([-sin, sin], axis=-1).astype(np.float32)),
+        )
+        self._last[key] = ((offset, length), table)
+        return table
+
+
+class TableRoPE(nn.Module):
+    """Non-traditional rotary embedding of the leading `dims` of each head, from a table."""
+
+    def __init__(self, original: nn.Module, inv_freq: np.ndarray, tables: RopeTables):
+        super().__init__()
+        # Plain attributes (not the module's dict): no child modules, no parameters.
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_tables", tables)
+        half = int(original.dims) // 2
+        rotate = mx.array(np.r_[np.arange(half, 2 * half), np.arange(half)], mx.uint32)
+        object.__setattr__(self, "_rotate", rotate)
+        self._inv_freq = inv_freq  # float64, already multiplied by the position scale
+        self._key = hash(inv_freq.tobytes())
+        self.dims = int(original.dims)
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if not isinstance(offset, int):
+            return self._original(x, offset=offset)
+        cos, sin = self._tables.get(self._key, self._inv_freq, offset, x.shape[-2])
+        if x.shape[-1] == self.dims:
+            return self._apply(x, cos, sin)
+        rotated = self._apply(x[..., : self.dims], cos, sin)
+        return mx.concatenate([rotated, x[..., self.dims :]], axis=-1)
+
+    def _apply(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        if x.dtype != cos.dtype:
+            cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        return x * cos + mx.take(x, self._rotate, axis=-1) * sin
+
+
+def inverse_frequencies(module: nn.Module) -> np.ndarray | None:
+    """The angle per position of each rotated pair, scale included, or None when the module's
+    rule is not one `TableRoPE` computes."""
+    if getattr(module, "traditional", True) or int(module.dims) % 2:
+        return None
+    dims = int(module.dims)
+    if type(module) is nn.RoPE:
+        exponents = np.arange(0, dims, 2, dtype=np.float64) / dims
+        return float(module.scale) / (float(module.base) ** exponents)
+    if type(module) is Llama3RoPE:
+        return 1.0 / np.array(module._freqs, dtype=np.float64)  # scale 1, as mlx-lm calls it
+    return None
+
+
+def install(model: nn.Module) -> int:
+    """Replace the plain rotary modules inside `model` by `TableRoPE`s sharing one set of
+    tables; returns how many were replaced."""
+    tables = RopeTables()
+    replaced = 0
+    for _, parent in model.named_modules():
+        for name, child in list(parent.children().items()):
+            if not isinstance(child, nn.Module) or isinstance(child, TableRoPE):
+                continue
+            inv_freq = inverse_frequencies(child)
+            if inv_freq is not None:
+                setattr(parent, name, TableRoPE(child, inv_freq, tables))
+                replaced += 1
+    return replaced
