@@ -1,26 +1,37 @@
 """`/v1/completions` before streaming: the Go handler's `Prepare` (docs/PROTOCOL.md §5.1).
 
-Runs off the MLX thread (it tokenizes). Checks, in Go's order, each a 400 with Go's text:
-media sent to this text-only model, an empty prompt, a prompt that does not leave room for one
-token. Then resolves the token budget: `num_predict` <= 0 means the rest of the context.
+Runs off the MLX thread (it tokenizes, and decodes images). Checks, in Go's order, each a 400
+with Go's text: media sent to a model without image support, the images
+(runner/media/prepare.py: unknown ids, undecodable bytes), an empty prompt, a prompt that
+does not leave room for one token. Then resolves the token budget: `num_predict` <= 0 means
+the rest of the context.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from .errors import BadRequest
 from .generate import GenerateOptions
+from .media.prepare import PreparedPrompt, prepare_prompt
+from .models import ImageModel
 from .sampling import SamplerOptions
 from .tokenizer import Tokenizer
 from .wire import CompletionRequest
 
 
 def prepare_completion(
-    request: CompletionRequest, tokenizer: Tokenizer, context_length: int
-) -> tuple[list[int], GenerateOptions]:
-    if request.media:
+    request: CompletionRequest, tokenizer: Tokenizer, context_length: int, model: Any = None
+) -> tuple[PreparedPrompt, GenerateOptions]:
+    """The prompt (with its images expanded, for an `ImageModel`) and the resolved options."""
+    if request.media and not isinstance(model, ImageModel):
         kind = request.media[0].kind or "media"
         raise BadRequest(f"this model does not support {kind} input")
-    tokens = tokenizer.encode(request.prompt, tokenizer.add_bos)
+    if request.media:
+        prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
+    else:
+        prompt = PreparedPrompt(tokenizer.encode(request.prompt, tokenizer.add_bos))
+    tokens = prompt.tokens
     if not tokens:
         raise BadRequest("empty prompt")
     if len(tokens) >= context_length:
@@ -32,4 +43,4 @@ def prepare_completion(
     num_predict = request.options.num_predict
     num_predict = room if num_predict <= 0 else min(num_predict, room)
     sampler = SamplerOptions.from_options(request.options, request.logprobs, request.toplogprobs)
-    return tokens, GenerateOptions(num_predict=num_predict, sampler=sampler)
+    return prompt, GenerateOptions(num_predict=num_predict, sampler=sampler)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .completions import prepare_completion
 from .engine import Job
 from .generate import GenerateOptions
+from .media.prepare import PreparedPrompt
 from .models import CachedScorer
 from .score import Row, prepare_rows
 from .service import Runner, scratch_released
@@ -46,7 +47,11 @@ class ScoreEndpoint:
         if isinstance(runner.model, CachedScorer):  # it validates on the MLX thread itself
             return ScorePlan(request, None)
         rows = prepare_rows(
-            request, runner.tokenizer, runner.context_length, runner.model.vocab_size
+            request,
+            runner.tokenizer,
+            runner.context_length,
+            runner.model.vocab_size,
+            runner.model,
         )
         return ScorePlan(request, rows)
 
@@ -75,7 +80,7 @@ class ScoreEndpoint:
 
 @dataclass(frozen=True)
 class PreparedCompletion:
-    tokens: list[int]
+    prompt: PreparedPrompt  # its tokens, and the images spliced into them
     options: GenerateOptions
 
 
@@ -90,11 +95,13 @@ class CompletionEndpoint:
 
     def prepare(self, request: CompletionRequest) -> PreparedCompletion:
         runner = self.runner
-        tokens, options = prepare_completion(request, runner.tokenizer, runner.context_length)
-        return PreparedCompletion(tokens, options)
+        prompt, options = prepare_completion(
+            request, runner.tokenizer, runner.context_length, runner.model
+        )
+        return PreparedCompletion(prompt, options)
 
     def execute(self, prepared: PreparedCompletion, job: Job, emit: Emit) -> None:
-        self.runner.generator.generate(prepared.tokens, prepared.options, job, emit)
+        self.runner.generator.generate(prepared.prompt, prepared.options, job, emit)
 
     def __call__(self, request: CompletionRequest) -> list[CompletionResponse]:
         prepared = self.prepare(request)

@@ -34,6 +34,8 @@ from .cache.prefix_cache import PrefixCache
 from .cache.session import PrefixSession
 from .detokenize import Detokenizer, go_string
 from .engine import Job
+from .media.prepare import PreparedPrompt
+from .media.request import RequestMedia
 from .models import Model
 from .sampling import Draw, Sampler, SamplerOptions, top_sorted
 from .tokenizer import Tokenizer
@@ -78,14 +80,15 @@ class Generator:
 
     def generate(
         self,
-        tokens: list[int],
+        prompt: PreparedPrompt | list[int],
         options: GenerateOptions,
         job: Job,
         emit: Callable[[CompletionResponse], None],
     ) -> None:
         stats = Stats()
         detokenizer: Detokenizer[Logprob] = Detokenizer(self.tokenizer.token_bytes)
-        with contextlib.closing(self.steps(tokens, options, job, stats)) as steps:
+        tokens = prompt.tokens if isinstance(prompt, PreparedPrompt) else prompt
+        with contextlib.closing(self.steps(prompt, options, job, stats)) as steps:
             for step in steps:
                 flushed = detokenizer.add(step.token, step.logprob)
                 if flushed is not None:
@@ -110,12 +113,22 @@ class Generator:
         )
 
     def steps(
-        self, tokens: list[int], options: GenerateOptions, job: Job, stats: Stats | None = None
+        self,
+        prompt: PreparedPrompt | list[int],
+        options: GenerateOptions,
+        job: Job,
+        stats: Stats | None = None,
     ) -> Stream[Step, None, None]:
-        """The generated tokens up to EOS (excluded) or the budget; fills `stats`."""
+        """The generated tokens up to EOS (excluded) or the budget; fills `stats`. A prompt
+        with images is stored under its keys (runner/media/prepare.py); its last token (the
+        decode seed) is text."""
         stats = stats if stats is not None else Stats()
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = PreparedPrompt(prompt)
+        tokens = prompt.tokens
+        media = RequestMedia(self.model, prompt) if prompt.items else None
         try:
-            with self.cache.begin(tokens) as session:
+            with self.cache.begin(prompt.keys, media=media) as session:
                 started = time.perf_counter()
                 if session.offset < len(tokens) - 1:
                     session.prefill(len(tokens) - 1, job.check)  # all but the decode seed

@@ -20,12 +20,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from .cache.prefix_cache import PrefixCache
 from .errors import BadRequest, go_quote
-from .models import CandidateUnembedder, Model
+from .media.prepare import Expansion, PreparedPrompt, prepare_prompt, split_prompt
+from .media.request import RequestMedia
+from .models import CandidateUnembedder, ImageModel, Model
 from .tokenizer import Tokenizer
 from .wire import ScoreRequest
 
@@ -37,16 +40,31 @@ MAX_CANDIDATES = 26
 
 @dataclass(frozen=True)
 class Row:
-    tokens: list[int]
+    tokens: list[int]  # the prefix cache's keys: token ids, and image folds over expansions
     candidates: list[int]
+    prompt: PreparedPrompt | None = None  # a prompt with images: its tokens and items
+
+    @property
+    def has_images(self) -> bool:
+        return self.prompt is not None and bool(self.prompt.items)
 
 
 def prepare_rows(
-    request: ScoreRequest, tokenizer: Tokenizer, context_length: int, vocab_size: int
+    request: ScoreRequest,
+    tokenizer: Tokenizer,
+    context_length: int,
+    vocab_size: int,
+    model: Any = None,
 ) -> list[Row]:
-    """Tokenize and validate every row; raises BadRequest with the Go handler's text."""
-    if request.media:  # models that take images score them themselves (CachedScorer)
+    """Tokenize and validate every row; raises BadRequest with the Go handler's text.
+
+    With `media` (an `ImageModel` only), each row's `[img-N]` tags expand to the model's
+    image tokens (runner/media/prepare.py); a candidate is checked against the text after the
+    row's last tag."""
+    if request.media and not isinstance(model, ImageModel):
         raise BadRequest("this model does not support image input")
+    if request.media:
+        return _prepare_image_rows(request, tokenizer, context_length, vocab_size, model)
     if not 1 <= len(request.rows) <= MAX_ROWS:
         raise BadRequest(f"scoring requires 1–{MAX_ROWS} prompts")
     max_tokens = request.maxtokens
@@ -93,6 +111,54 @@ def prepare_rows(
     return rows
 
 
+def _prepare_image_rows(
+    request: ScoreRequest,
+    tokenizer: Tokenizer,
+    context_length: int,
+    vocab_size: int,
+    model: ImageModel,
+) -> list[Row]:
+    """`prepare_rows` for a request with media, in the same order of checks."""
+    if not 1 <= len(request.rows) <= MAX_ROWS:
+        raise BadRequest(f"scoring requires 1–{MAX_ROWS} prompts")
+    max_tokens = request.maxtokens
+    if not 1 <= max_tokens <= context_length:
+        raise BadRequest(f"max_tokens must be between 1 and {context_length}")
+    id_limit = min(tokenizer.vocab_size, vocab_size)
+    expansions: dict[int, Expansion] = {}  # each media item decoded once per request
+    rows: list[Row] = []
+    for i, row in enumerate(request.rows):
+        prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
+        tokens = prompt.tokens
+        if not 1 <= len(tokens) <= max_tokens:
+            raise BadRequest(
+                f"prompt {i} has {len(tokens)} tokens; expected 1–{max_tokens} "
+                "(input is never truncated)"
+            )
+        if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
+            raise BadRequest(f"prompt {i} requires 1–{MAX_CANDIDATES} candidates")
+        tail_text = str(split_prompt(row.prompt)[-1])  # the text after the last tag
+        tail = tokens[prompt.tail_start :]
+        candidates: list[int] = []
+        joined_all = tokenizer.encode_batch([tail_text + c for c in row.candidates])
+        for candidate, joined in zip(row.candidates, joined_all, strict=True):
+            if (
+                tokenizer.is_special(candidate)
+                or len(joined) != len(tail) + 1
+                or joined[: len(tail)] != tail
+            ):
+                raise BadRequest(
+                    f"candidate {go_quote(candidate)} must append exactly one ordinary token "
+                    f"to prompt {i}"
+                )
+            token = joined[-1]
+            if not 0 <= token < id_limit or token in candidates:
+                raise BadRequest(f"prompt {i} has invalid or duplicate candidate tokens")
+            candidates.append(token)
+        rows.append(Row(prompt.keys, candidates, prompt))
+    return rows
+
+
 def shared_prefix_length(rows: Sequence[Row]) -> int:
     """Tokens every row starts with (0 for a single row: there is nothing to share)."""
     if len(rows) < 2:
@@ -106,6 +172,11 @@ def shared_prefix_length(rows: Sequence[Row]) -> int:
                 n = j
                 break
     return n
+
+
+def _images_end_by(row: Row, prefix: int) -> bool:
+    """Whether every image of the row lies inside its first `prefix` tokens."""
+    return row.prompt is None or all(item.end <= prefix for item in row.prompt.items)
 
 
 @dataclass
@@ -146,14 +217,20 @@ class Scorer:
                 if hidden[i] is not None:
                     cached += len(row.tokens)
             pending = [i for i in pending if hidden[i] is None]
-            batchable = [i for i in pending if len(rows[i].tokens) - prefix <= BATCH_MAX_SUFFIX]
+            batchable = [
+                i
+                for i in pending
+                if len(rows[i].tokens) - prefix <= BATCH_MAX_SUFFIX
+                and _images_end_by(rows[i], prefix)  # batched suffixes are text
+            ]
             if len(batchable) > 1:
                 cached += self._score_batched(rows, batchable, prefix, hidden, check)
                 pending = [i for i in pending if hidden[i] is None]
         for i in pending:
             check()
             schedule = [prefix] if prefix else []
-            hidden[i], restored = cache.last_hidden(rows[i].tokens, check, schedule)
+            media = self._media(rows[i])
+            hidden[i], restored = cache.last_hidden(rows[i].tokens, check, schedule, media)
             cached += restored
         logits = [self._candidates(h, row.candidates) for h, row in zip(hidden, rows, strict=True)]
         log.info(
@@ -164,6 +241,12 @@ class Scorer:
             time.perf_counter() - start,
         )
         return ScoreResult(logits, cached)
+
+    def _media(self, row: Row) -> RequestMedia | None:
+        if not row.has_images:
+            return None
+        assert row.prompt is not None
+        return RequestMedia(self.model, row.prompt)
 
     def _candidates(self, hidden: mx.array | None, candidates: list[int]) -> list[float]:
         assert hidden is not None
@@ -185,7 +268,9 @@ class Scorer:
         """Fill `hidden` for rows `which` from one prefix state and batched suffixes; returns
         the tokens restored instead of computed."""
         check()
-        with self.cache.begin(rows[which[0]].tokens[:prefix], need_state=True) as session:
+        first = rows[which[0]]
+        media = self._media(first)  # the images of the shared prefix, the same in every row
+        with self.cache.begin(first.tokens[:prefix], need_state=True, media=media) as session:
             restored = session.offset
             prefix_hidden = session.last_hidden(check)
             suffixed = [i for i in which if len(rows[i].tokens) > prefix]

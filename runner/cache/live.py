@@ -15,11 +15,14 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from .kinds import HiddenRows, Kind, kind_of
+
+if TYPE_CHECKING:
+    from runner.media.request import RequestMedia
 
 
 class LiveState:
@@ -50,12 +53,18 @@ class LiveState:
             out.append(self.hidden.rows)
         return out
 
-    def feed(self, tokens: list[int]) -> mx.array:
+    def feed(self, tokens: list[int], media: RequestMedia | None = None) -> mx.array:
         """Compute `tokens` after what the caches hold and evaluate; returns their final
-        hidden states [1, n, H]."""
+        hidden states [1, n, H]. With `media`, `tokens` are its keys (runner/media) and the
+        model gets the real ids and the features of the images they cover."""
         assert not self._pending, "settle decode steps before feeding"
         try:
-            hidden = self._forward(mx.array(tokens, dtype=mx.int32)[None])
+            if media is None:
+                hidden = self._forward(mx.array(tokens, dtype=mx.int32)[None])
+            else:
+                start = len(self.tokens)
+                ids, blocks = media.inputs(start, start + len(tokens))
+                hidden = self._forward(ids, blocks)
             mx.eval(hidden, *self.arrays())
         except BaseException:
             self.reset()
@@ -86,8 +95,11 @@ class LiveState:
             raise
         self.tokens.extend(int(t.reshape(-1)[0].item()) for t in pending)  # type: ignore[arg-type]
 
-    def _forward(self, tokens: mx.array) -> mx.array:
-        hidden = self.model.hidden(tokens, self.caches)
+    def _forward(self, tokens: mx.array, media: list | None = None) -> mx.array:
+        if media:
+            hidden = self.model.hidden(tokens, self.caches, media)
+        else:
+            hidden = self.model.hidden(tokens, self.caches)
         if self.hidden is not None:
             self.hidden.append(hidden)
         return hidden

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -41,6 +41,9 @@ from .kinds import HIDDEN, Kind, Snap
 from .live import LiveState
 from .session import PREFILL_CHUNK_TOKENS, PrefixSession
 from .trie import Node
+
+if TYPE_CHECKING:
+    from runner.media.request import RequestMedia
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +87,20 @@ class PrefixCache:
 
     # --- begin: restore the longest usable prefix ---------------------------------------
     def begin(
-        self, tokens: list[int], schedule: Iterable[int] = (), *, need_state: bool = False
+        self,
+        tokens: list[int],
+        schedule: Iterable[int] = (),
+        *,
+        need_state: bool = False,
+        media: RequestMedia | None = None,
     ) -> PrefixSession:
         """A session whose live caches hold the longest restorable prefix of `tokens`.
 
         With `need_state` the caller wants the live caches at the end of `tokens`: a stored
         hidden row never stands in for them, but when both the states at the very end and
         its hidden row are stored, the session restores all of `tokens` (hidden_row set).
+        With `media` (a prompt with images), `tokens` are its keys; no restore and no
+        capture lands strictly inside an atomic image.
         """
         assert tokens, "a session needs at least one token"
         self.live.settle()
@@ -102,6 +112,8 @@ class PrefixCache:
             self._log("hit", n, matched, n)
             return PrefixSession(self, tokens, n, [], hidden_row=stored_row)
         target = min(matched, n if stored_row is not None else n - 1)
+        if media is not None:
+            target = media.floor(target)
         offset = self._restore_offset(path, tokens, target)
         self._switch(path, tokens, offset)
         self._touch_landing(path, offset)
@@ -109,18 +121,29 @@ class PrefixCache:
         if offset < target:
             captures.add(target)  # a branch point: later requests leaving here restore exactly
         captures.update(range(self.interval, n + 1, self.interval))
+        if media is not None:
+            captures = {c for c in captures if media.floor(c) == c}
         self._log("hit" if offset else "miss", n, matched, offset)
         row = stored_row if offset == n else None
         return PrefixSession(
-            self, tokens, offset, sorted(c for c in captures if c > offset), hidden_row=row
+            self,
+            tokens,
+            offset,
+            sorted(c for c in captures if c > offset),
+            hidden_row=row,
+            media=media,
         )
 
     def last_hidden(
-        self, tokens: list[int], check: Callable[[], None], schedule: Iterable[int] = ()
+        self,
+        tokens: list[int],
+        check: Callable[[], None],
+        schedule: Iterable[int] = (),
+        media: RequestMedia | None = None,
     ) -> tuple[mx.array, int]:
         """The hidden row of `tokens`' last position ([1, H]), stored or computed, and how
         many tokens were restored instead of computed; `check` raises to cancel."""
-        with self.begin(tokens, schedule) as session:
+        with self.begin(tokens, schedule, media=media) as session:
             return session.last_hidden(check), session.offset
 
     def stored_hidden_row(

@@ -6,7 +6,9 @@ pipeline needs to compute: callers (runner/score.py, runner/generate.py) never t
 caches, kinds or token bookkeeping.
 
 - `prefill(end, check)`: feed tokens[offset:end] in chunks (the one prefill loop), cut at
-  the scheduled capture points, storing a node at each; returns the last hidden row.
+  the scheduled capture points, storing a node at each; returns the last hidden row. With
+  images (`media`, runner/media/request.py) `tokens` are the prompt's keys, chunks never end
+  strictly inside an atomic image, and each chunk gets its images' features.
 - `last_hidden(check)`: the hidden row of the last token, stored or prefilled.
 - `decode(token)`: one decode step, built lazily; returns its hidden row.
 - `forward_rows(suffixes, check)`: rows that continue `tokens` with their own suffixes,
@@ -34,6 +36,8 @@ from runner.errors import Cancelled
 from .batch import broadcast, forward_suffixes
 
 if TYPE_CHECKING:
+    from runner.media.request import RequestMedia
+
     from .prefix_cache import PrefixCache
 
 PREFILL_CHUNK_TOKENS = 2048
@@ -48,8 +52,10 @@ class PrefixSession:
         offset: int,
         captures: list[int],
         hidden_row: mx.array | None = None,
+        media: RequestMedia | None = None,
     ):
         self.owner = owner
+        self.media = media
         self.tokens = list(tokens)
         self.offset = offset
         self.captures = captures
@@ -78,8 +84,12 @@ class PrefixSession:
         while fed < end:
             check()
             stop = min(fed + owner.chunk_tokens, end, *(c for c in self.captures if c > fed))
-            last = live.feed(self.tokens[fed:stop])[0, -1:, :]
+            if self.media is not None:  # never end strictly inside an atomic image
+                stop = self.media.extend_chunk(fed, stop, end)
+            last = live.feed(self.tokens[fed:stop], self.media)[0, -1:, :]
             fed = stop
+            if self.media is not None:
+                self.media.release(fed)
             if fed in self.captures:
                 owner.store_live()
                 owner.evict()

@@ -2,13 +2,14 @@
 
 # The family modules are imported for their `@register` side effect.
 from runner.models import gemma3, llama, qwen3, qwen3_5  # noqa: F401
-from runner.models.base import CachedScorer, CandidateUnembedder, HiddenRows, Model
+from runner.models.base import CachedScorer, CandidateUnembedder, HiddenRows, ImageModel, Model
 from runner.models.registry import build_model, registered_architectures
 
 __all__ = [
     "CachedScorer",
     "CandidateUnembedder",
     "HiddenRows",
+    "ImageModel",
     "Model",
     "build_model",
     "registered_architectures",

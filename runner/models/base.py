@@ -27,7 +27,17 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   the scoring prefix cache with `hidden_rows(tokens)` -> (the last token's hidden row [1, H],
   tokens restored from the cache); that call checks for cancellation between chunks.
 
-Every method runs on the MLX thread and builds lazy graphs; callers evaluate.
+- `ImageModel`: the model takes images in prompts. `prepare_image(data)` (off the MLX
+  thread, deterministic) decodes and preprocesses one image's bytes into the `Expansion` its
+  `[img-N]` tag becomes: tokens, and items (token ranges with pixels, causal or atomic),
+  raising ValueError for bytes it cannot decode; `encode_item(item)` computes an item's
+  features [end - start, H]; `hidden(tokens, caches, media)` takes, besides the token ids,
+  the features for this block: (position in the block, rows) pairs that replace those
+  positions' embeddings. An atomic item is always whole inside one block
+  (runner/media/request.py).
+
+Every method except `prepare_image` runs on the MLX thread and builds lazy graphs; callers
+evaluate.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 if TYPE_CHECKING:
+    from runner.media.prepare import Expansion, Item
     from runner.tokenizer import Tokenizer
     from runner.wire import ScoreRequest, ScoreResponse
 
@@ -68,3 +79,14 @@ class CachedScorer(Protocol):
     def score(
         self, request: ScoreRequest, tokenizer: Tokenizer, hidden_rows: HiddenRows
     ) -> ScoreResponse: ...
+
+
+@runtime_checkable
+class ImageModel(Protocol):
+    def prepare_image(self, data: bytes) -> Expansion: ...
+
+    def encode_item(self, item: Item) -> mx.array: ...
+
+    def hidden(
+        self, tokens: mx.array, caches: list[Any], media: list[tuple[int, mx.array]] | None = None
+    ) -> mx.array: ...

@@ -1,0 +1,2 @@
+"""Images in prompts: tags and expansions (`prepare`), and their features during a forward
+(`request`). docs/PROTOCOL.md §7."""

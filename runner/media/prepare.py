@@ -1,0 +1,176 @@
+"""A prompt with `[img-N]` tags, prepared for an image model (docs/PROTOCOL.md §7).
+
+Runs off the MLX thread (it tokenizes and decodes images) and is deterministic: the same
+prompt and bytes always give the same tokens, items and pixels, because a cache restore
+splices recomputed state with stored state.
+
+- The prompt is split at the tags (`\\[img-(\\d+)\\]`): each text part is tokenized (BOS only
+  before part 0, when the tokenizer adds one; empty parts give no tokens), each tag is
+  replaced by the model's expansion of the media item whose `id` is N (not its index).
+  An unknown id is `invalid image index: N`; an item never referenced is ignored; an id
+  referenced twice gives two items with the same fold.
+- Each expansion carries one or more items (`Item`): a token range, the pixels, and whether
+  it is causal. An atomic (non-causal) item's tokens attend to each other, so its first
+  evaluation must cover the whole range in one forward (runner/media/request.py).
+- The prefix trie keys every position of an item by `fold(bytes, dims)` (Go's `foldValue`:
+  FNV-1a 64 over the bytes, then each dim as a little-endian uint64, folded to 32 bits with
+  bit 31 set), so text keys (ids < 2**31) never equal image keys, the same image restores
+  past its expansion, and other bytes or geometry diverge at its first position.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runner.errors import BadRequest
+from runner.tokenizer import Tokenizer
+from runner.wire import MediaItem
+
+TAG = re.compile(r"\[img-(\d+)\]")
+FOLD_BIT = 1 << 31
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def fold_value(data: bytes, dims: Sequence[int]) -> int:
+    """Go's `foldValue`: a 32-bit key with bit 31 set for these bytes and this geometry."""
+    h = _FNV_OFFSET
+    for byte in data + b"".join(struct.pack("<Q", d & _MASK64) for d in dims):
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
+    return ((h >> 32) ^ (h & 0xFFFFFFFF)) | FOLD_BIT
+
+
+@dataclass(frozen=True)
+class ExpansionItem:
+    """One item of an image's expansion: tokens [start, end) of the expansion."""
+
+    start: int
+    end: int
+    pixels: np.ndarray  # what the model's `encode_image` takes
+    causal: bool
+    opaque: Any = None  # model-private (e.g. a position layout)
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What one `[img-N]` tag becomes: tokens, and the items among them."""
+
+    tokens: list[int]
+    items: list[ExpansionItem]
+
+
+@dataclass(frozen=True)
+class Item:
+    """An expansion item placed in a prompt: tokens [start, end), keyed by `fold`."""
+
+    start: int
+    end: int
+    pixels: np.ndarray
+    causal: bool
+    fold: int
+    source: int  # the media segment (tag) it came from, in prompt order
+    opaque: Any = None
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """The model's input tokens and the items spliced into them."""
+
+    tokens: list[int]
+    items: list[Item] = field(default_factory=list)
+    tail_start: int = 0  # where the tokens of the text after the last tag begin
+
+    @property
+    def keys(self) -> list[int]:
+        """The prefix trie's key for each position: the token, or its item's fold."""
+        if not self.items:
+            return self.tokens
+        keys = list(self.tokens)
+        for item in self.items:
+            keys[item.start : item.end] = [item.fold] * (item.end - item.start)
+        return keys
+
+
+def split_prompt(prompt: str) -> list[str | int]:
+    """Text parts and tag ids in order, text first and last (parts may be empty)."""
+    parts: list[str | int] = []
+    last = 0
+    for match in TAG.finditer(prompt):
+        parts += [prompt[last : match.start()], int(match.group(1))]
+        last = match.end()
+    parts.append(prompt[last:])
+    return parts
+
+
+def prepare_prompt(
+    prompt: str,
+    media: Sequence[MediaItem],
+    tokenizer: Tokenizer,
+    model: Any,
+    add_bos: bool,
+    expansions: dict[int, Expansion] | None = None,
+) -> PreparedPrompt:
+    """`prompt` with every tag expanded by `model.prepare_image` (an `ImageModel`).
+
+    `expansions` caches each media id's expansion across the rows of one request (the same
+    bytes are decoded once). Raises BadRequest for an unknown id, undecodable image bytes, or
+    an expansion that breaks the item rules.
+    """
+    by_id = {item.id: item for item in media}  # a later item with the same id wins, as Go's map
+    expansions = {} if expansions is None else expansions
+    parts = split_prompt(prompt)
+    texts = [p for p in parts if isinstance(p, str)]
+    encoded = iter(tokenizer.encode_batch(texts))
+    tokens: list[int] = []
+    items: list[Item] = []
+    tail_start = 0
+    for index, part in enumerate(parts):
+        if isinstance(part, str):
+            tail_start = len(tokens)
+            ids = next(encoded)
+            if index == 0 and add_bos and tokenizer.bos_id is not None:
+                ids = [tokenizer.bos_id, *ids]
+            tokens += ids
+            continue
+        source = by_id.get(part)
+        if source is None:
+            raise BadRequest(f"invalid image index: {part}")
+        if part not in expansions:
+            expansions[part] = expand(model, source.raw)
+        expansion = expansions[part]
+        base = len(tokens)
+        for e in expansion.items:
+            dims = tuple(int(d) for d in e.pixels.shape)
+            fold = fold_value(source.raw, dims)
+            items.append(
+                Item(base + e.start, base + e.end, e.pixels, e.causal, fold, index // 2, e.opaque)
+            )
+        tokens += expansion.tokens
+    check_items(items, len(tokens), sum(1 for p in parts if isinstance(p, int)))
+    return PreparedPrompt(tokens, items, tail_start)
+
+
+def expand(model: Any, data: bytes) -> Expansion:
+    try:
+        return model.prepare_image(data)
+    except ValueError as e:
+        raise BadRequest(str(e) or "invalid image data") from None
+
+
+def check_items(items: list[Item], length: int, segments: int) -> None:
+    """Go's `bindItems` rules: items in order, non-overlapping, non-empty, in bounds, and
+    every media segment produced at least one."""
+    previous_end = 0
+    for item in items:
+        if not previous_end <= item.start < item.end <= length:
+            raise BadRequest(f"media expansion has invalid range [{item.start}, {item.end})")
+        previous_end = item.end
+    if len({item.source for item in items}) < segments:
+        raise BadRequest("media expansion produced no tokens")
