@@ -113,6 +113,28 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "Glm4MoeLiteForCausalLM": (
+        "Glm4MoeLiteConfig",
+        {
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,  # MLA: transformers' keys have every head
+            "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 64,
+            "kv_lora_rank": 64,
+            "q_lora_rank": 64,
+            "head_dim": 8,  # transformers' alias of qk_rope_head_dim: both, or SHAPE's wins
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 
@@ -130,7 +152,11 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 # Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
-INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {}
+INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
+    # a router of std 0.02 scores every expert ~0.5 and the keys' latent expansion would make
+    # attention near uniform: both get weights that make choices
+    "Glm4MoeLiteForCausalLM": {"mlp.gate.weight": ("normal", 0.5), "kv_b_proj": ("normal", 0.1)},
+}
 
 
 def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
