@@ -253,6 +253,30 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("Glm4MoeLiteForCausalLM", {"num_experts_per_tok": 1, "n_group": 1}, {}),
     # a large rms_norm_eps shows which eps the latent norms use (transformers: 1e-6)
     ("Glm4MoeLiteForCausalLM", {"rms_norm_eps": 0.5}, {}),
+    # RMSNorm instead of LayerNorm; sigmoid routing, unnormalised; shared experts summed;
+    # an untied head
+    (
+        "Cohere2MoeForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "expert_selection_fn": "sigmoid",
+            "norm_topk_prob": False,
+            "shared_expert_combination_strategy": "sum",
+            "tie_word_embeddings": False,
+        },
+        {},
+    ),
+    # no forced RoPE on the dense full layer; sigmoid routing normalised
+    (
+        "Cohere2MoeForCausalLM",
+        {"prefix_dense_sliding_window_pattern": 2, "expert_selection_fn": "sigmoid"},
+        {},
+    ),
+    (  # no layer_types (sliding_window_pattern decides), no tie_word_embeddings (tied)
+        "Cohere2MoeForCausalLM",
+        {"sliding_window_pattern": 2},
+        {"layer_types": None, "tie_word_embeddings": None},
+    ),
     (
         "Glm4MoeLiteForCausalLM",
         {

@@ -246,6 +246,37 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         {"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]},
         "mlp_layer_types must give dense or sparse",
     ),
+    ("Cohere2MoeForCausalLM", {"layer_norm_eps": 0}, "layer_norm_eps must be a positive number"),
+    ("Cohere2MoeForCausalLM", {"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive"),
+    ("Cohere2MoeForCausalLM", {"logit_scale": None}, "logit_scale must be a positive number"),
+    ("Cohere2MoeForCausalLM", {"num_experts": 0}, "num_experts must be a positive integer"),
+    (
+        "Cohere2MoeForCausalLM",
+        {"num_experts_per_tok": 5},
+        "num_experts_per_tok 5 is more than num_experts 4",
+    ),
+    ("Cohere2MoeForCausalLM", {"num_shared_experts": -1}, "num_shared_experts must be an"),
+    ("Cohere2MoeForCausalLM", {"sliding_window": None}, "sliding_window must be a positive"),
+    (
+        "Cohere2MoeForCausalLM",
+        {"prefix_dense_intermediate_size": 0},
+        "prefix_dense_intermediate_size must be a positive integer",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"layer_types": ["full_attention"] * 3},
+        "layer_types must give one of full_attention, sliding_attention for each of the 4",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"layer_types": None, "sliding_window_pattern": 0},
+        "sliding_window_pattern must be a positive integer",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"mlp_layer_types": ["dense"] * 5},
+        "mlp_layer_types must give dense or sparse for each of the 4 layers",
+    ),
 ]
 
 

@@ -27,6 +27,7 @@ CACHE_KINDS = {
     "Gemma3ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
     "Glm4MoeLiteForCausalLM": [LatentKVCache] * 4,
+    "Cohere2MoeForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache, KVCache],
 }
 
 
@@ -147,7 +148,10 @@ def test_dtype_casts_floating_weights(tmp_path: Path, models: dict, arch: str) -
     model = build_model(source(write_tiny_model(arch, tmp_path)), backend)
     for path, value in tree_flatten(model.module.parameters()):
         # kept float32: Qwen3.5's A_log (mlx-lm's predicate), GLM's router (transformers')
-        kept = path.endswith(("A_log", "e_score_correction_bias", "mlp.gate.weight"))
+        router = arch == "Glm4MoeLiteForCausalLM" and path.endswith(
+            ("e_score_correction_bias", "mlp.gate.weight")
+        )
+        kept = path.endswith("A_log") or router
         expected = mx.float32 if kept else mx.bfloat16
         assert value.dtype == expected, path
     ids = mx.array([[5, 6, 7, 8, 9, 10]], dtype=mx.int32)
@@ -231,6 +235,13 @@ def test_gemma3_ties_by_config_not_by_weights(tmp_path: Path, models: dict) -> N
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation"),
         ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "yarn"}}, "rope_type"),
         ("Glm4MoeLiteForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Cohere2MoeForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Cohere2MoeForCausalLM", {"expert_selection_fn": "relu"}, "expert_selection_fn"),
+        (
+            "Cohere2MoeForCausalLM",
+            {"shared_expert_combination_strategy": "max"},
+            "shared_expert_combination_strategy",
+        ),
         (
             "Glm4MoeLiteForCausalLM",
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
@@ -254,6 +265,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("gemma3", "GEMMA3_DEFAULTS", "Gemma3TextConfig"),
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
         ("glm4_moe_lite", "GLM4_MOE_LITE_DEFAULTS", "Glm4MoeLiteConfig"),
+        ("cohere2_moe", "COHERE2_MOE_DEFAULTS", "Cohere2MoeConfig"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

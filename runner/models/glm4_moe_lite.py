@@ -29,7 +29,6 @@ import mlx.nn as nn
 from mlx_lm.models import glm4_moe_lite as glm
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from runner.backend.install import Kernels
 from runner.cache.kinds import KVKind
@@ -42,7 +41,7 @@ from runner.models.config import (
     number,
     require,
 )
-from runner.models.decoder import DecoderModel
+from runner.models.decoder import DecoderModel, FloatSwitchGLU, switch_mlp_weights
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -132,16 +131,6 @@ class _Router(glm.MoEGate):
         return inds, weights * self.routed_scaling_factor
 
 
-class _SwitchGLU(SwitchGLU):
-    """mlx-lm's SwitchGLU, in float32 on the CPU: MLX's CPU gather_mm computes only float32
-    (a bfloat16 model would fail at its first forward)."""
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
-            return super().__call__(x, indices)
-        return super().__call__(x.astype(mx.float32), indices).astype(x.dtype)
-
-
 class _Model(glm.Model):
     def __init__(self, args: glm.ModelArgs, mlp_kinds: list[str], interleave: bool, tied: bool):
         super().__init__(args)
@@ -162,7 +151,7 @@ class _Model(glm.Model):
             if kind == "sparse":
                 layer.mlp.gate = _Router(args)
                 experts = int(args.n_routed_experts or 0)  # checked positive at build
-                layer.mlp.switch_mlp = _SwitchGLU(
+                layer.mlp.switch_mlp = FloatSwitchGLU(
                     args.hidden_size, args.moe_intermediate_size, experts
                 )
         self.hf_tied = tied
@@ -174,7 +163,7 @@ class _Model(glm.Model):
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         elif "lm_head.weight" not in weights:
             raise ModelLoadError("lm_head.weight is missing and tie_word_embeddings is false")
-        return super().sanitize(self._dense_kv_b(_stacked_experts(weights)))
+        return super().sanitize(self._dense_kv_b(switch_mlp_weights(weights)))
 
     def _dense_kv_b(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """A quantized `kv_b_proj`, dequantized: mlx-lm would split it into per-head key and
@@ -203,25 +192,6 @@ class _Model(glm.Model):
     def cast_predicate(self) -> Any:
         # transformers keeps the router's weight and correction bias in float32
         return lambda k: "e_score_correction_bias" not in k and not k.endswith("mlp.gate.weight")
-
-
-def _stacked_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Experts already stacked ([E, out, in]: the Go runner's import, or transformers' fused
-    `gate_up_proj` / `down_proj`) under mlx-lm's `switch_mlp` names."""
-    out = {}
-    for k, v in weights.items():
-        head, sep, tail = k.partition(".mlp.experts.")
-        if not sep or tail[:1].isdigit():
-            out[k] = v
-        elif tail == "gate_up_proj":
-            gate, up = mx.split(v, 2, axis=1)
-            out[f"{head}.mlp.switch_mlp.gate_proj.weight"] = gate
-            out[f"{head}.mlp.switch_mlp.up_proj.weight"] = up
-        elif tail == "down_proj":
-            out[f"{head}.mlp.switch_mlp.down_proj.weight"] = v
-        else:  # <proj>.weight / .scales / .biases
-            out[f"{head}.mlp.switch_mlp.{tail}"] = v
-    return out
 
 
 def _mlp_kinds(c: dict[str, Any]) -> list[str]:

@@ -135,6 +135,30 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    "Cohere2MoeForCausalLM": (
+        "Cohere2MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            # layer 0: full attention with forced RoPE (a dense layer of a pattern of 1);
+            # layer 3: full attention without RoPE
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "sliding_window": 8,
+            "intermediate_size": 64,
+            "prefix_dense_intermediate_size": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_shared_experts": 1,
+            "logit_scale": 0.25,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 
@@ -156,6 +180,7 @@ INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     # a router of std 0.02 scores every expert ~0.5 and the keys' latent expansion would make
     # attention near uniform: both get weights that make choices
     "Glm4MoeLiteForCausalLM": {"mlp.gate.weight": ("normal", 0.5), "kv_b_proj": ("normal", 0.1)},
+    "Cohere2MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
 }
 
 
