@@ -42,12 +42,13 @@ def _safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str] | N
         return path.read_bytes()
 
 
-def _should_quantize(name: str, arr: mx.array, group_size: int) -> bool:
-    # Ollama's importer quantizes linear weights, never embeddings or norms.
+def _should_quantize(name: str, arr: mx.array, group_size: int, named: bool = False) -> bool:
+    # Ollama's importer quantizes linear weights, never embeddings or norms; a pre-quantized
+    # source may quantize an embedding (a tensor `named` in `types`).
     return (
         name.endswith(".weight")
         and arr.ndim == 2
-        and "embed" not in name
+        and ("embed" not in name or named)
         and "norm" not in name
         and arr.shape[-1] % group_size == 0
     )
@@ -74,7 +75,8 @@ def write_ollama_model(
     type's), "metadata": "blob" | "tensor" | "none", "types": {tensor: type}}`. "blob" writes
     `__metadata__` quant_type/group_size, "tensor" the per-tensor `<t>.quant_type` keys of
     mixed blobs, and "none" nothing, leaving group and bits to shape inference. `types`
-    overrides the type per tensor (a tensor mapped to None stays dense).
+    overrides the type per tensor (a tensor mapped to None stays dense; an embedding named
+    there is quantized too).
     """
     models_dir, hf_dir = Path(models_dir), Path(hf_dir)
     quantize = dict(quantize or {})
@@ -93,7 +95,8 @@ def write_ollama_model(
             quant_params(quant_type)[0] if quant_type else 0
         )
         metadata = None
-        if quant_type and _should_quantize(tensor_name, arr, group_size):
+        named = tensor_name in per_tensor_types
+        if quant_type and _should_quantize(tensor_name, arr, group_size, named):
             arrays = quantized_blob_arrays(tensor_name, arr, quant_type, group_size)
             if metadata_style == "blob":
                 metadata = {"quant_type": quant_type, "group_size": str(group_size)}

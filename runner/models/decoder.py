@@ -20,10 +20,12 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from runner.backend import Backend, gemv
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
+from runner.models.quantized import GLOBAL_SCALE
 
 
 def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
-    """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows."""
+    """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows (and
+    multiplying them by their global scale, runner/models/quantized.py)."""
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         scales, biases = layer["scales"][ids], layer.get("biases")
         if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32
@@ -37,8 +39,13 @@ def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
             group_size=layer.group_size,
             bits=layer.bits,
             mode=layer.mode,
+            dtype=mx.float32,  # MLX's default for the microscaled formats is bfloat16
         )
-        return rows.astype(mx.float32)
+        scale = layer.get(GLOBAL_SCALE)
+        if scale is not None:
+            scale = scale.reshape(-1).astype(mx.float32)
+            rows = rows * (scale[ids][:, None] if scale.size > 1 else scale)
+        return rows
     return layer["weight"][ids].astype(mx.float32)
 
 
