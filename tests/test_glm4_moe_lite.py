@@ -10,12 +10,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import glm4_moe_lite as glm
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from runner.loader import load_local_dir
 from runner.models import Model, build_model
 from runner.source import ModelLoadError
 from runner.store import load_store_model
-from tests.ollama_store import write_ollama_model
+from tests.ollama_store import dequantized, write_ollama_model
 from tests.tiny import load_tiny_model, write_tiny_model
 
 ARCH = "Glm4MoeLiteForCausalLM"
@@ -95,27 +96,33 @@ def test_stacked_experts_load_as_per_expert_ones(
     assert np.array_equal(logits(build_model(source)), logits(reference))
 
 
-@pytest.mark.parametrize("quant_type", [None, "int8"])
+@pytest.mark.parametrize("quant_type", [None, "int8", "int4", "mxfp4", "mxfp8", "nvfp4"])
 def test_from_an_ollama_store_as_from_the_directory(
     tmp_path: Path, reference: Model, quant_type: str | None
 ) -> None:
-    """The Go importer's layout (experts pre-stacked, linear weights quantized, routers
-    dense) loads from a store and computes what the directory does: exactly when dense,
-    within 8-bit rounding when quantized, with candidates equal to the full unembedding."""
+    """The Go importer's layout (experts pre-stacked, linear weights and experts quantized,
+    routers dense) loads from a store and computes what the directory does when dense, and
+    when quantized exactly what MLX's dequantization of the same tensors computes (the
+    latent kv_b_proj and the experts included), with candidates equal to the full
+    unembedding."""
     hf_dir = write_tiny_model(ARCH, tmp_path / "hf")
     weights = _stacked(mx.load(str(hf_dir / "model.safetensors")), fused=False)  # type: ignore[arg-type]
     mx.save_safetensors(str(hf_dir / "model.safetensors"), weights, metadata={"format": "pt"})
     routers = {f"model.layers.{i}.mlp.gate.weight": None for i in (2, 3)}
     quantize = {"type": quant_type, "types": routers} if quant_type else None
     write_ollama_model(tmp_path / "store", "tiny-glm", hf_dir, quantize=quantize)
-    model = build_model(load_store_model("tiny-glm", tmp_path / "store"))
+    source = load_store_model("tiny-glm", tmp_path / "store")
+    model = build_model(source)
     got, want = logits(model), logits(reference)
     if quant_type is None:
         assert np.array_equal(got, want)
         return
-    q_b = model.module.model.layers[0].self_attn.q_b_proj  # type: ignore[attr-defined]
-    assert isinstance(q_b, nn.QuantizedLinear) and q_b.bits == 8
-    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    layers = model.module.model.layers  # type: ignore[attr-defined]
+    q_b = layers[0].self_attn.q_b_proj
+    assert isinstance(q_b, nn.QuantizedLinear) and q_b.bits == int(quant_type[-1])
+    assert isinstance(layers[2].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    assert np.abs(got - logits(build_model(dequantized(source)))).max() <= 1e-4
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.9
     hidden = model.hidden(IDS, model.make_caches())[:, -1]
     ids = mx.array([3, 7, 11, 200], dtype=mx.int32)
     picked = np.array(model.unembed_candidates(hidden, ids))  # type: ignore[attr-defined]

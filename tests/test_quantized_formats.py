@@ -20,9 +20,14 @@ import pytest
 
 from runner.models import Model, build_model
 from runner.models.quantized import ScaledQuantizedEmbedding, ScaledQuantizedLinear
-from runner.source import ModelLoadError, ModelSource
+from runner.source import ModelLoadError
 from runner.store import load_store_model
-from tests.ollama_store import add_tensor_layer, quantized_blob_arrays, write_ollama_model
+from tests.ollama_store import (
+    add_tensor_layer,
+    dequantized,
+    quantized_blob_arrays,
+    write_ollama_model,
+)
 from tests.tiny import load_tiny_model, write_tiny_model
 
 IDS = mx.array([[5, 17, 42, 99, 23, 8, 61, 7, 19, 33]], dtype=mx.int32)
@@ -31,33 +36,6 @@ CANDIDATES = mx.array([3, 7, 11, 42, 300, 383], dtype=mx.int32)
 # the tiny random weights coarsely, 8-bit ones finely
 FORMATS = [("int4", 0.97), ("int8", 0.999), ("mxfp4", 0.95), ("mxfp8", 0.995), ("nvfp4", 0.97)]
 HEADS = {"LlamaForCausalLM": "lm_head", "Qwen3ForCausalLM": "model.embed_tokens"}
-
-
-def dequantized(source: ModelSource) -> ModelSource:
-    """`source` with every quantized tensor replaced by MLX's dequantization of it (times
-    its global scale): the dense model the quantized one must compute exactly."""
-    weights = dict(source.weights)
-    for name in [n for n in weights if n.endswith(".scales")]:
-        p = name.removesuffix(".scales")
-        params = source.quantization[p]  # type: ignore[index]
-        dense = mx.dequantize(
-            weights[f"{p}.weight"],
-            weights.pop(name),
-            weights.pop(f"{p}.biases", None),
-            params["group_size"],
-            params["bits"],
-            params["mode"],
-            dtype=mx.float32,
-        )
-        scale = weights.pop(f"{p}.global_scale", None)
-        if scale is not None:
-            scale = scale.reshape(-1)
-            dense = dense * (scale[:, None] if scale.size > 1 else scale)
-        weights[f"{p}.weight"] = dense
-    return ModelSource(
-        name=source.name, config=source.config, tokenizer_json=source.tokenizer_json,
-        weights=weights,
-    )  # fmt: skip
 
 
 def last_logits(model: Model) -> tuple[mx.array, np.ndarray]:

@@ -42,6 +42,7 @@ from runner.models.config import (
     require,
 )
 from runner.models.decoder import DecoderModel, FloatSwitchGLU, switch_mlp_weights
+from runner.models.quantized import dequantize_weight
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -170,19 +171,8 @@ class _Model(glm.Model):
         value parts quantized again along other axes, which no longer computes the same."""
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}.self_attn.kv_b_proj"
-            if f"{p}.scales" not in weights:
-                continue
-            packed, scales = weights[f"{p}.weight"], weights.pop(f"{p}.scales")
-            biases = weights.pop(f"{p}.biases", None)
-            dims = self.args.kv_lora_rank
-            weights[f"{p}.weight"] = mx.dequantize(
-                packed,
-                scales,
-                biases,
-                group_size=dims // scales.shape[-1],
-                bits=packed.shape[-1] * 32 // dims,
-                mode="affine",
-            )
+            if f"{p}.scales" in weights:
+                weights[f"{p}.weight"] = dequantize_weight(weights, p, self.args.kv_lora_rank)
         return weights
 
     def make_cache(self) -> list[Any]:

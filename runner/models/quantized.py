@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import infer_quant_config
 
 from runner.source import ModelLoadError
 
@@ -109,3 +110,32 @@ def adopt(module: nn.Module, weights: dict[str, Any], dtype: mx.Dtype | None) ->
                 f"tensor {name}: {size} global scales for {rows} rows (expected 1 or {rows})"
             )
         setattr(layer, GLOBAL_SCALE, mx.ones(weights[name].shape, dtype=mx.float32))
+
+
+class _Shape:
+    """What `infer_quant_config` reads of an unquantized layer: its weight's shape."""
+
+    def __init__(self, in_dims: int):
+        self.weight = mx.zeros((1, in_dims))
+
+
+def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> mx.array:
+    """Layer `path`'s weight in float32 from its packed `weight`, `scales`, `biases` and
+    global scale in `weights` (those are removed), with group size, bits and mode read off
+    the arrays as mlx-lm reads them: for a sanitize that must reshape a quantized tensor."""
+    try:
+        params = infer_quant_config(path, _Shape(in_dims), weights)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    dense = mx.dequantize(
+        weights[f"{path}.weight"],
+        weights.pop(f"{path}.scales"),
+        weights.pop(f"{path}.biases", None),
+        dtype=mx.float32,
+        **params,
+    )
+    scale = weights.pop(f"{path}.{GLOBAL_SCALE}", None)
+    if scale is not None:
+        scale = scale.reshape(-1).astype(mx.float32)
+        dense = dense * (scale[:, None] if scale.size > 1 else scale)
+    return dense
