@@ -42,7 +42,10 @@ SHAPE = {
 # embeddings with a 1e6 theta (Qwen3); layer_types that no sliding_window_pattern gives, a
 # window of 8, per-kind RoPE with linear scaling on global layers, final soft-capping and
 # query_pre_attn_scalar != head_dim (Gemma3); layer_types that no full_attention_interval
-# gives and partial RoPE of half the head (Qwen3.5).
+# gives and partial RoPE of half the head (Qwen3.5); mlp_layer_types that no
+# first_k_dense_replace gives, grouped expert routing and latent norms (GLM-4 MoE Lite); a
+# dense full-attention layer with forced RoPE beside a NoPE one, shared experts averaged with
+# the routed ones and a logit scale (Cohere2-MoE, which mlx-lm lacks).
 CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": (
         "LlamaConfig",
