@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from runner.loader import load_local_dir
 from runner.models import Model, build_model
+from runner.store import load_store_model
+from tests.ollama_store import dequantized, write_ollama_model
 from tests.tiny import tiny_config, write_tiny_model
 
 ARCH = "Cohere2MoeForCausalLM"
@@ -48,3 +51,30 @@ def test_absent_tie_word_embeddings_ties_and_logits_are_scaled(tmp_path: Path) -
     ids = mx.array([3, 7, 11, 300], dtype=mx.int32)
     picked = np.array(model.unembed_candidates(hidden, ids))  # type: ignore[attr-defined]
     assert np.allclose(picked, expected[:, [3, 7, 11, 300]], atol=1e-5)
+
+
+@pytest.mark.parametrize("quant_type", [None, "nvfp4"])
+def test_from_an_ollama_store(tmp_path: Path, quant_type: str | None) -> None:
+    """Stacked experts from a store (the Go importer's layout); quantized, routers and
+    experts included, it computes what MLX's dequantization of the same tensors computes."""
+    hf = write_tiny_model(ARCH, tmp_path / "hf")
+    weights = mx.load(str(hf / "model.safetensors"))
+    assert isinstance(weights, dict)
+    for layer in (1, 2, 3):
+        p = f"model.layers.{layer}.mlp.experts"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            experts = [weights.pop(f"{p}.{e}.{proj}.weight") for e in range(4)]
+            weights[f"{p}.{proj}.weight"] = mx.stack(experts)
+    mx.save_safetensors(str(hf / "model.safetensors"), weights, metadata={"format": "pt"})
+    quantize = {"type": quant_type} if quant_type else None
+    write_ollama_model(tmp_path / "store", "tiny", hf, quantize=quantize)
+    source = load_store_model("tiny", tmp_path / "store")
+    model = build_model(source)
+    got = np.array(model.unembed(model.hidden(IDS, model.make_caches())))
+    want = dequantized(source) if quant_type else load_local_dir(write_tiny_model(ARCH, tmp_path))
+    expected = build_model(want)
+    hidden = expected.hidden(IDS, expected.make_caches())
+    assert np.abs(got - np.array(expected.unembed(hidden))).max() <= 1e-4
+    if quant_type:
+        gate = model.module.model.layers[1].mlp.gate  # type: ignore[attr-defined]
+        assert isinstance(gate, nn.QuantizedLinear) and gate.mode == "nvfp4"
