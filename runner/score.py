@@ -6,7 +6,9 @@ Two halves with different homes:
 - `Scorer.score` runs on the MLX thread. A row whose whole prompt is stored reuses its
   stored hidden row and computes nothing. Rows that share a prefix are computed together:
   the prefix once (restored from the scoring prefix cache where possible), then all the
-  unshared suffixes as batches over it. Other rows open one prefix-cache session each.
+  unshared suffixes as batches over it; where a cache kind cannot batch (said once in the
+  log), each row restores the stored prefix in turn. Other rows open one prefix-cache
+  session each.
   Nothing computes vocabulary logits at prompt positions; at the last position a
   `CandidateUnembedder` model computes only the candidates' rows of the output projection
   (float32), any other model unembeds fully and the candidates are gathered, as Go does.
@@ -24,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .cache.batch import unbatched_kinds
 from .cache.prefix_cache import PrefixCache
 from .errors import BadRequest, go_quote
 from .media.prepare import Expansion, PreparedPrompt, prepare_prompt, split_prompt
@@ -202,6 +205,13 @@ class Scorer:
     def __init__(self, model: Model, cache: PrefixCache):
         self.model = model
         self.cache = cache
+        unbatched = unbatched_kinds(model)
+        self.batches = not unbatched
+        if unbatched:
+            log.info(
+                "rows over a shared prefix are scored one by one: %s caches cannot be batched",
+                ", ".join(unbatched),
+            )
 
     def score(self, rows: Sequence[Row], check: Callable[[], None]) -> ScoreResult:
         """`check` raises to stop (cancellation); it is called before every forward."""
@@ -223,7 +233,7 @@ class Scorer:
                 if len(rows[i].tokens) - prefix <= BATCH_MAX_SUFFIX
                 and _images_end_by(rows[i], prefix)  # batched suffixes are text
             ]
-            if len(batchable) > 1:
+            if len(batchable) > 1 and self.batches:
                 cached += self._score_batched(rows, batchable, prefix, hidden, check)
                 pending = [i for i in pending if hidden[i] is None]
         for i in pending:

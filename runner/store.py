@@ -377,10 +377,17 @@ def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
     `<t>.scale` -> `<P>.scales`, and `<t>.bias` -> `<P>.biases` only when `<t>.scale`
     exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. mlx-lm's own
     `<P>.scales`/`<P>.biases`, which some imports keep, pass through, but the Ollama
-    spelling wins a clash (as in Go's `normaliseAuxNames`).
+    spelling wins a clash (as in Go's `normaliseAuxNames`). An nvfp4 global scale,
+    `<P>.weight.global_scale` (else `<P>.weight_scale_2`), becomes `<P>.global_scale`
+    (runner/models/quantized.py).
     """
     out: dict[str, mx.array] = {}
     for name, arr in raw.items():
+        layer = _global_scale_layer(name)
+        if layer is not None:
+            if layer + ".global_scale" not in out or name.endswith(".global_scale"):
+                out[layer + ".global_scale"] = arr  # Go: `.global_scale`, else `_scale_2`
+            continue
         stem = name[: -len(".scale")] if name.endswith(".scale") else None
         if stem is None and name.endswith(".bias") and name[: -len(".bias")] + ".scale" in raw:
             stem = name[: -len(".bias")]
@@ -390,6 +397,15 @@ def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
         base = stem[: -len(".weight")] if stem.endswith(".weight") else stem
         out[base + (".scales" if name.endswith(".scale") else ".biases")] = arr
     return out
+
+
+def _global_scale_layer(name: str) -> str | None:
+    """The layer path `P` of nvfp4's global scale `P.weight.global_scale` or its fallback
+    name `P.weight_scale_2`; None for any other tensor."""
+    for suffix in (".weight.global_scale", ".weight_scale_2"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
 
 
 def _quantization(
@@ -435,15 +451,6 @@ def _quantization(
     return {**model_default, **per_layer}
 
 
-def _reject_global_scales(weights: dict[str, mx.array]) -> None:
-    for name in weights:
-        if name.endswith((".global_scale", ".weight_scale_2")):
-            raise ModelLoadError(
-                f"tensor {name}: per-tensor global quantization scales (nvfp4) are not "
-                "supported by mlx-lm's QuantizedLinear"
-            )
-
-
 def load_store_model(name: str, models: Path | None = None) -> ModelSource:
     """Read the manifest, configs and tensor blobs of an Ollama model."""
     manifest = load_manifest(name, models)
@@ -476,7 +483,6 @@ def load_store_model(name: str, models: Path | None = None) -> ModelSource:
     default = config_default or default
     infos.update(overrides)
     weights = _mlx_names(raw)
-    _reject_global_scales(weights)
     return ModelSource(
         name=name,
         config=config,

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from runner.source import ModelSource
 from runner.store import JSON_MEDIA_TYPE, TENSOR_MEDIA_TYPE, parse_name, quant_params
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
@@ -42,12 +43,14 @@ def _safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str] | N
         return path.read_bytes()
 
 
-def _should_quantize(name: str, arr: mx.array, group_size: int) -> bool:
-    # Ollama's importer quantizes linear weights, never embeddings or norms.
+def _should_quantize(name: str, arr: mx.array, group_size: int, named: bool = False) -> bool:
+    # Ollama's importer quantizes linear weights (experts stacked [E, out, in] too), never
+    # embeddings or norms; a pre-quantized source may quantize an embedding (a tensor
+    # `named` in `types`).
     return (
         name.endswith(".weight")
-        and arr.ndim == 2
-        and "embed" not in name
+        and (arr.ndim == 2 or (arr.ndim == 3 and ".experts." in name))
+        and ("embed" not in name or named)
         and "norm" not in name
         and arr.shape[-1] % group_size == 0
     )
@@ -74,7 +77,8 @@ def write_ollama_model(
     type's), "metadata": "blob" | "tensor" | "none", "types": {tensor: type}}`. "blob" writes
     `__metadata__` quant_type/group_size, "tensor" the per-tensor `<t>.quant_type` keys of
     mixed blobs, and "none" nothing, leaving group and bits to shape inference. `types`
-    overrides the type per tensor (a tensor mapped to None stays dense).
+    overrides the type per tensor (a tensor mapped to None stays dense; an embedding named
+    there is quantized too).
     """
     models_dir, hf_dir = Path(models_dir), Path(hf_dir)
     quantize = dict(quantize or {})
@@ -93,7 +97,8 @@ def write_ollama_model(
             quant_params(quant_type)[0] if quant_type else 0
         )
         metadata = None
-        if quant_type and _should_quantize(tensor_name, arr, group_size):
+        named = tensor_name in per_tensor_types
+        if quant_type and _should_quantize(tensor_name, arr, group_size, named):
             arrays = quantized_blob_arrays(tensor_name, arr, quant_type, group_size)
             if metadata_style == "blob":
                 metadata = {"quant_type": quant_type, "group_size": str(group_size)}
@@ -137,3 +142,30 @@ def add_tensor_layer(
     data = _safetensors_bytes(arrays, metadata)
     manifest["layers"].append(_put_blob(Path(models_dir), data, TENSOR_MEDIA_TYPE, layer_name))
     path.write_text(json.dumps(manifest))
+
+
+def dequantized(source: ModelSource) -> ModelSource:
+    """`source` with every quantized tensor replaced by MLX's dequantization of it (times
+    its global scale): the dense model the quantized one must compute exactly."""
+    weights = dict(source.weights)
+    for name in [n for n in weights if n.endswith(".scales")]:
+        p = name.removesuffix(".scales")
+        params = source.quantization[p]  # type: ignore[index]
+        dense = mx.dequantize(
+            weights[f"{p}.weight"],
+            weights.pop(name),
+            weights.pop(f"{p}.biases", None),
+            params["group_size"],
+            params["bits"],
+            params["mode"],
+            dtype=mx.float32,
+        )
+        scale = weights.pop(f"{p}.global_scale", None)
+        if scale is not None:
+            scale = scale.reshape(-1)
+            dense = dense * (scale[:, None] if scale.size > 1 else scale)
+        weights[f"{p}.weight"] = dense
+    return ModelSource(
+        name=source.name, config=source.config, tokenizer_json=source.tokenizer_json,
+        weights=weights,
+    )  # fmt: skip

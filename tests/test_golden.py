@@ -122,7 +122,8 @@ def quantized_sources(
     head_path = "lm_head" if "lm_head.weight" in dense.weights else "model.embed_tokens"
     weights = {}
     for name, w in dense.weights.items():
-        if w.ndim != 2 or not name.endswith(".weight"):
+        # MoE routers stay dense: importers keep them so, and mlx-lm's are not quantizable
+        if w.ndim != 2 or not name.endswith(".weight") or name.endswith(".mlp.gate.weight"):
             weights[name] = w
             continue
         p = name.removesuffix(".weight")
@@ -243,6 +244,49 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        {},
+    ),
+    # mlx-lm always interleaves the rotated pairs and always has its own head
+    ("Glm4MoeLiteForCausalLM", {"rope_interleave": False, "tie_word_embeddings": True}, {}),
+    # one expert: transformers normalises its weight to 1 (mlx-lm only from two); every
+    # group open
+    ("Glm4MoeLiteForCausalLM", {"num_experts_per_tok": 1, "n_group": 1}, {}),
+    # a large rms_norm_eps shows which eps the latent norms use (transformers: 1e-6)
+    ("Glm4MoeLiteForCausalLM", {"rms_norm_eps": 0.5}, {}),
+    # RMSNorm instead of LayerNorm; sigmoid routing, unnormalised; shared experts summed;
+    # an untied head
+    (
+        "Cohere2MoeForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "expert_selection_fn": "sigmoid",
+            "norm_topk_prob": False,
+            "shared_expert_combination_strategy": "sum",
+            "tie_word_embeddings": False,
+        },
+        {},
+    ),
+    # no forced RoPE on the dense full layer; sigmoid routing normalised
+    (
+        "Cohere2MoeForCausalLM",
+        {"prefix_dense_sliding_window_pattern": 2, "expert_selection_fn": "sigmoid"},
+        {},
+    ),
+    (  # no layer_types (sliding_window_pattern decides), no tie_word_embeddings (tied)
+        "Cohere2MoeForCausalLM",
+        {"sliding_window_pattern": 2},
+        {"layer_types": None, "tie_word_embeddings": None},
+    ),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
         {},
     ),
 ]

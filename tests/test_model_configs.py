@@ -213,6 +213,70 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
     ),
     # RoPE rotates head_dim * partial_rotary_factor dimensions, in pairs
     ("Qwen3_5ForCausalLM", {"head_dim": 6}, "RoPE would rotate 3 of the 6 dimensions"),
+    ("Glm4MoeLiteForCausalLM", {"kv_lora_rank": 0}, "kv_lora_rank must be a positive integer"),
+    ("Glm4MoeLiteForCausalLM", {"q_lora_rank": -1}, "q_lora_rank must be a positive integer"),
+    ("Glm4MoeLiteForCausalLM", {"n_routed_experts": 0}, "n_routed_experts must be a positive"),
+    ("Glm4MoeLiteForCausalLM", {"v_head_dim": "16"}, "v_head_dim must be a positive integer"),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {"num_key_value_heads": 2},
+        "num_key_value_heads 2 must equal num_attention_heads 4",
+    ),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {"n_group": 3},
+        "n_routed_experts 4 must be a multiple of n_group 3",
+    ),
+    ("Glm4MoeLiteForCausalLM", {"topk_group": 3}, "topk_group 3 is more than n_group 2"),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {"num_experts_per_tok": 3},
+        "num_experts_per_tok 3 is more than the 2 experts of the chosen groups",
+    ),
+    ("Glm4MoeLiteForCausalLM", {"routed_scaling_factor": 0}, "routed_scaling_factor must be"),
+    ("Glm4MoeLiteForCausalLM", {"rope_interleave": "yes"}, "rope_interleave must be true"),
+    ("Glm4MoeLiteForCausalLM", {"norm_topk_prob": 1}, "norm_topk_prob must be true or false"),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {"mlp_layer_types": ["dense", "sparse"]},
+        "mlp_layer_types must give dense or sparse for each of the 4 layers",
+    ),
+    (
+        "Glm4MoeLiteForCausalLM",
+        {"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]},
+        "mlp_layer_types must give dense or sparse",
+    ),
+    ("Cohere2MoeForCausalLM", {"layer_norm_eps": 0}, "layer_norm_eps must be a positive number"),
+    ("Cohere2MoeForCausalLM", {"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive"),
+    ("Cohere2MoeForCausalLM", {"logit_scale": None}, "logit_scale must be a positive number"),
+    ("Cohere2MoeForCausalLM", {"num_experts": 0}, "num_experts must be a positive integer"),
+    (
+        "Cohere2MoeForCausalLM",
+        {"num_experts_per_tok": 5},
+        "num_experts_per_tok 5 is more than num_experts 4",
+    ),
+    ("Cohere2MoeForCausalLM", {"num_shared_experts": -1}, "num_shared_experts must be an"),
+    ("Cohere2MoeForCausalLM", {"sliding_window": None}, "sliding_window must be a positive"),
+    (
+        "Cohere2MoeForCausalLM",
+        {"prefix_dense_intermediate_size": 0},
+        "prefix_dense_intermediate_size must be a positive integer",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"layer_types": ["full_attention"] * 3},
+        "layer_types must give one of full_attention, sliding_attention for each of the 4",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"layer_types": None, "sliding_window_pattern": 0},
+        "sliding_window_pattern must be a positive integer",
+    ),
+    (
+        "Cohere2MoeForCausalLM",
+        {"mlp_layer_types": ["dense"] * 5},
+        "mlp_layer_types must give dense or sparse for each of the 4 layers",
+    ),
 ]
 
 

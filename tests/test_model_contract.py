@@ -7,7 +7,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import activations, base, gemma3_text, llama, qwen3, qwen3_5, qwen3_next
+from mlx_lm.models import (
+    activations,
+    base,
+    gemma3_text,
+    glm4_moe_lite,
+    llama,
+    qwen3,
+    qwen3_5,
+    qwen3_next,
+)
 from mlx_lm.utils import load_model
 
 from runner.backend import Backend, install
@@ -26,15 +35,18 @@ def test_loading_leaves_mlx_lm_modules_stock(tmp_path, arch):
     stock_attention = base.scaled_dot_product_attention
     for module in (llama, qwen3, gemma3_text, qwen3_next):
         assert module.scaled_dot_product_attention is stock_attention
-    for module in (llama, qwen3, qwen3_next):
+    for module in (llama, qwen3, qwen3_next, glm4_moe_lite):
         assert module.swiglu is activations.swiglu
     for cls in (llama.Attention, qwen3.Attention, gemma3_text.Attention, qwen3_5.Attention):
         assert cls.__call__.__globals__["scaled_dot_product_attention"] is stock_attention
     assert gemma3_text.MLP.__call__.__module__ == "mlx_lm.models.gemma3_text"
     # ...while the runner's own instances carry its kernels, as subclasses of mlx-lm's.
-    attention_layers = [m for _, m in model.module.named_modules() if getattr(m, "kernel", None)]
-    assert any(m.kernel == "attention" for m in attention_layers)
-    assert all(type(m).__mro__[1].__module__.startswith("mlx_lm.") for m in attention_layers)
+    kernel_layers = [m for _, m in model.module.named_modules() if getattr(m, "kernel", None)]
+    if type(model).KERNELS.attention:  # GLM's latent attention declares none
+        assert any(m.kernel == "attention" for m in kernel_layers)
+    # subclasses of mlx-lm's classes, or of a family's own (Cohere2-MoE's attention)
+    owners = ("mlx_lm.", "runner.models.")
+    assert all(type(m).__mro__[1].__module__.startswith(owners) for m in kernel_layers)
 
 
 STOCK_SCRIPT = """

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from runner.backend import Backend
 from runner.loader import load_local_dir
 from runner.models import Model, build_model, registered_architectures
+from runner.models.glm4_moe_lite import LatentKVCache
 from runner.models.registry import register
 from runner.source import ModelLoadError, ModelSource
 from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, tiny_config, write_tiny_model
@@ -25,6 +26,8 @@ CACHE_KINDS = {
     "Qwen3ForCausalLM": [KVCache] * 2,
     "Gemma3ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
+    "Glm4MoeLiteForCausalLM": [LatentKVCache] * 4,
+    "Cohere2MoeForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache, KVCache],
 }
 
 
@@ -144,7 +147,12 @@ def test_dtype_casts_floating_weights(tmp_path: Path, models: dict, arch: str) -
     backend = Backend.for_device().replace(compute_dtype=mx.bfloat16)
     model = build_model(source(write_tiny_model(arch, tmp_path)), backend)
     for path, value in tree_flatten(model.module.parameters()):
-        expected = mx.float32 if path.endswith("A_log") else mx.bfloat16  # mlx-lm's predicate
+        # kept float32: Qwen3.5's A_log (mlx-lm's predicate), GLM's router (transformers')
+        router = arch == "Glm4MoeLiteForCausalLM" and path.endswith(
+            ("e_score_correction_bias", "mlp.gate.weight")
+        )
+        kept = path.endswith("A_log") or router
+        expected = mx.float32 if kept else mx.bfloat16
         assert value.dtype == expected, path
     ids = mx.array([[5, 6, 7, 8, 9, 10]], dtype=mx.int32)
     low = np.array(model.unembed(model.hidden(ids, model.make_caches())).astype(mx.float32))
@@ -226,6 +234,19 @@ def test_gemma3_ties_by_config_not_by_weights(tmp_path: Path, models: dict) -> N
         ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation"),
         ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "yarn"}}, "rope_type"),
+        ("Glm4MoeLiteForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Cohere2MoeForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Cohere2MoeForCausalLM", {"expert_selection_fn": "relu"}, "expert_selection_fn"),
+        (
+            "Cohere2MoeForCausalLM",
+            {"shared_expert_combination_strategy": "max"},
+            "shared_expert_combination_strategy",
+        ),
+        (
+            "Glm4MoeLiteForCausalLM",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+            "mscale_all_dim",
+        ),
     ],
 )
 def test_unsupported_config_values_are_refused_by_name(
@@ -243,6 +264,8 @@ def test_unsupported_config_values_are_refused_by_name(
         ("qwen3", "QWEN3_DEFAULTS", "Qwen3Config"),
         ("gemma3", "GEMMA3_DEFAULTS", "Gemma3TextConfig"),
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
+        ("glm4_moe_lite", "GLM4_MOE_LITE_DEFAULTS", "Glm4MoeLiteConfig"),
+        ("cohere2_moe", "COHERE2_MOE_DEFAULTS", "Cohere2MoeConfig"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

@@ -6,6 +6,7 @@ Qwen3.5 adds recurrent gated-delta states; each restores differently.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -119,3 +120,28 @@ def test_memory_held_is_the_memory_counted(engine, loaded_models):
     held, counted, live = engine.call(run)
     assert counted > 0
     assert held <= 1.25 * (counted + live) + (1 << 20)
+
+
+def test_rows_over_latent_caches_are_scored_one_by_one(engine, loaded_models, monkeypatch, caplog):
+    """GLM's latent (MLA) caches cannot batch rows over a shared prefix (its attention scores
+    every cached position itself): the scorer says so in the log and scores the rows in turn,
+    each restoring the stored prefix, with the numbers of rows scored alone."""
+    from runner.cache.session import PrefixSession
+
+    def batched(*args, **kwargs):
+        raise AssertionError("rows were batched over latent caches")
+
+    monkeypatch.setattr(PrefixSession, "forward_rows", batched)
+    model = loaded_models("Glm4MoeLiteForCausalLM").model
+    rng = random.Random(5)
+    shared = rng.choices(range(3, 300), k=30)
+    rows = [Row(shared + rng.choices(range(3, 300), k=n), [3, 7, 11]) for n in (4, 9, 1)]
+    cache = engine.call(lambda job: PrefixCache(model, name="latent", keep_hidden=True))
+    with caplog.at_level(logging.INFO, logger="runner.score"):
+        scorer = Scorer(model, cache)
+    assert "one by one: latent kv caches cannot be batched" in caplog.text
+    result = engine.call(lambda job: scorer.score(rows, job.check))
+    assert result.cached_tokens == 30 * (len(rows) - 1)
+    alone = [engine.call(lambda job, r=r: score_uncached(model, [r], job.check)) for r in rows]
+    for got, want in zip(result.logits, alone, strict=True):
+        assert got == pytest.approx(want.logits[0], abs=1e-4)

@@ -631,14 +631,22 @@ def test_config_quantization_modes_must_be_names(models: Path, tmp_path: Path, b
         load_store_model("tiny")
 
 
-def test_global_scale_is_refused(models: Path, hf_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "spellings", [(".global_scale",), ("_scale_2",), ("_scale_2", ".global_scale")]
+)
+def test_global_scale_is_the_layers(models: Path, hf_dir: Path, spellings) -> None:
+    """nvfp4's global scale, under Go's name or its fallback (the first wins when both are
+    there), becomes `<P>.global_scale` (tests/test_quantized_formats.py runs it)."""
     write_ollama_model(models, "tiny", hf_dir)
     name = "model.layers.0.mlp.up_proj.weight"
     arrays = quantized_blob_arrays(name, mx.ones((64, 64)), "nvfp4")
-    arrays[name + ".global_scale"] = mx.array([0.5])
+    for i, spelling in enumerate(spellings):
+        arrays[name + spelling] = mx.array([0.5 + i])
     add_tensor_layer(models, "tiny", name, arrays, {"quant_type": "nvfp4", "group_size": "16"})
-    with pytest.raises(ModelLoadError, match="global quantization scales"):
-        load_store_model("tiny")
+    source = load_store_model("tiny")
+    scale = source.weights["model.layers.0.mlp.up_proj.global_scale"]
+    assert scale.item() == (1.5 if ".global_scale" in spellings and len(spellings) > 1 else 0.5)
+    assert not [k for k in source.weights if k.endswith("_scale_2") or ".weight." in k]
 
 
 def test_mlx_lm_plural_names_in_blobs(models: Path, hf_dir: Path) -> None:

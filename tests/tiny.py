@@ -35,6 +35,8 @@ TINY_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Cohere2MoeForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",
@@ -145,7 +147,12 @@ def hf_weight_specs(c: dict[str, Any]) -> Spec:
     """Hugging Face weight names, shapes and initialisers for a tiny config."""
     family = c["model_type"]
     if family not in HAND_WRITTEN:
-        return read_manifest(c["architectures"][0])
+        spec = read_manifest(c["architectures"][0])
+        if c.get("tie_word_embeddings"):  # a tied checkpoint has no head of its own
+            spec.pop("lm_head.weight", None)
+        elif c.get("tie_word_embeddings") is False:  # an untied one has
+            spec.setdefault("lm_head.weight", spec["model.embed_tokens.weight"])
+        return spec
     center = 0.0 if family in ("gemma3_text", "qwen3_5_text") else 1.0  # zero-centred norms
     qk_norm = None if family == "llama" else center
     h = c["hidden_size"]

@@ -71,6 +71,14 @@ class SharedPrefixKV(KVCache):
         return full(self.prefix_keys, keys), full(self.prefix_values, values)
 
 
+def unbatched_kinds(model: Any) -> list[str]:
+    """The names of the model's cache kinds that cannot be batched (`Kind.batches` false):
+    rows over a shared prefix are then computed one by one."""
+    from runner.cache.kinds import kind_of  # kinds builds SharedPrefixKV: imported late
+
+    return sorted({k.name for k in map(kind_of, model.make_caches()) if not k.batches})
+
+
 def broadcast(kinds: list[Any], caches: list[Any], batch: int) -> list[Any]:
     """Batched caches for `batch` rows over the state in `caches` (one kind per cache)."""
     return [kind.broadcast(c, batch) for kind, c in zip(kinds, caches, strict=True)]
@@ -101,10 +109,9 @@ def verify_batched_rows(model: Any) -> None:
     caches = model.make_caches()
     kinds = [kind_of(c) for c in caches]
     model.hidden(mx.array([prefix], dtype=mx.int32), caches)
-    try:
-        batched = forward_suffixes(model, broadcast(kinds, caches, len(suffixes)), suffixes)
-    except NotImplementedError:  # a kind that cannot batch: scoring runs rows one by one
+    if not all(kind.batches for kind in kinds):  # scoring runs rows one by one
         return
+    batched = forward_suffixes(model, broadcast(kinds, caches, len(suffixes)), suffixes)
     worst, largest = 0.0, 0.0
     for i, suffix in enumerate(suffixes):
         alone = model.hidden(mx.array([prefix + suffix], dtype=mx.int32), model.make_caches())

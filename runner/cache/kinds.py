@@ -55,6 +55,7 @@ class Kind:
 
     name = "kind"
     point = False  # True: snapshots are whole states at one offset
+    batches = False  # True: `broadcast` makes a batched cache (runner/cache/batch.py)
 
     def capture(self, cache: Any, start: int, end: int) -> Snap | None:
         raise NotImplementedError
@@ -99,6 +100,7 @@ class Kind:
 
 class KVKind(Kind):
     name = "kv"
+    batches = True
 
     def capture(self, cache: KVCache, start: int, end: int) -> Snap | None:
         if end <= start or cache.keys is None:
@@ -161,6 +163,7 @@ class RotatingKind(Kind):
 
     name = "rotating"
     point = True
+    batches = True
 
     def capture(self, cache: RotatingKVCache, start: int, end: int) -> Snap | None:
         if cache.keys is None:
@@ -201,6 +204,7 @@ class RecurrentKind(Kind):
 
     name = "recurrent"
     point = True
+    batches = True
 
     def capture(self, cache: ArraysCache, start: int, end: int) -> Snap | None:
         if cache.cache[0] is None:

@@ -15,14 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from runner.backend import Backend, gemv
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
+from runner.models.quantized import GLOBAL_SCALE
 
 
 def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
-    """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows."""
+    """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows (and
+    multiplying them by their global scale, runner/models/quantized.py)."""
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         scales, biases = layer["scales"][ids], layer.get("biases")
         if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32
@@ -36,8 +39,13 @@ def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
             group_size=layer.group_size,
             bits=layer.bits,
             mode=layer.mode,
+            dtype=mx.float32,  # MLX's default for the microscaled formats is bfloat16
         )
-        return rows.astype(mx.float32)
+        scale = layer.get(GLOBAL_SCALE)
+        if scale is not None:
+            scale = scale.reshape(-1).astype(mx.float32)
+            rows = rows * (scale[ids][:, None] if scale.size > 1 else scale)
+        return rows
     return layer["weight"][ids].astype(mx.float32)
 
 
@@ -63,6 +71,45 @@ def add_attention_bias(layers: list[Any]) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out_dims, in_dims = getattr(attn, name).weight.shape
             setattr(attn, name, nn.Linear(in_dims, out_dims, bias=True))
+
+
+class FloatSwitchGLU(SwitchGLU):
+    """mlx-lm's SwitchGLU (the routed experts), in float32 on the CPU: MLX's CPU gather_mm
+    computes only float32, so a bfloat16 model would fail at its first forward."""
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
+            return super().__call__(x, indices)
+        return super().__call__(x.astype(mx.float32), indices).astype(x.dtype)
+
+
+def switch_mlp_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Routed experts under mlx-lm's `<layer>.mlp.switch_mlp.<proj>` names, stacked
+    [E, out, in], from any of the layouts they arrive in: one tensor per expert
+    (`experts.<e>.<proj>.weight`, and its `scales` / `biases`: a transformers checkpoint),
+    already stacked (`experts.<proj>.weight`: the Go runner's import), or transformers'
+    in-memory fused `experts.gate_up_proj` / `experts.down_proj`."""
+    out: dict[str, mx.array] = {}
+    per_expert: dict[str, dict[int, mx.array]] = {}
+    for k, v in weights.items():
+        head, sep, tail = k.partition(".mlp.experts.")
+        if not sep:
+            out[k] = v
+            continue
+        switch = f"{head}.mlp.switch_mlp"
+        index, dot, rest = tail.partition(".")
+        if index.isdigit() and dot:
+            per_expert.setdefault(f"{switch}.{rest}", {})[int(index)] = v
+        elif tail == "gate_up_proj":
+            gate, up = mx.split(v, 2, axis=1)
+            out[f"{switch}.gate_proj.weight"], out[f"{switch}.up_proj.weight"] = gate, up
+        elif tail == "down_proj":
+            out[f"{switch}.down_proj.weight"] = v
+        else:
+            out[f"{switch}.{tail}"] = v
+    for name, experts in per_expert.items():
+        out[name] = mx.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 class DecoderModel:

@@ -5,7 +5,8 @@ and their `model_type`; a name is registered once. A config is looked up by `arc
 or by `model_type` when it has no `architectures`.
 
 `build_model` follows mlx-lm's `mlx_lm.utils.load_model` step by step (build the module from
-the config, `sanitize`, quantize the layers the weights say are quantized, load strictly,
+the config, `sanitize`, quantize the layers the weights say are quantized (with the global
+scales and row dtypes of runner/models/quantized.py), load strictly,
 evaluate), with the family's config translation in front (see the family modules: transformers
 5 is the reference for what a config means) and every failure reported as a `ModelLoadError`.
 Then the backend's kernels go onto the loaded instances (runner/backend/install.py) and the
@@ -26,6 +27,7 @@ from mlx_lm.utils import infer_quant_config
 from runner.backend import Backend
 from runner.backend.install import Kernels, install
 from runner.cache.batch import verify_batched_rows
+from runner.models import quantized
 from runner.models.base import Model
 from runner.source import ModelLoadError, ModelSource, show
 
@@ -103,6 +105,7 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
         weights = module.sanitize(weights)
     if source.quantization is not None:
         _quantize(module, weights, source.quantization)
+        quantized.adopt(module, weights, backend.compute_dtype)  # global scales, row dtypes
     module.eval()  # before loading, as mlx-lm does (some layers pick kernels by `training`)
     _check_weights(module, weights, architecture)
     module.load_weights(list(weights.items()), strict=True)

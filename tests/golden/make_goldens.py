@@ -42,7 +42,10 @@ SHAPE = {
 # embeddings with a 1e6 theta (Qwen3); layer_types that no sliding_window_pattern gives, a
 # window of 8, per-kind RoPE with linear scaling on global layers, final soft-capping and
 # query_pre_attn_scalar != head_dim (Gemma3); layer_types that no full_attention_interval
-# gives and partial RoPE of half the head (Qwen3.5).
+# gives and partial RoPE of half the head (Qwen3.5); mlp_layer_types that no
+# first_k_dense_replace gives, grouped expert routing and latent norms (GLM-4 MoE Lite); a
+# dense full-attention layer with forced RoPE beside a NoPE one, shared experts averaged with
+# the routed ones and a logit scale (Cohere2-MoE, which mlx-lm lacks).
 CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": (
         "LlamaConfig",
@@ -113,6 +116,52 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "Glm4MoeLiteForCausalLM": (
+        "Glm4MoeLiteConfig",
+        {
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,  # MLA: transformers' keys have every head
+            "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 64,
+            "kv_lora_rank": 64,
+            "q_lora_rank": 64,
+            "head_dim": 8,  # transformers' alias of qk_rope_head_dim: both, or SHAPE's wins
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "Cohere2MoeForCausalLM": (
+        "Cohere2MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            # layer 0: full attention with forced RoPE (a dense layer of a pattern of 1);
+            # layer 3: full attention without RoPE
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "sliding_window": 8,
+            "intermediate_size": 64,
+            "prefix_dense_intermediate_size": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_shared_experts": 1,
+            "logit_scale": 0.25,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 
@@ -130,7 +179,12 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 # Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
-INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {}
+INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
+    # a router of std 0.02 scores every expert ~0.5 and the keys' latent expansion would make
+    # attention near uniform: both get weights that make choices
+    "Glm4MoeLiteForCausalLM": {"mlp.gate.weight": ("normal", 0.5), "kv_b_proj": ("normal", 0.1)},
+    "Cohere2MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
+}
 
 
 def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
