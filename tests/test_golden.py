@@ -22,8 +22,20 @@ from runner.backend import Backend
 from runner.loader import load_local_dir
 from runner.models import Model, build_model
 from runner.source import ModelLoadError, ModelSource
-from tests.golden.make_goldens import golden_sequences, reference_logits, transformers_config
-from tests.tiny import GOLDEN, TINY_ARCHITECTURES, load_tiny_model, write_tiny_model
+from tests.golden.make_goldens import (
+    golden_sequences,
+    reference_logits,
+    transformers_config,
+    weight_manifest,
+)
+from tests.tiny import (
+    GOLDEN,
+    HAND_WRITTEN,
+    TINY_ARCHITECTURES,
+    load_tiny_model,
+    manifest_specs,
+    write_tiny_model,
+)
 
 TOLERANCE = 1e-4
 CHUNK = 7
@@ -240,6 +252,26 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"tie_word_embeddings": True},
         {"layer_types": None, "full_attention_interval": 2},
     ),
+    (  # every layer windowed, attention biases, tied, top-k weights not renormalised
+        "Qwen3MoeForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "norm_topk_prob": False,
+        },
+        {},
+    ),
+    (  # MoE on every other layer; linear RoPE scaling; a transformers 4 expert count
+        "Qwen3MoeForCausalLM",
+        {
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [],
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        },
+        {"num_local_experts": None, "num_experts": 4},
+    ),
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
@@ -274,7 +306,10 @@ class TestReference:
                 config.pop(key, None)
             else:
                 config[key] = value
-        model = load_tiny_model(arch, tmp_path, config=config)
+        specs = None  # the first four families' weights follow from the config
+        if config["model_type"] not in HAND_WRITTEN:  # the variant's own checkpoint layout
+            specs = manifest_specs(weight_manifest(arch, config))
+        model = load_tiny_model(arch, tmp_path, config=config, specs=specs)
         sequences = golden_sequences()
         for tokens, expected in zip(sequences, reference_logits(tmp_path, sequences), strict=True):
             assert_matches(model, tokens, expected)

@@ -213,6 +213,22 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
     ),
     # RoPE rotates head_dim * partial_rotary_factor dimensions, in pairs
     ("Qwen3_5ForCausalLM", {"head_dim": 6}, "RoPE would rotate 3 of the 6 dimensions"),
+    ("Qwen3MoeForCausalLM", {"num_local_experts": 0}, "num_local_experts must be a positive"),
+    (
+        "Qwen3MoeForCausalLM",
+        {"num_experts_per_tok": 5},
+        "num_experts_per_tok 5 is more than num_local_experts 4",
+    ),
+    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive"),
+    ("Qwen3MoeForCausalLM", {"moe_intermediate_size": None}, "moe_intermediate_size must be a"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [3]}, "mlp_only_layers[] 3 is more than 2"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": 0}, "mlp_only_layers must be a list"),
+    ("Qwen3MoeForCausalLM", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    (
+        "Qwen3MoeForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 0},
+        "sliding_window must be a positive integer, not 0",
+    ),
 ]
 
 

@@ -25,6 +25,7 @@ CACHE_KINDS = {
     "Qwen3ForCausalLM": [KVCache] * 2,
     "Gemma3ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
+    "Qwen3MoeForCausalLM": [KVCache] * 3,
 }
 
 
@@ -243,6 +244,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("qwen3", "QWEN3_DEFAULTS", "Qwen3Config"),
         ("gemma3", "GEMMA3_DEFAULTS", "Gemma3TextConfig"),
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
+        ("qwen3_moe", "QWEN3_MOE_DEFAULTS", "Qwen3MoeConfig"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

@@ -113,6 +113,20 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "Qwen3MoeForCausalLM": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 
@@ -130,7 +144,11 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 # Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
-INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {}
+# A router of std 0.02 gives near-uniform expert probabilities, where float32 rounding could
+# flip the top-k choice between implementations; std 0.3 makes the routing decisive.
+INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
+    "Qwen3MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+}
 
 
 def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
@@ -153,13 +171,15 @@ def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
     return ("normal", 0.02)
 
 
-def weight_manifest(arch: str) -> dict[str, Any]:
+def weight_manifest(arch: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Names, shapes and initialisers of the transformers model's weights for the tiny config
-    (tied copies once: the name save_pretrained keeps)."""
+    (or `config`: a variant whose weights differ, for the live tier) (tied copies once: the
+    name save_pretrained keeps)."""
     import torch
     import transformers
 
-    config = json.loads((CONFIGS / f"{arch}.json").read_text())
+    if config is None:
+        config = json.loads((CONFIGS / f"{arch}.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         hf_config = transformers.AutoConfig.from_pretrained(tmp)
