@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from runner.backend import Backend
 from runner.loader import load_local_dir
@@ -173,7 +174,11 @@ def test_quantized_model(
     model = build_model(quantized)
     out = model.module.get("lm_head") or model.module.model.embed_tokens
     assert isinstance(out, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    assert isinstance(model.module.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    mlp = model.module.model.layers[0].mlp
+    if "switch_mlp" in mlp:  # mixture of experts: the checkpoint's experts are 2-D per expert
+        assert isinstance(mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    else:
+        assert isinstance(mlp.up_proj, nn.QuantizedLinear)
     tokens, _ = stored_golden(arch)[1]
     ids = mx.array(tokens, dtype=mx.int32)[None]
     h = model.hidden(ids, model.make_caches())[0]
@@ -271,6 +276,11 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
             "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         },
         {"num_local_experts": None, "num_experts": 4},
+    ),
+    (  # tied; no layer_types: the kinds come from full_attention_interval; top-3 of 4
+        "Qwen3_5MoeForCausalLM",
+        {"tie_word_embeddings": True, "num_experts_per_tok": 3},
+        {"layer_types": None, "full_attention_interval": 3},
     ),
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",

@@ -26,6 +26,7 @@ CACHE_KINDS = {
     "Gemma3ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
     "Qwen3MoeForCausalLM": [KVCache] * 3,
+    "Qwen3_5MoeForCausalLM": [ArraysCache, KVCache, ArraysCache],
 }
 
 
@@ -245,6 +246,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("gemma3", "GEMMA3_DEFAULTS", "Gemma3TextConfig"),
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
         ("qwen3_moe", "QWEN3_MOE_DEFAULTS", "Qwen3MoeConfig"),
+        ("qwen3_5_moe", "QWEN3_5_MOE_DEFAULTS", "Qwen3_5MoeTextConfig"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

@@ -36,6 +36,7 @@ TINY_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

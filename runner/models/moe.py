@@ -62,6 +62,24 @@ def stack_experts(
     return out
 
 
+def split_gate_up(weights: dict[str, mx.array], target: str = "switch_mlp") -> dict[str, mx.array]:
+    """`weights` with fused expert projections (`<p>.mlp.experts.gate_up_proj` [E, 2I, H], gate
+    rows first, and `<p>.mlp.experts.down_proj` [E, H, I], as transformers' fused experts hold
+    them) split and renamed into mlx-lm's `<p>.mlp.<target>.<proj>.weight`."""
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        prefix, _, last = name.rpartition(".experts.")
+        if last == "gate_up_proj" and prefix.endswith(".mlp"):
+            mid = value.shape[-2] // 2
+            out[f"{prefix}.{target}.gate_proj.weight"] = value[..., :mid, :]
+            out[f"{prefix}.{target}.up_proj.weight"] = value[..., mid:, :]
+        elif last == "down_proj" and prefix.endswith(".mlp"):
+            out[f"{prefix}.{target}.down_proj.weight"] = value
+        else:
+            out[name] = value
+    return out
+
+
 def check_routing(c: dict[str, Any], experts_key: str = "num_experts") -> tuple[int, int]:
     """(experts, experts per token): positive integers, no more chosen than there are."""
     n = integer(c.get(experts_key), experts_key)

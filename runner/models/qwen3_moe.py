@@ -10,7 +10,8 @@ Where mlx-lm reads a transformers 5 config differently, this adapter follows tra
 - `attention_bias` and `use_sliding_window` (every layer windowed) exist in transformers'
   Qwen3-MoE and not in mlx-lm's, so they are added (a windowed layer's cache is rotating);
 - the checkpoint's per-expert weights are stacked into mlx-lm's switch layers with their
-  quantization arrays (runner/models/moe.py), not the weights alone.
+  quantization arrays, not the weights alone; stacked (Ollama) and fused (transformers'
+  `gate_up_proj`) experts are read too (runner/models/moe.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from runner.models.config import (
     require,
 )
 from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
-from runner.models.moe import check_routing, gather_in_float32, stack_experts
+from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -87,6 +88,7 @@ class _Model(qwen3_moe.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         if self.args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        weights = split_gate_up(weights)
         return stack_experts(weights, self.args.num_experts, _PROJECTIONS)
 
     def make_cache(self) -> list[Any]:

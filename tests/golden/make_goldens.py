@@ -127,6 +127,29 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         },
     ),
+    "Qwen3_5MoeForCausalLM": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        },
+    ),
 }
 
 
@@ -148,6 +171,7 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 # flip the top-k choice between implementations; std 0.3 makes the routing decisive.
 INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     "Qwen3MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+    "Qwen3_5MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
 }
 
 

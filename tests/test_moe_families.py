@@ -1,0 +1,139 @@
+"""The mixture-of-experts families' checkpoint layouts: each loads into the same model as the
+tiny Hugging Face checkpoint it is rearranged from (tests/tiny.py), so the goldens checked
+on that one (tests/test_golden.py) hold for these too."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner.loader import load_local_dir
+from runner.models import Model, build_model
+from runner.source import ModelLoadError, ModelSource
+from tests.tiny import tiny_config, write_tiny_model
+
+IDS = mx.array([[5, 77, 3, 250, 19, 42, 8, 301, 11, 64, 199, 7]], dtype=mx.int32)
+
+
+def logits(model: Model) -> np.ndarray:
+    return np.array(model.unembed(model.hidden(IDS, model.make_caches())).astype(mx.float32))
+
+
+def rearranged(path: Path, rename: Any) -> ModelSource:
+    """The checkpoint in `path` with its weights passed through `rename(weights) -> weights`."""
+    s = load_local_dir(path)
+    s.weights = rename(dict(s.weights))
+    return s
+
+
+def per_expert(weights: dict[str, mx.array]) -> dict[str, dict[int, mx.array]]:
+    """{`<p>.mlp.experts.<proj>`: {expert: weight}} of a checkpoint stored per expert."""
+    out: dict[str, dict[int, mx.array]] = {}
+    for name in list(weights):
+        m = re.match(r"^(.+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            out.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = weights.pop(name)
+    return out
+
+
+def stacked(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts pre-stacked as Ollama's importer stores them: `<p>.mlp.experts.<proj>.weight`."""
+    for name, experts in per_expert(weights).items():
+        weights[f"{name}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
+    return weights
+
+
+def fused(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts fused as transformers holds them: `experts.gate_up_proj` [E, 2I, H] (gate rows
+    first) and `experts.down_proj` [E, H, I]."""
+    groups = per_expert(weights)
+    for name in [n for n in groups if n.endswith(".gate_proj")]:
+        base = name.removesuffix(".gate_proj")
+        gate, up = groups[name], groups[f"{base}.up_proj"]
+        weights[f"{base}.gate_up_proj"] = mx.stack(
+            [mx.concatenate([gate[e], up[e]]) for e in sorted(gate)]
+        )
+        down = groups[f"{base}.down_proj"]
+        weights[f"{base}.down_proj"] = mx.stack([down[e] for e in sorted(down)])
+    return weights
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM"])
+@pytest.mark.parametrize("layout", [stacked, fused])
+def test_stacked_and_fused_experts_load_as_per_expert(tmp_path: Path, arch: str, layout) -> None:
+    path = write_tiny_model(arch, tmp_path)
+    want = logits(build_model(load_local_dir(path)))
+    got = logits(build_model(rearranged(path, layout)))
+    assert np.array_equal(got, want)
+
+
+def test_a_missing_expert_is_named(tmp_path: Path) -> None:
+    def drop(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+        return weights
+
+    s = rearranged(write_tiny_model("Qwen3MoeForCausalLM", tmp_path), drop)
+    with pytest.raises(ModelLoadError, match=r"switch_mlp\.up_proj\.weight needs experts 0\.\.3"):
+        build_model(s)
+
+
+def conditional_generation(path: Path, tie: bool | None) -> ModelSource:
+    """The tiny Qwen3.5-MoE text checkpoint in `path` as the image-text model's: config
+    nested under text_config, weights under model.language_model., a vision tower and an MTP
+    head that are not loaded."""
+    s = load_local_dir(path)
+    text = dict(s.config)
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5_moe_vision", "hidden_size": 32},
+    }
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
+        text["tie_word_embeddings"] = not tie  # the top level decides, as in transformers
+    weights = {}
+    for name, value in s.weights.items():
+        if name.startswith("model."):
+            name = "model.language_model." + name.removeprefix("model.")
+        weights[name] = value
+    weights["model.visual.patch_embed.proj.weight"] = mx.zeros((32, 3, 2, 16, 16))
+    weights["mtp.fc.weight"] = mx.zeros((64, 128))
+    s.config, s.weights = config, weights
+    return s
+
+
+def test_qwen3_5_moe_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    path = write_tiny_model("Qwen3_5MoeForCausalLM", tmp_path)
+    text = build_model(load_local_dir(path))
+    model = build_model(conditional_generation(path, tie=False))
+    assert model.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert model.context_length == tiny_config("Qwen3_5MoeForCausalLM")["max_position_embeddings"]
+    assert model.vocab_size == 384
+    assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
+    assert np.array_equal(logits(model), logits(text))
+
+
+def test_qwen3_5_moe_image_text_checkpoint_ties_by_its_top_level(tmp_path: Path) -> None:
+    path = write_tiny_model("Qwen3_5MoeForCausalLM", tmp_path, tie_word_embeddings=True)
+    text = build_model(load_local_dir(path))
+    s = conditional_generation(path, tie=True)
+    s.weights.pop("lm_head.weight", None)
+    assert np.array_equal(logits(build_model(s)), logits(text))
+    s = conditional_generation(path, tie=None)  # transformers' default: untied
+    s.weights.pop("lm_head.weight", None)
+    with pytest.raises(ModelLoadError, match=r"missing lm_head\.weight"):
+        build_model(s)
+
+
+def test_qwen3_5_moe_image_text_config_must_nest_an_object(tmp_path: Path) -> None:
+    s = conditional_generation(write_tiny_model("Qwen3_5MoeForCausalLM", tmp_path), tie=False)
+    s.config["text_config"] = json.dumps(s.config["text_config"])
+    with pytest.raises(ModelLoadError, match="text_config must be an object"):
+        build_model(s)
