@@ -87,6 +87,11 @@ def test_logits_match_stored_goldens(tiny_models: dict[str, Model], arch: str) -
         assert_matches(tiny_models[arch], tokens, expected)
 
 
+# Families none of whose blocks the CPU kernels take: GPT-OSS's attention has sinks (mlx-lm's
+# call computes them, runner/backend/attention.py) and its experts a clamped SwiGLU.
+MLX_ONLY = ("GptOssForCausalLM",)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_goldens_hold_with_every_block_through_numpy(
     tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
@@ -106,7 +111,10 @@ def test_goldens_hold_with_every_block_through_numpy(
     model = load_tiny_model(arch, tmp_path / arch, backend=everything)
     for tokens, expected in stored_golden(arch):
         assert_matches(model, tokens, expected)
-    assert crossed
+    if arch in MLX_ONLY:
+        assert not crossed
+    else:
+        assert crossed
 
 
 def test_unknown_architecture_is_refused() -> None:
@@ -177,6 +185,8 @@ def test_quantized_model(
     mlp = model.module.model.layers[0].mlp
     if "switch_mlp" in mlp:  # mixture of experts: the checkpoint's experts are 2-D per expert
         assert isinstance(mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    elif "router" in mlp:  # GPT-OSS: its checkpoint's experts are 3-D, left dense here
+        assert isinstance(mlp.router, nn.QuantizedLinear)
     else:
         assert isinstance(mlp.up_proj, nn.QuantizedLinear)
     tokens, _ = stored_golden(arch)[1]
@@ -281,6 +291,29 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "Qwen3_5MoeForCausalLM",
         {"tie_word_embeddings": True, "num_experts_per_tok": 3},
         {"layer_types": None, "full_attention_interval": 3},
+    ),
+    (  # no attention biases, tied, no sliding layer; no rope_parameters: transformers' yarn
+        "GptOssForCausalLM",
+        {
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "layer_types": ["full_attention", "full_attention"],
+        },
+        {"rope_parameters": None},
+    ),
+    (  # sliding layers last; yarn truncated; top-1 routing
+        "GptOssForCausalLM",
+        {
+            "layer_types": ["full_attention", "sliding_attention"],
+            "num_experts_per_tok": 1,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        {},
     ),
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",

@@ -249,6 +249,21 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         {"layer_types": ["full_attention"] * 4},
         "layer_types must give one of full_attention, linear_attention for each of the 3",
     ),
+    ("GptOssForCausalLM", {"num_local_experts": None}, "num_local_experts must be a positive"),
+    (
+        "GptOssForCausalLM",
+        {"num_experts_per_tok": 8},
+        "num_experts_per_tok 8 is more than num_local_experts 4",
+    ),
+    ("GptOssForCausalLM", {"swiglu_limit": 0}, "swiglu_limit must be a positive number"),
+    ("GptOssForCausalLM", {"swiglu_alpha": "1.7"}, "swiglu_alpha must be a positive number"),
+    ("GptOssForCausalLM", {"sliding_window": None}, "sliding_window must be a positive integer"),
+    ("GptOssForCausalLM", {"layer_types": ["full_attention"]}, "layer_types must give one of"),
+    (
+        "GptOssForCausalLM",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 0}},
+        "rope_parameters.factor must be a positive number, not 0",
+    ),
 ]
 
 

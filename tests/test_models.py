@@ -27,6 +27,7 @@ CACHE_KINDS = {
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
     "Qwen3MoeForCausalLM": [KVCache] * 3,
     "Qwen3_5MoeForCausalLM": [ArraysCache, KVCache, ArraysCache],
+    "GptOssForCausalLM": [RotatingKVCache, KVCache],
 }
 
 
@@ -247,6 +248,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
         ("qwen3_moe", "QWEN3_MOE_DEFAULTS", "Qwen3MoeConfig"),
         ("qwen3_5_moe", "QWEN3_5_MOE_DEFAULTS", "Qwen3_5MoeTextConfig"),
+        ("gpt_oss", "GPT_OSS_DEFAULTS", "GptOssConfig"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

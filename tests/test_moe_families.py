@@ -137,3 +137,26 @@ def test_qwen3_5_moe_image_text_config_must_nest_an_object(tmp_path: Path) -> No
     s.config["text_config"] = json.dumps(s.config["text_config"])
     with pytest.raises(ModelLoadError, match="text_config must be an object"):
         build_model(s)
+
+
+def gpt_oss_split(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GPT-OSS's experts as mlx-lm (and a stacked import) hold them: output-major
+    `experts.<proj>.weight` [E, out, in] and `experts.<proj>.bias`, gate and up apart."""
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
+        p = name.removesuffix("gate_up_proj")
+        gate_up = weights.pop(name).swapaxes(-1, -2)
+        bias = weights.pop(p + "gate_up_proj_bias")
+        weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"] = (
+            gate_up[:, ::2],
+            gate_up[:, 1::2],
+        )
+        weights[p + "gate_proj.bias"], weights[p + "up_proj.bias"] = bias[:, ::2], bias[:, 1::2]
+        weights[p + "down_proj.weight"] = weights.pop(p + "down_proj").swapaxes(-1, -2)
+        weights[p + "down_proj.bias"] = weights.pop(p + "down_proj_bias")
+    return weights
+
+
+def test_gpt_oss_experts_split_output_major_load_as_transformers_layout(tmp_path: Path) -> None:
+    path = write_tiny_model("GptOssForCausalLM", tmp_path)
+    want = logits(build_model(load_local_dir(path)))
+    assert np.array_equal(logits(build_model(rearranged(path, gpt_oss_split))), want)

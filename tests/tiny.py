@@ -37,6 +37,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
 from runner.source import ModelLoadError, show
 
 SLIDING = "sliding_attention"
@@ -165,8 +169,12 @@ def hf_rope_parameters(
     return params
 
 
-def mlx_rope(params: dict[str, Any], where: str = "rope_parameters") -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) for mlx-lm's `initialize_rope`, from a transformers rope dict."""
+def mlx_rope(
+    params: dict[str, Any], where: str = "rope_parameters", *, untruncated_yarn: bool = False
+) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) for mlx-lm's `initialize_rope`, from a transformers rope dict.
+    `untruncated_yarn`: the caller builds the rope with `rope_module`, which computes yarn's
+    truncate=false as transformers does."""
     rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"{where}.rope_type {rope_type!r} is not supported")
@@ -176,11 +184,44 @@ def mlx_rope(params: dict[str, Any], where: str = "rope_parameters") -> tuple[fl
         for key in _YARN_UNSUPPORTED:
             if params.get(key) is not None:
                 raise ModelLoadError(f"{where}.{key} is not supported for yarn RoPE")
-        if params.get("truncate", True) is not True:
+        if params.get("truncate", True) is not True and not untruncated_yarn:
             raise ModelLoadError(f"{where}.truncate=false is not supported for yarn RoPE")
     check_rope(params, where)
     scaling = None if rope_type == "default" else params
     return float(params["rope_theta"]), scaling
+
+
+def rope_module(
+    params: dict[str, Any], dims: int, max_position_embeddings: int, where: str = "rope_parameters"
+) -> nn.Module:
+    """mlx-lm's RoPE module for a transformers rope dict (`hf_rope_parameters`), with yarn's
+    `truncate: false` as transformers computes it: mlx-lm's YarnRoPE always rounds the
+    correction range outwards to whole dimensions, transformers only when truncating."""
+    theta, scaling = mlx_rope(params, where, untruncated_yarn=True)
+    rope = initialize_rope(dims, theta, False, scaling, max_position_embeddings)
+    if scaling is not None and scaling["rope_type"] == "yarn" and scaling.get("truncate") is False:
+        rope._freqs = _untruncated_yarn_periods(dims, theta, scaling)
+    return rope
+
+
+def _untruncated_yarn_periods(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """YarnRoPE's `_freqs` (wavelengths over 2 pi, as mx.fast.rope takes them) with the
+    correction range left unrounded (transformers' `_compute_yarn_parameters`)."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(correction_dim(scaling.get("beta_fast") or 32), 0)
+    high = min(correction_dim(scaling.get("beta_slow") or 1), dims - 1)
+    if low == high:
+        high += 0.001  # as transformers, against a division by zero
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1.0 - ramp  # the share of each dimension's original frequency
+    periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    interpolated = factor * periods
+    return (interpolated * periods) / (interpolated * extrapolate + periods * (1 - extrapolate))
 
 
 def check_rope(params: dict[str, Any], where: str = "rope_parameters") -> None:

@@ -150,6 +150,28 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "GptOssForCausalLM": (
+        "GptOssConfig",
+        {
+            "num_hidden_layers": 2,
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_alpha": 1.2,
+            "swiglu_limit": 0.05,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+    ),
 }
 
 
@@ -172,6 +194,8 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     "Qwen3MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
     "Qwen3_5MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+    # GPT-OSS: its router, and attention sinks large enough to take a share of attention
+    "GptOssForCausalLM": {"mlp.router.weight": ("normal", 0.3), "sinks": ("normal", 1.0)},
 }
 
 
