@@ -315,6 +315,29 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         },
         {},
     ),
+    (  # no window, tied, head_dim derived; attention_bias, which Mistral ignores
+        "MistralForCausalLM",
+        {"sliding_window": None, "tie_word_embeddings": True, "head_dim": None},
+        {"attention_bias": True},
+    ),
+    (  # every layer windowed; plain RoPE with the position-dependent query scale
+        "Ministral3ForCausalLM",
+        {
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "llama_4_scaling_beta": 0.3,
+                "original_max_position_embeddings": 8,
+            },
+        },
+        {},
+    ),
+    (  # no rope_parameters: transformers' yarn with both mscales
+        "Ministral3ForCausalLM",
+        {"tie_word_embeddings": True},
+        {"rope_parameters": None},
+    ),
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},

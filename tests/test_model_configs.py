@@ -264,6 +264,18 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         {"rope_parameters": {"rope_type": "yarn", "factor": 0}},
         "rope_parameters.factor must be a positive number, not 0",
     ),
+    ("MistralForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    (
+        "Ministral3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "original_max_position_embeddings": 16}},
+        "rope_parameters.llama_4_scaling_beta must be a number of at least 0",
+    ),
+    (
+        "Ministral3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.1}},
+        "rope_parameters.original_max_position_embeddings must be a positive integer",
+    ),
+    ("Ministral3ForCausalLM", {"sliding_window": "8"}, "sliding_window must be a positive"),
 ]
 
 

@@ -38,6 +38,8 @@ TINY_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "GptOssForCausalLM",
+    "MistralForCausalLM",
+    "Ministral3ForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

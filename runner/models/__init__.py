@@ -5,6 +5,7 @@ from runner.models import (  # noqa: F401
     gemma3,
     gpt_oss,
     llama,
+    mistral,
     qwen3,
     qwen3_5,
     qwen3_5_moe,

@@ -31,9 +31,10 @@ FULL = "full_attention"
 
 # RoPE types whose mlx-lm implementation matches transformers' (checked by the reference tests).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# yarn keys where mlx-lm's formula differs from transformers' (mscale without mscale_all_dim,
-# an explicit attention_factor, truncate=False); refused rather than computed differently.
-_YARN_UNSUPPORTED = ("attention_factor", "mscale", "mscale_all_dim")
+# yarn keys where mlx-lm's formula differs from transformers' (an explicit attention_factor;
+# mscale or mscale_all_dim without the other; truncate=False unless built by `rope_module`);
+# refused rather than computed differently. Both mscales given is the same ratio in both.
+_YARN_MSCALES = ("mscale", "mscale_all_dim")
 
 
 # MLX's array dimensions and RoPE offsets are 32-bit: no cache can hold a longer context.
@@ -181,13 +182,26 @@ def mlx_rope(
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError(f"{where}.partial_rotary_factor is not supported for this model")
     if rope_type == "yarn":
-        for key in _YARN_UNSUPPORTED:
-            if params.get(key) is not None:
-                raise ModelLoadError(f"{where}.{key} is not supported for yarn RoPE")
+        if params.get("attention_factor") is not None:
+            raise ModelLoadError(f"{where}.attention_factor is not supported for yarn RoPE")
+        given = [key for key in _YARN_MSCALES if params.get(key)]
+        if len(given) == 1:
+            raise ModelLoadError(
+                f"{where}.{given[0]} is not supported for yarn RoPE without "
+                f"{where}.{(set(_YARN_MSCALES) - set(given)).pop()}"
+            )
+        for key in given:
+            number(params[key], f"{where}.{key}")
         if params.get("truncate", True) is not True and not untruncated_yarn:
             raise ModelLoadError(f"{where}.truncate=false is not supported for yarn RoPE")
     check_rope(params, where)
-    scaling = None if rope_type == "default" else params
+    # mlx-lm passes on every key present, a null one too; transformers reads null (and a zero
+    # mscale) as absent, where mlx-lm's defaults give its result
+    scaling = None
+    if rope_type != "default":
+        scaling = {
+            k: v for k, v in params.items() if v is not None and (v or k not in _YARN_MSCALES)
+        }
     return float(params["rope_theta"]), scaling
 
 

@@ -172,6 +172,32 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "MistralForCausalLM": (
+        "MistralConfig",
+        {
+            "num_hidden_layers": 2,
+            "sliding_window": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "Ministral3ForCausalLM": (
+        "Ministral3Config",
+        {
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        },
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families' checkpoint layouts: each loads into the same model as the
+"""The checkpoint layouts of the MoE and Mistral families: each loads into the same model as the
 tiny Hugging Face checkpoint it is rearranged from (tests/tiny.py), so the goldens checked
 on that one (tests/test_golden.py) hold for these too."""
 
@@ -160,3 +160,121 @@ def test_gpt_oss_experts_split_output_major_load_as_transformers_layout(tmp_path
     path = write_tiny_model("GptOssForCausalLM", tmp_path)
     want = logits(build_model(load_local_dir(path)))
     assert np.array_equal(logits(build_model(rearranged(path, gpt_oss_split))), want)
+
+
+# --- Mistral3ForConditionalGeneration: the text model of Mistral Small 3 / Ministral 3 ------
+
+
+def mistral3_image_text(path: Path, tie: bool | None) -> ModelSource:
+    """The tiny text checkpoint in `path` (Mistral or Ministral3) as Mistral3's image-text
+    checkpoint: config under text_config, weights under model.language_model., a vision tower
+    and projector that are not loaded."""
+    s = load_local_dir(path)
+    config: dict[str, Any] = {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3",
+        "text_config": dict(s.config),
+        "vision_config": {"model_type": "pixtral", "hidden_size": 32},
+    }
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
+    weights = {}
+    for name, value in s.weights.items():
+        if name.startswith("model."):
+            name = "model.language_model." + name.removeprefix("model.")
+        weights[name] = value
+    weights["model.vision_tower.patch_conv.weight"] = mx.zeros((32, 3, 16, 16))
+    weights["model.multi_modal_projector.linear_1.weight"] = mx.zeros((64, 32))
+    s.config, s.weights = config, weights
+    return s
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Ministral3ForCausalLM"])
+def test_mistral3_image_text_checkpoint_serves_its_text_model(tmp_path: Path, arch: str) -> None:
+    path = write_tiny_model(arch, tmp_path)
+    text = build_model(load_local_dir(path))
+    model = build_model(mistral3_image_text(path, tie=False))
+    assert model.architecture == "Mistral3ForConditionalGeneration"
+    assert model.context_length == tiny_config(arch)["max_position_embeddings"]
+    assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
+    assert np.array_equal(logits(model), logits(text))
+
+
+def test_mistral3_image_text_checkpoint_is_tied_unless_it_says_not(tmp_path: Path) -> None:
+    """transformers' Mistral3Config ties by default; the text config's flag does not count."""
+    path = write_tiny_model("MistralForCausalLM", tmp_path, tie_word_embeddings=True)
+    text = build_model(load_local_dir(path))
+    s = mistral3_image_text(path, tie=None)
+    s.config["text_config"]["tie_word_embeddings"] = False
+    assert "lm_head" not in build_model(s).module
+    assert np.array_equal(logits(build_model(s)), logits(text))
+
+
+def test_mistral3_image_text_refuses_other_text_models(tmp_path: Path) -> None:
+    s = mistral3_image_text(write_tiny_model("MistralForCausalLM", tmp_path), tie=False)
+    s.config["text_config"]["model_type"] = "llama"
+    with pytest.raises(ModelLoadError, match=r"text_config\.model_type 'llama' is not supported"):
+        build_model(s)
+
+
+# --- reference tier: the image-text checkpoints against transformers itself --------------------
+
+VISION = {
+    "Mistral3ForConditionalGeneration": {
+        "model_type": "pixtral",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "image_size": 64,
+        "patch_size": 16,
+    },
+    "Qwen3_5MoeForConditionalGeneration": {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+    },
+}
+IMAGE_TEXT = [
+    ("Mistral3ForConditionalGeneration", "Mistral3Config", "Ministral3ForCausalLM", False),
+    ("Mistral3ForConditionalGeneration", "Mistral3Config", "MistralForCausalLM", None),
+    ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig", "Qwen3_5MoeForCausalLM", False),
+]
+
+
+@pytest.mark.reference
+@pytest.mark.usefixtures("reference_libraries")
+@pytest.mark.parametrize(("arch", "config_class", "text_arch", "tie"), IMAGE_TEXT)
+def test_image_text_checkpoint_matches_transformers(
+    tmp_path: Path, arch: str, config_class: str, text_arch: str, tie: bool | None
+) -> None:
+    """A checkpoint transformers' image-text class saves (random weights, vision tower
+    included) loads as its text model, with transformers' logits for text."""
+    import torch
+    import transformers
+
+    from tests.tiny import TOKENIZER_CONFIG, tokenizer_json
+
+    text = {k: v for k, v in tiny_config(text_arch).items() if k != "architectures"}
+    extra = {} if tie is None else {"tie_word_embeddings": tie}
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=VISION[arch], architectures=[arch], **extra
+    )
+    torch.manual_seed(0)
+    reference = getattr(transformers, arch)(config).float().eval()
+    with torch.no_grad():  # weights large enough that attention and routing are not uniform
+        for _, p in reference.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.08 if p.ndim > 1 else p + 0.1 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    model = build_model(load_local_dir(tmp_path))
+    with torch.no_grad():
+        ids = torch.tensor(np.array(IDS), dtype=torch.int64)
+        expected = reference(input_ids=ids, use_cache=False).logits[0].numpy()
+    got = np.array(model.unembed(model.hidden(IDS, model.make_caches()))[0])
+    assert np.abs(got - expected).max() <= 1e-4
