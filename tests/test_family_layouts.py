@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from runner.loader import load_local_dir
+from runner.loader import load_local_dir, load_model_source
 from runner.models import Model, build_model
 from runner.source import ModelLoadError, ModelSource
+from tests.ollama_store import write_ollama_model
 from tests.tiny import tiny_config, write_tiny_model
 
 IDS = mx.array([[5, 77, 3, 250, 19, 42, 8, 301, 11, 64, 199, 7]], dtype=mx.int32)
@@ -71,6 +74,27 @@ def test_stacked_and_fused_experts_load_as_per_expert(tmp_path: Path, arch: str,
     want = logits(build_model(load_local_dir(path)))
     got = logits(build_model(rearranged(path, layout)))
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
+def test_moe_model_from_an_ollama_store(tmp_path: Path, monkeypatch, arch: str) -> None:
+    """Imported as Ollama does (a tensor blob per tensor), the model computes what the
+    directory computes; quantized to int8, its per-expert 2-D weights load as quantized
+    switch layers and it stays close to the dense model."""
+    path = write_tiny_model(arch, tmp_path / "hf")
+    models = tmp_path / "models"
+    write_ollama_model(models, "tiny-moe", path)
+    write_ollama_model(models, "tiny-moe-int8", path, quantize={"type": "int8"})
+    monkeypatch.setenv("OLLAMA_MODELS", str(models))
+    want = logits(build_model(load_local_dir(path)))
+    assert np.array_equal(logits(build_model(load_model_source("tiny-moe"))), want)
+    quantized = build_model(load_model_source("tiny-moe-int8"))
+    mlp = quantized.module.model.layers[1].mlp
+    if arch == "Qwen3MoeForCausalLM":
+        assert isinstance(mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    else:  # GPT-OSS's experts are 3-D tensors, which the importer leaves dense
+        assert isinstance(mlp.router, nn.QuantizedLinear)
+    assert np.corrcoef(logits(quantized).ravel(), want.ravel())[0, 1] > 0.99
 
 
 def test_a_missing_expert_is_named(tmp_path: Path) -> None:
