@@ -97,13 +97,22 @@ def test_moe_model_from_an_ollama_store(tmp_path: Path, monkeypatch, arch: str) 
     assert np.corrcoef(logits(quantized).ravel(), want.ravel())[0, 1] > 0.99
 
 
-def test_a_missing_expert_is_named(tmp_path: Path) -> None:
+def test_missing_or_misshaped_experts_are_named(tmp_path: Path) -> None:
     def drop(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
         return weights
 
     s = rearranged(write_tiny_model("Qwen3MoeForCausalLM", tmp_path), drop)
     with pytest.raises(ModelLoadError, match=r"switch_mlp\.up_proj\.weight needs experts 0\.\.3"):
+        build_model(s)
+
+    def misshape(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        name = "model.layers.1.mlp.experts.2.up_proj.weight"
+        weights[name] = weights[name][:-1]
+        return weights
+
+    s = rearranged(write_tiny_model("Qwen3MoeForCausalLM", tmp_path), misshape)
+    with pytest.raises(ModelLoadError, match=r"experts of .*switch_mlp\.up_proj\.weight differ"):
         build_model(s)
 
 

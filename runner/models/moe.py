@@ -58,6 +58,9 @@ def stack_experts(
             raise ModelLoadError(
                 f"weights: {stacked} needs experts 0..{n_experts - 1}, found {sorted(experts)[:8]}"
             )
+        shapes = {tuple(experts[e].shape) for e in range(n_experts)}
+        if len(shapes) > 1:
+            raise ModelLoadError(f"weights: the experts of {stacked} differ in shape: {shapes}")
         out[stacked] = mx.stack([experts[e] for e in range(n_experts)])
     return out
 
