@@ -22,7 +22,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_moe
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from mlx_lm.models.rope_utils import initialize_rope
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
@@ -33,8 +32,8 @@ from runner.models.config import (
     flag,
     hf_rope_parameters,
     integer,
-    mlx_rope,
     require,
+    rope_module,
 )
 from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
@@ -132,8 +131,8 @@ class Qwen3Moe(DecoderModel):
         flag(c["norm_topk_prob"], "norm_topk_prob")
         c["mlp_only_layers"] = _dense_layers(c)
         rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
-        theta, scaling = mlx_rope(rope)
-        c["rope_theta"], c["rope_scaling"] = theta, scaling
+        rope_layer = rope_module(rope, c["head_dim"], c["max_position_embeddings"])
+        c["rope_theta"] = rope["rope_theta"]  # mlx-lm requires it; its rope is replaced below
         # transformers: with use_sliding_window every layer attends within sliding_window
         sliding = flag(c["use_sliding_window"], "use_sliding_window")
         window = c.get("sliding_window", _DEFAULT_WINDOW) if sliding else None
@@ -143,9 +142,7 @@ class Qwen3Moe(DecoderModel):
         kinds = [SLIDING if window is not None else FULL] * n
         module = _Model(qwen3_moe.ModelArgs.from_dict(c), kinds, window)
         for layer in module.model.layers:  # mlx-lm's rope ignores the scaling
-            layer.self_attn.rope = initialize_rope(
-                c["head_dim"], theta, False, scaling, c["max_position_embeddings"]
-            )
+            layer.self_attn.rope = rope_layer
         if c["attention_bias"]:
             add_attention_bias(module.model.layers)
         return module
