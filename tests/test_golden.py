@@ -317,8 +317,8 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ),
     (  # no window, tied, head_dim derived; attention_bias, which Mistral ignores
         "MistralForCausalLM",
-        {"sliding_window": None, "tie_word_embeddings": True, "head_dim": None},
-        {"attention_bias": True},
+        {"sliding_window": None, "tie_word_embeddings": True},
+        {"attention_bias": True, "head_dim": None},
     ),
     (  # every layer windowed; plain RoPE with the position-dependent query scale
         "Ministral3ForCausalLM",
