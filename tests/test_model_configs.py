@@ -268,7 +268,15 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
     (
         "Ministral3ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "original_max_position_embeddings": 16}},
-        "rope_parameters.llama_4_scaling_beta must be a number of at least 0",
+        "rope_parameters.llama_4_scaling_beta must be a finite number of at least 0",
+    ),
+    (
+        "Ministral3ForCausalLM",
+        {
+            "rope_parameters": tiny_config("Ministral3ForCausalLM")["rope_parameters"]
+            | {"llama_4_scaling_beta": float("inf")}
+        },
+        "rope_parameters.llama_4_scaling_beta must be a finite number",
     ),
     (
         "Ministral3ForCausalLM",

@@ -21,6 +21,7 @@ projector are not loaded (images are refused as for every model without media).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -198,9 +199,10 @@ def _build_ministral3(config: dict[str, Any]) -> nn.Module:
     rope = hf_rope_parameters(c, params, default_theta=c.get("rope_theta", 10000.0))
     # the query scale by position, which transformers computes from these two on any rope
     beta = rope.get("llama_4_scaling_beta")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
         raise ModelLoadError(
-            "config.json: rope_parameters.llama_4_scaling_beta must be a number of at least 0"
+            "config.json: rope_parameters.llama_4_scaling_beta must be a finite number of "
+            "at least 0"
         )
     original = rope.get("original_max_position_embeddings")
     integer(original, "rope_parameters.original_max_position_embeddings")
