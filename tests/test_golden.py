@@ -17,13 +17,26 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from runner.backend import Backend
 from runner.loader import load_local_dir
 from runner.models import Model, build_model
 from runner.source import ModelLoadError, ModelSource
-from tests.golden.make_goldens import golden_sequences, reference_logits, transformers_config
-from tests.tiny import GOLDEN, TINY_ARCHITECTURES, load_tiny_model, write_tiny_model
+from tests.golden.make_goldens import (
+    golden_sequences,
+    reference_logits,
+    transformers_config,
+    weight_manifest,
+)
+from tests.tiny import (
+    GOLDEN,
+    HAND_WRITTEN,
+    TINY_ARCHITECTURES,
+    load_tiny_model,
+    manifest_specs,
+    write_tiny_model,
+)
 
 TOLERANCE = 1e-4
 CHUNK = 7
@@ -74,6 +87,11 @@ def test_logits_match_stored_goldens(tiny_models: dict[str, Model], arch: str) -
         assert_matches(tiny_models[arch], tokens, expected)
 
 
+# Families none of whose blocks the CPU kernels take: GPT-OSS's attention has sinks (mlx-lm's
+# call computes them, runner/backend/attention.py) and its experts a clamped SwiGLU.
+MLX_ONLY = ("GptOssForCausalLM",)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_goldens_hold_with_every_block_through_numpy(
     tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
@@ -93,7 +111,10 @@ def test_goldens_hold_with_every_block_through_numpy(
     model = load_tiny_model(arch, tmp_path / arch, backend=everything)
     for tokens, expected in stored_golden(arch):
         assert_matches(model, tokens, expected)
-    assert crossed
+    if arch in MLX_ONLY:
+        assert not crossed
+    else:
+        assert crossed
 
 
 def test_unknown_architecture_is_refused() -> None:
@@ -162,7 +183,13 @@ def test_quantized_model(
     model = build_model(quantized)
     out = model.module.get("lm_head") or model.module.model.embed_tokens
     assert isinstance(out, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    assert isinstance(model.module.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    mlp = model.module.model.layers[0].mlp
+    if "switch_mlp" in mlp:  # mixture of experts: the checkpoint's experts are 2-D per expert
+        assert isinstance(mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    elif "router" in mlp:  # GPT-OSS: its checkpoint's experts are 3-D, left dense here
+        assert isinstance(mlp.router, nn.QuantizedLinear)
+    else:
+        assert isinstance(mlp.up_proj, nn.QuantizedLinear)
     tokens, _ = stored_golden(arch)[1]
     ids = mx.array(tokens, dtype=mx.int32)[None]
     h = model.hidden(ids, model.make_caches())[0]
@@ -241,6 +268,77 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"tie_word_embeddings": True},
         {"layer_types": None, "full_attention_interval": 2},
     ),
+    (  # every layer windowed, attention biases, tied, top-k weights not renormalised
+        "Qwen3MoeForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "norm_topk_prob": False,
+        },
+        {},
+    ),
+    (  # MoE on every other layer; linear RoPE scaling; a transformers 4 expert count
+        "Qwen3MoeForCausalLM",
+        {
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [],
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        },
+        {"num_local_experts": None, "num_experts": 4},
+    ),
+    (  # tied; no layer_types: the kinds come from full_attention_interval; top-3 of 4
+        "Qwen3_5MoeForCausalLM",
+        {"tie_word_embeddings": True, "num_experts_per_tok": 3},
+        {"layer_types": None, "full_attention_interval": 3},
+    ),
+    (  # no attention biases, tied, no sliding layer; no rope_parameters: transformers' yarn
+        "GptOssForCausalLM",
+        {
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "layer_types": ["full_attention", "full_attention"],
+        },
+        {"rope_parameters": None},
+    ),
+    (  # sliding layers last; yarn truncated; top-1 routing
+        "GptOssForCausalLM",
+        {
+            "layer_types": ["full_attention", "sliding_attention"],
+            "num_experts_per_tok": 1,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        {},
+    ),
+    (  # no window, tied, head_dim derived; attention_bias, which Mistral ignores
+        "MistralForCausalLM",
+        {"sliding_window": None, "tie_word_embeddings": True},
+        {"attention_bias": True, "head_dim": None},
+    ),
+    (  # every layer windowed; plain RoPE with the position-dependent query scale
+        "Ministral3ForCausalLM",
+        {
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "llama_4_scaling_beta": 0.3,
+                "original_max_position_embeddings": 8,
+            },
+        },
+        {},
+    ),
+    (  # no rope_parameters: transformers' yarn with both mscales
+        "Ministral3ForCausalLM",
+        {"tie_word_embeddings": True},
+        {"rope_parameters": None},
+    ),
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
@@ -318,7 +416,10 @@ class TestReference:
                 config.pop(key, None)
             else:
                 config[key] = value
-        model = load_tiny_model(arch, tmp_path, config=config)
+        specs = None  # the first four families' weights follow from the config
+        if config["model_type"] not in HAND_WRITTEN:  # the variant's own checkpoint layout
+            specs = manifest_specs(weight_manifest(arch, config))
+        model = load_tiny_model(arch, tmp_path, config=config, specs=specs)
         sequences = golden_sequences()
         for tokens, expected in zip(sequences, reference_logits(tmp_path, sequences), strict=True):
             assert_matches(model, tokens, expected)

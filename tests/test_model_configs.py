@@ -18,6 +18,8 @@ from runner.models import build_model
 from runner.models.gemma3 import Gemma3
 from runner.models.llama import Llama
 from runner.models.qwen3 import Qwen3
+from runner.models.qwen3_5_moe import Qwen3_5Moe
+from runner.models.qwen3_moe import Qwen3Moe
 from runner.source import ModelLoadError, ModelSource
 from tests.tiny import TINY_ARCHITECTURES, tiny_config, write_tiny_model
 from tools.spawned import SpawnedRunner
@@ -277,6 +279,75 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         {"mlp_layer_types": ["dense"] * 5},
         "mlp_layer_types must give dense or sparse for each of the 4 layers",
     ),
+    ("Qwen3MoeForCausalLM", {"num_local_experts": 0}, "num_local_experts must be a positive"),
+    (
+        "Qwen3MoeForCausalLM",
+        {"num_experts_per_tok": 5},
+        "num_experts_per_tok 5 is more than num_local_experts 4",
+    ),
+    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive"),
+    ("Qwen3MoeForCausalLM", {"moe_intermediate_size": None}, "moe_intermediate_size must be a"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [3]}, "mlp_only_layers[] 3 is more than 2"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": 0}, "mlp_only_layers must be a list"),
+    ("Qwen3MoeForCausalLM", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    (
+        "Qwen3MoeForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 0},
+        "sliding_window must be a positive integer, not 0",
+    ),
+    ("Qwen3_5MoeForCausalLM", {"num_experts": 0}, "num_experts must be a positive integer"),
+    (
+        "Qwen3_5MoeForCausalLM",
+        {"num_experts_per_tok": 5},
+        "num_experts_per_tok 5 is more than num_experts 4",
+    ),
+    (
+        "Qwen3_5MoeForCausalLM",
+        {"shared_expert_intermediate_size": 0},
+        "shared_expert_intermediate_size must be a positive integer",
+    ),
+    ("Qwen3_5MoeForCausalLM", {"moe_intermediate_size": "64"}, "moe_intermediate_size must be"),
+    ("Qwen3_5MoeForCausalLM", {"linear_num_key_heads": 0}, "linear_num_key_heads must be a"),
+    (
+        "Qwen3_5MoeForCausalLM",
+        {"layer_types": ["full_attention"] * 4},
+        "layer_types must give one of full_attention, linear_attention for each of the 3",
+    ),
+    ("GptOssForCausalLM", {"num_local_experts": None}, "num_local_experts must be a positive"),
+    (
+        "GptOssForCausalLM",
+        {"num_experts_per_tok": 8},
+        "num_experts_per_tok 8 is more than num_local_experts 4",
+    ),
+    ("GptOssForCausalLM", {"swiglu_limit": 0}, "swiglu_limit must be a positive number"),
+    ("GptOssForCausalLM", {"swiglu_alpha": "1.7"}, "swiglu_alpha must be a positive number"),
+    ("GptOssForCausalLM", {"sliding_window": None}, "sliding_window must be a positive integer"),
+    ("GptOssForCausalLM", {"layer_types": ["full_attention"]}, "layer_types must give one of"),
+    (
+        "GptOssForCausalLM",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 0}},
+        "rope_parameters.factor must be a positive number, not 0",
+    ),
+    ("MistralForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    (
+        "Ministral3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "original_max_position_embeddings": 16}},
+        "rope_parameters.llama_4_scaling_beta must be a finite number of at least 0",
+    ),
+    (
+        "Ministral3ForCausalLM",
+        {
+            "rope_parameters": tiny_config("Ministral3ForCausalLM")["rope_parameters"]
+            | {"llama_4_scaling_beta": float("inf")}
+        },
+        "rope_parameters.llama_4_scaling_beta must be a finite number",
+    ),
+    (
+        "Ministral3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.1}},
+        "rope_parameters.original_max_position_embeddings must be a positive integer",
+    ),
+    ("Ministral3ForCausalLM", {"sliding_window": "8"}, "sliding_window must be a positive"),
 ]
 
 
@@ -293,6 +364,13 @@ def test_null_sizes_that_transformers_derives_are_accepted() -> None:
     assert (args.head_dim or 64 // 4, args.num_key_value_heads) == (16, 4)
     qwen3 = tiny_config("Qwen3ForCausalLM") | {"num_key_value_heads": None}
     assert Qwen3.build_module(qwen3).args.num_key_value_heads == 4
+    # transformers' Qwen3-MoE derives head_dim; Qwen3.5-MoE has no dense intermediate_size
+    qwen3_moe = tiny_config("Qwen3MoeForCausalLM")
+    del qwen3_moe["head_dim"]
+    assert Qwen3Moe.build_module(qwen3_moe).args.head_dim == 16
+    qwen3_5_moe = tiny_config("Qwen3_5MoeForCausalLM")
+    del qwen3_5_moe["intermediate_size"]
+    Qwen3_5Moe.build_module(qwen3_5_moe)
 
 
 def test_unused_keys_are_not_checked() -> None:

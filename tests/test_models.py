@@ -28,6 +28,11 @@ CACHE_KINDS = {
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
     "Glm4MoeLiteForCausalLM": [LatentKVCache] * 4,
     "Cohere2MoeForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache, KVCache],
+    "Qwen3MoeForCausalLM": [KVCache] * 3,
+    "Qwen3_5MoeForCausalLM": [ArraysCache, KVCache, ArraysCache],
+    "GptOssForCausalLM": [RotatingKVCache, KVCache],
+    "MistralForCausalLM": [RotatingKVCache] * 2,
+    "Ministral3ForCausalLM": [KVCache] * 2,
 }
 
 
@@ -247,6 +252,21 @@ def test_gemma3_ties_by_config_not_by_weights(tmp_path: Path, models: dict) -> N
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
             "mscale_all_dim",
         ),
+        ("Qwen3MoeForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        (
+            "GptOssForCausalLM",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_type",
+        ),
+        ("MistralForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        (  # transformers: mscale over a default mscale_all_dim; mlx-lm: mscale over 1
+            "Ministral3ForCausalLM",
+            {
+                "rope_parameters": tiny_config("Ministral3ForCausalLM")["rope_parameters"]
+                | {"mscale": 0}
+            },
+            "mscale_all_dim is not supported for yarn RoPE without",
+        ),
     ],
 )
 def test_unsupported_config_values_are_refused_by_name(
@@ -266,6 +286,11 @@ def test_unsupported_config_values_are_refused_by_name(
         ("qwen3_5", "QWEN3_5_DEFAULTS", "Qwen3_5TextConfig"),
         ("glm4_moe_lite", "GLM4_MOE_LITE_DEFAULTS", "Glm4MoeLiteConfig"),
         ("cohere2_moe", "COHERE2_MOE_DEFAULTS", "Cohere2MoeConfig"),
+        ("qwen3_moe", "QWEN3_MOE_DEFAULTS", "Qwen3MoeConfig"),
+        ("qwen3_5_moe", "QWEN3_5_MOE_DEFAULTS", "Qwen3_5MoeTextConfig"),
+        ("gpt_oss", "GPT_OSS_DEFAULTS", "GptOssConfig"),
+        ("mistral", "MISTRAL_DEFAULTS", "MistralConfig"),
+        ("mistral", "MINISTRAL3_DEFAULTS", "Ministral3Config"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

@@ -37,6 +37,11 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Glm4MoeLiteForCausalLM",
     "Cohere2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "GptOssForCausalLM",
+    "MistralForCausalLM",
+    "Ministral3ForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",
@@ -137,10 +142,14 @@ def manifest_path(arch: str) -> Path:
     return CONFIGS / f"{arch}.weights.json"
 
 
-def read_manifest(arch: str) -> Spec:
-    """A weights manifest: {name: [shape, [initialiser, value]]}."""
-    raw = json.loads(manifest_path(arch).read_text())
+def manifest_specs(raw: dict[str, Any]) -> Spec:
+    """The specs of a weights manifest: {name: [shape, [initialiser, value]]}."""
     return {name: (tuple(shape), (init[0], float(init[1]))) for name, (shape, init) in raw.items()}
+
+
+def read_manifest(arch: str) -> Spec:
+    """The stored weights manifest of `arch`'s tiny config."""
+    return manifest_specs(json.loads(manifest_path(arch).read_text()))
 
 
 def hf_weight_specs(c: dict[str, Any]) -> Spec:
@@ -174,10 +183,13 @@ def hf_weight_specs(c: dict[str, Any]) -> Spec:
     return spec
 
 
-def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(
+    config: dict[str, Any], seed: int = 0, specs: Spec | None = None
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, (shape, (kind, value)) in sorted(hf_weight_specs(config).items()):
+    specs = hf_weight_specs(config) if specs is None else specs
+    for name, (shape, (kind, value)) in sorted(specs.items()):
         if kind == "normal":
             w = rng.normal(0.0, value, shape)
         elif kind == "norm":
@@ -197,16 +209,20 @@ def write_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
     config: dict[str, Any] | None = None,
+    specs: Spec | None = None,
 ) -> Path:
     """Write a tiny `arch` model directory at `path` (config.json from tests/data/configs
-    unless `config` is given) and return `path`."""
+    unless `config` is given; weights as `specs` says, else as the config's) and return
+    `path`."""
     config = dict(config or tiny_config(arch))
     if tie_word_embeddings is not None:
         config["tie_word_embeddings"] = tie_word_embeddings
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(random_weights(config, seed), str(path / "model.safetensors"), {"format": "pt"})
+    save_file(
+        random_weights(config, seed, specs), str(path / "model.safetensors"), {"format": "pt"}
+    )
     (path / "tokenizer.json").write_text(tokenizer_json())
     (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     return path

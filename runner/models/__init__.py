@@ -5,9 +5,13 @@ from runner.models import (  # noqa: F401
     cohere2_moe,
     gemma3,
     glm4_moe_lite,
+    gpt_oss,
     llama,
+    mistral,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
 )
 from runner.models.base import CachedScorer, CandidateUnembedder, HiddenRows, ImageModel, Model
 from runner.models.registry import build_model, registered_architectures

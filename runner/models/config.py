@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
 from runner.source import ModelLoadError, show
 
 SLIDING = "sliding_attention"
@@ -27,9 +31,10 @@ FULL = "full_attention"
 
 # RoPE types whose mlx-lm implementation matches transformers' (checked by the reference tests).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# yarn keys where mlx-lm's formula differs from transformers' (mscale without mscale_all_dim,
-# an explicit attention_factor, truncate=False); refused rather than computed differently.
-_YARN_UNSUPPORTED = ("attention_factor", "mscale", "mscale_all_dim")
+# yarn keys where mlx-lm's formula differs from transformers' (an explicit attention_factor;
+# mscale or mscale_all_dim without the other; truncate=False unless built by `rope_module`);
+# refused rather than computed differently. Both mscales given is the same ratio in both.
+_YARN_MSCALES = ("mscale", "mscale_all_dim")
 
 
 # MLX's array dimensions and RoPE offsets are 32-bit: no cache can hold a longer context.
@@ -165,22 +170,72 @@ def hf_rope_parameters(
     return params
 
 
-def mlx_rope(params: dict[str, Any], where: str = "rope_parameters") -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) for mlx-lm's `initialize_rope`, from a transformers rope dict."""
+def mlx_rope(
+    params: dict[str, Any], where: str = "rope_parameters", *, untruncated_yarn: bool = False
+) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) for mlx-lm's `initialize_rope`, from a transformers rope dict.
+    `untruncated_yarn`: the caller builds the rope with `rope_module`, which computes yarn's
+    truncate=false as transformers does."""
     rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"{where}.rope_type {rope_type!r} is not supported")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError(f"{where}.partial_rotary_factor is not supported for this model")
     if rope_type == "yarn":
-        for key in _YARN_UNSUPPORTED:
-            if params.get(key) is not None:
-                raise ModelLoadError(f"{where}.{key} is not supported for yarn RoPE")
-        if params.get("truncate", True) is not True:
+        if params.get("attention_factor") is not None:
+            raise ModelLoadError(f"{where}.attention_factor is not supported for yarn RoPE")
+        given = [key for key in _YARN_MSCALES if params.get(key)]
+        if len(given) == 1:
+            raise ModelLoadError(
+                f"{where}.{given[0]} is not supported for yarn RoPE without "
+                f"{where}.{(set(_YARN_MSCALES) - set(given)).pop()}"
+            )
+        for key in given:
+            number(params[key], f"{where}.{key}")
+        if params.get("truncate", True) is not True and not untruncated_yarn:
             raise ModelLoadError(f"{where}.truncate=false is not supported for yarn RoPE")
     check_rope(params, where)
-    scaling = None if rope_type == "default" else params
+    # mlx-lm passes on every key present, a null one too; transformers reads null (and a zero
+    # mscale) as absent, where mlx-lm's defaults give its result
+    scaling = None
+    if rope_type != "default":
+        scaling = {
+            k: v for k, v in params.items() if v is not None and (v or k not in _YARN_MSCALES)
+        }
     return float(params["rope_theta"]), scaling
+
+
+def rope_module(
+    params: dict[str, Any], dims: int, max_position_embeddings: int, where: str = "rope_parameters"
+) -> nn.Module:
+    """mlx-lm's RoPE module for a transformers rope dict (`hf_rope_parameters`), with yarn's
+    `truncate: false` as transformers computes it: mlx-lm's YarnRoPE always rounds the
+    correction range outwards to whole dimensions, transformers only when truncating."""
+    theta, scaling = mlx_rope(params, where, untruncated_yarn=True)
+    rope = initialize_rope(dims, theta, False, scaling, max_position_embeddings)
+    if scaling is not None and scaling["rope_type"] == "yarn" and scaling.get("truncate") is False:
+        rope._freqs = _untruncated_yarn_periods(dims, theta, scaling)
+    return rope
+
+
+def _untruncated_yarn_periods(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """YarnRoPE's `_freqs` (wavelengths over 2 pi, as mx.fast.rope takes them) with the
+    correction range left unrounded (transformers' `_compute_yarn_parameters`)."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(correction_dim(scaling.get("beta_fast") or 32), 0)
+    high = min(correction_dim(scaling.get("beta_slow") or 1), dims - 1)
+    if low == high:
+        high += 0.001  # as transformers, against a division by zero
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1.0 - ramp  # the share of each dimension's original frequency
+    periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    interpolated = factor * periods
+    return (interpolated * periods) / (interpolated * extrapolate + periods * (1 - extrapolate))
 
 
 def check_rope(params: dict[str, Any], where: str = "rope_parameters") -> None:

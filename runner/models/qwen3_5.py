@@ -91,35 +91,43 @@ class Qwen3_5(DecoderModel):
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
         c = {**QWEN3_5_DEFAULTS, **config}
-        require(c, "hidden_act", "silu")  # MLP and the gated-delta conv activation
         if c.get("num_experts"):
             raise ModelLoadError("num_experts: Qwen3.5 MoE is a different architecture")
-        rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
-        if rope["rope_type"] != "default":
-            raise ModelLoadError(f"rope_parameters.rope_type {rope['rope_type']!r} not supported")
-        rope.setdefault("partial_rotary_factor", 0.25)
-        check_rope(rope)
-        check_decoder(c, rotary_fraction=rope["partial_rotary_factor"])
-        for key in LINEAR_SIZES:
-            integer(c[key], key)
-        if c["linear_num_value_heads"] % c["linear_num_key_heads"]:
-            raise ModelLoadError(
-                f"config.json: linear_num_value_heads {c['linear_num_value_heads']} is not a "
-                f"multiple of linear_num_key_heads {c['linear_num_key_heads']}"
-            )
-        n = c["num_hidden_layers"]
-        # mlx-lm divides by the interval even where layer_types decides
-        interval = integer(c.get("full_attention_interval", 4), "full_attention_interval")
-        kinds = c.get("layer_types")
-        if kinds is None:
-            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
-        check_layer_kinds(kinds, (FULL, LINEAR), n)
-        c["rope_parameters"] = {
-            "type": "default",
-            "rope_theta": rope["rope_theta"],
-            "partial_rotary_factor": rope["partial_rotary_factor"],
-        }
-        args = qwen3_5.TextModelArgs.from_dict(c)
-        module = qwen3_5.TextModel(args)
-        _rebuild_layers(module, args, list(kinds))
-        return module
+        return build_text_module(c, qwen3_5.TextModel)
+
+
+def build_text_module(
+    c: dict[str, Any], module_class: type[qwen3_5.TextModel], nullable: tuple[str, ...] = ()
+) -> qwen3_5.TextModel:
+    """The mlx-lm text model of `module_class` for `c` (a config with its family's defaults
+    filled in), checked first; `nullable` as `check_decoder`'s. Qwen3.5-MoE builds on it."""
+    require(c, "hidden_act", "silu")  # MLP and the gated-delta conv activation
+    rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
+    if rope["rope_type"] != "default":
+        raise ModelLoadError(f"rope_parameters.rope_type {rope['rope_type']!r} not supported")
+    rope.setdefault("partial_rotary_factor", 0.25)
+    check_rope(rope)
+    check_decoder(c, nullable=nullable, rotary_fraction=rope["partial_rotary_factor"])
+    for key in LINEAR_SIZES:
+        integer(c[key], key)
+    if c["linear_num_value_heads"] % c["linear_num_key_heads"]:
+        raise ModelLoadError(
+            f"config.json: linear_num_value_heads {c['linear_num_value_heads']} is not a "
+            f"multiple of linear_num_key_heads {c['linear_num_key_heads']}"
+        )
+    n = c["num_hidden_layers"]
+    # mlx-lm divides by the interval even where layer_types decides
+    interval = integer(c.get("full_attention_interval", 4), "full_attention_interval")
+    kinds = c.get("layer_types")
+    if kinds is None:
+        kinds = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+    check_layer_kinds(kinds, (FULL, LINEAR), n)
+    c["rope_parameters"] = {
+        "type": "default",
+        "rope_theta": rope["rope_theta"],
+        "partial_rotary_factor": rope["partial_rotary_factor"],
+    }
+    args = qwen3_5.TextModelArgs.from_dict(c)
+    module = module_class(args)
+    _rebuild_layers(module, args, list(kinds))
+    return module

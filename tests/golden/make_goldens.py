@@ -162,6 +162,91 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    "Qwen3MoeForCausalLM": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "Qwen3_5MoeForCausalLM": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        },
+    ),
+    "GptOssForCausalLM": (
+        "GptOssConfig",
+        {
+            "num_hidden_layers": 2,
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_alpha": 1.2,
+            "swiglu_limit": 0.05,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+    ),
+    "MistralForCausalLM": (
+        "MistralConfig",
+        {
+            "num_hidden_layers": 2,
+            "sliding_window": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "Ministral3ForCausalLM": (
+        "Ministral3Config",
+        {
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        },
+    ),
 }
 
 
@@ -179,11 +264,17 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 # Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
+# A router of std 0.02 gives near-uniform expert probabilities, where float32 rounding could
+# flip the top-k choice between implementations; std 0.3 makes the routing decisive.
 INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     # a router of std 0.02 scores every expert ~0.5 and the keys' latent expansion would make
     # attention near uniform: both get weights that make choices
     "Glm4MoeLiteForCausalLM": {"mlp.gate.weight": ("normal", 0.5), "kv_b_proj": ("normal", 0.1)},
     "Cohere2MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
+    "Qwen3MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+    "Qwen3_5MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+    # GPT-OSS: its router, and attention sinks large enough to take a share of attention
+    "GptOssForCausalLM": {"mlp.router.weight": ("normal", 0.3), "sinks": ("normal", 1.0)},
 }
 
 
@@ -207,13 +298,15 @@ def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
     return ("normal", 0.02)
 
 
-def weight_manifest(arch: str) -> dict[str, Any]:
+def weight_manifest(arch: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Names, shapes and initialisers of the transformers model's weights for the tiny config
-    (tied copies once: the name save_pretrained keeps)."""
+    (or `config`: a variant whose weights differ, for the live tier) (tied copies once: the
+    name save_pretrained keeps)."""
     import torch
     import transformers
 
-    config = json.loads((CONFIGS / f"{arch}.json").read_text())
+    if config is None:
+        config = json.loads((CONFIGS / f"{arch}.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         hf_config = transformers.AutoConfig.from_pretrained(tmp)
