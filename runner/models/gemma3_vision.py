@@ -343,7 +343,10 @@ class Gemma3Multimodal(Gemma3):
                 f"the {patches} patches on a side of the image"
             )
         vocab = t["vocab_size"]
-        for key, alias in (("boi_token_index", "boi_token_id"), ("eoi_token_index", "eoi_token_id")):
+        for key, alias in (
+            ("boi_token_index", "boi_token_id"),
+            ("eoi_token_index", "eoi_token_id"),
+        ):
             if _token_id(c, key, alias) >= vocab:
                 raise ModelLoadError(f"config.json: {key} is outside the vocabulary of {vocab}")
         _token_id(c, "image_token_index", "image_token_id")

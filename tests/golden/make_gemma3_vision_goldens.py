@@ -7,9 +7,10 @@ Writes tests/data/configs/Gemma3ForConditionalGeneration{.json,.weights.json} (t
 own Gemma3Config and the names its model saves) and tests/data/golden/gemma3_vision.npz:
 - `pixels_<name>`: transformers' image processor (`AutoImageProcessor`, which is the PIL
   backend here, `Gemma3ImageProcessorPil`) on each generated image of `IMAGES`;
-- per prompt of `prompts`, its token ids and the logits at every position of transformers'
-  Gemma3ForConditionalGeneration (CPU PyTorch, float32, eager attention) with
-  `token_type_ids` marking the image soft tokens, as Gemma3Processor makes them;
+- per prompt of `prompts`, its token ids and the logits (at every position for the one-image
+  prompt, else at the last) of transformers' Gemma3ForConditionalGeneration (CPU PyTorch,
+  float32, eager attention) with `token_type_ids` marking the image soft tokens, as
+  Gemma3Processor makes them;
 - `generated`: transformers' greedy `generate` after the one-image prompt.
 tests/test_gemma3_vision.py reads the file, and imports the helpers below for its live
 `-m reference` tier. Needs torch, transformers and Pillow.
@@ -28,9 +29,16 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the runner (its tokenizer) and tiny.py
-from make_goldens import CONFIG_ARGS, SHAPE, TOKENS, weight_manifest  # noqa: E402
-from tiny import CONFIGS, GOLDEN, manifest_path, tiny_config, tokenizer_json  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the runner (its tokenizer) and tests/
+from tests.golden.make_goldens import CONFIG_ARGS, SHAPE, TOKENS, weight_manifest  # noqa: E402
+from tests.tiny import (  # noqa: E402
+    CONFIGS,
+    GOLDEN,
+    manifest_path,
+    tiny_config,
+    tokenizer_json,
+    write_tiny_model,
+)
 
 ARCH = "Gemma3ForConditionalGeneration"
 GOLDEN_FILE = GOLDEN / "gemma3_vision.npz"
@@ -96,7 +104,7 @@ def image_bytes(name: str, width: int, height: int, mode: str, fmt: str) -> byte
         127.5 + 127.5 * np.sin((x + 2 * y) / 7.0),
     ]
     if mode == "RGBA":
-        planes.append(255 * (x + y) / (width + height - 2))
+        planes.append(255 * (x + y) / max(width + height - 2, 1))
     pixels = np.stack(planes, axis=-1) + rng.normal(0, 20, (height, width, len(planes)))
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode)
     out = io.BytesIO()
@@ -220,7 +228,9 @@ def compute_goldens(model_dir: Path) -> dict[str, np.ndarray]:
     arrays = {f"pixels_{name}": p for name, p in pixels.items()}
     for name, (ids, shown) in prompts(config).items():
         arrays[f"tokens_{name}"] = np.array(ids, np.int32)
-        arrays[f"logits_{name}"] = reference_logits(model, ids, [pixels[s] for s in shown])
+        logits = reference_logits(model, ids, [pixels[s] for s in shown])
+        # every position of the one-image prompt (the image's own rows included), else the last
+        arrays[f"logits_{name}"] = logits if name == "one" else logits[-1:]
     ids, shown = prompts(config)["one"]
     arrays["generated"] = np.array(
         reference_generation(model, ids, [pixels[s] for s in shown]), np.int32
@@ -229,8 +239,6 @@ def compute_goldens(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    from tiny import write_tiny_model
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", action="store_true", help="rewrite config and manifest")
     args = parser.parse_args()
