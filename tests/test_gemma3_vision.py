@@ -353,3 +353,15 @@ class TestReference:
         data = out.getvalue()
         expected = reference_pixels({"live": data}, 64)["live"]
         assert np.abs(model.preprocess(data) - expected).max() <= 1e-6
+
+
+def test_token_ids_by_their_transformers_aliases(tmp_path: Path) -> None:
+    """transformers maps image_token_id to image_token_index (and boi/eoi likewise)."""
+    config = tiny_config(ARCH)
+    for name in ("image", "boi", "eoi"):
+        config[f"{name}_token_id"] = config.pop(f"{name}_token_index") - 10
+    loaded = build_model(load_local_dir(write_tiny_model(ARCH, tmp_path, config=config)))
+    assert isinstance(loaded, Gemma3Multimodal)
+    ids, start, end = loaded.expansion()
+    assert (loaded.image_token_id, loaded.boi_token_id, loaded.eoi_token_id) == (370, 371, 372)
+    assert ids[start - 1 : end + 1] == [371, *[370] * 16, 372]

@@ -37,6 +37,7 @@ from runner.models.config import SLIDING, flag, integer, json_object, number
 from runner.models.gemma3 import GEMMA3_DEFAULTS, Gemma3
 from runner.models.registry import register
 from runner.source import ModelLoadError, ModelSource, show
+from runner.tokenizer import Tokenizer
 
 # transformers 5's Gemma3Config and SiglipVisionConfig defaults (the released checkpoints
 # write most of them; sparse configs rely on these).
@@ -315,8 +316,10 @@ def _vision_config(config: dict[str, Any]) -> dict[str, Any]:
     return v
 
 
-def _token_id(c: dict[str, Any], key: str, alias: str) -> int:
-    value = c[alias] if alias in c and key not in c else c[key]
+def _token_id(config: dict[str, Any], key: str, alias: str) -> int:
+    """A special token id under its config key, else under the name transformers maps to it
+    (`attribute_map`: image_token_id -> image_token_index), else the default."""
+    value = config[key] if key in config else config.get(alias, MULTIMODAL_DEFAULTS[key])
     return integer(value, key, minimum=0)
 
 
@@ -347,9 +350,9 @@ class Gemma3Multimodal(Gemma3):
             ("boi_token_index", "boi_token_id"),
             ("eoi_token_index", "eoi_token_id"),
         ):
-            if _token_id(c, key, alias) >= vocab:
+            if _token_id(config, key, alias) >= vocab:
                 raise ModelLoadError(f"config.json: {key} is outside the vocabulary of {vocab}")
-        _token_id(c, "image_token_index", "image_token_id")
+        _token_id(config, "image_token_index", "image_token_id")
         projector = MultimodalProjector(
             v["hidden_size"], t["hidden_size"], patches, side, v["layer_norm_eps"]
         )
@@ -363,17 +366,15 @@ class Gemma3Multimodal(Gemma3):
         text_config = {**GEMMA3_DEFAULTS, **(config.get("text_config") or {})}
         self.context_length = int(text_config["max_position_embeddings"])
         self.image_tokens = int(c["mm_tokens_per_image"])
-        self.image_token_id = _token_id(c, "image_token_index", "image_token_id")
-        self.boi_token_id = _token_id(c, "boi_token_index", "boi_token_id")
-        self.eoi_token_id = _token_id(c, "eoi_token_index", "eoi_token_id")
+        self.image_token_id = _token_id(config, "image_token_index", "image_token_id")
+        self.boi_token_id = _token_id(config, "boi_token_index", "boi_token_id")
+        self.eoi_token_id = _token_id(config, "eoi_token_index", "eoi_token_id")
         self.hidden_size = int(text_config["hidden_size"])
         self.newline_ids: list[int] | None = None  # "\n\n", from the tokenizer (bind_source)
         self.preprocessor = Gemma3ImagePreprocessor(config)
 
     def bind_source(self, source: ModelSource) -> None:
         """Read what config.json does not say: the tokenizer's "\\n\\n" ids."""
-        from runner.tokenizer import Tokenizer
-
         tokenizer = Tokenizer(source.tokenizer_json, tokenizer_config=source.tokenizer_config)
         self.newline_ids = tokenizer.encode(NEWLINES)
 
