@@ -28,7 +28,7 @@ from PIL import Image
 
 from runner.loader import load_local_dir
 from runner.media.images import decode_image
-from runner.models import build_model
+from runner.models import build_model, gemma3_vision
 from runner.models.gemma3_vision import Gemma3Multimodal
 from runner.source import ModelLoadError
 from runner.store import load_store_model
@@ -365,3 +365,13 @@ def test_token_ids_by_their_transformers_aliases(tmp_path: Path) -> None:
     ids, start, end = loaded.expansion()
     assert (loaded.image_token_id, loaded.boi_token_id, loaded.eoi_token_id) == (370, 371, 372)
     assert ids[start - 1 : end + 1] == [371, *[370] * 16, 372]
+
+
+def test_tower_attention_in_query_blocks_is_the_same(
+    model: Gemma3Multimodal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pixels = mx.array(model.preprocess(all_image_bytes()["large"]))[None]
+    whole = np.array(model.encode_image(pixels))
+    monkeypatch.setattr(gemma3_vision, "QUERY_BLOCK", 10)  # 64 patches: 7 blocks
+    blocked = np.array(model.encode_image(pixels))
+    assert np.abs(blocked - whole).max() <= 1e-6

@@ -69,14 +69,17 @@ IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
 
 NEWLINES = "\n\n"  # what Gemma3Processor puts around each image
+QUERY_BLOCK = 1024  # patches whose attention the tower computes at once
 
 
 class Gemma3ImagePreprocessor:
     """Pixels for the tower: float32 [3, S, S], equal to transformers 5's Gemma3 image
     processor with pan-and-scan off (its default). That is the PIL backend
     (`Gemma3ImageProcessorPil`), the one `AutoImageProcessor` gives wherever torchvision is
-    not installed, as in this project's reference environment; the torchvision backend
-    resizes tensors with its own antialiasing and may differ by a grey level. Steps, as
+    not installed, as in this project's reference environment. The torchvision backend
+    (what AutoImageProcessor gives where torchvision is installed) resizes with torch's
+    uint8 antialiasing, which differs from Pillow's by one grey level (2/255 after the
+    normalisation) on up to a fifth of the pixels when upscaling. Steps, as
     transformers does them: RGB with transparency composited onto white; PIL bilinear resize
     of the uint8 image to S x S; float64 x / 255 cast to float32; (x - mean) / std in
     float32."""
@@ -152,7 +155,17 @@ class _VisionAttention(nn.Module):
             return t.reshape(b, n, self.heads, -1).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        # in query blocks: a 896-pixel image has 4096 patches, whose whole score matrix
+        # would be 1 GiB a layer in float32 where MLX composes attention (the CPU)
+        out = mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(
+                    q[:, :, i : i + QUERY_BLOCK], k, v, scale=self.scale
+                )
+                for i in range(0, n, QUERY_BLOCK)
+            ],
+            axis=2,
+        )
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, n, d))
 
 
