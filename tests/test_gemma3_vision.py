@@ -375,3 +375,31 @@ def test_tower_attention_in_query_blocks_is_the_same(
     monkeypatch.setattr(gemma3_vision, "QUERY_BLOCK", 10)  # 64 patches: 7 blocks
     blocked = np.array(model.encode_image(pixels))
     assert np.abs(blocked - whole).max() <= 1e-6
+
+
+# --- text rows through the runner's caches (the families' shared tests, on this one) -------
+
+
+def test_text_rows_cached_equal_uncached(engine, loaded_models) -> None:
+    from tests.test_prefix_cache_models import test_random_requests_cached_equal_uncached
+
+    test_random_requests_cached_equal_uncached(engine, loaded_models, ARCH)
+
+
+@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])
+def test_text_rows_batched_equal_rows_one_by_one(
+    engine, loaded_models, monkeypatch, batch_bytes
+) -> None:
+    from tests.test_prefix_cache_models import test_batched_suffixes_equal_rows_one_by_one
+
+    test_batched_suffixes_equal_rows_one_by_one(
+        engine, loaded_models, monkeypatch, ARCH, batch_bytes
+    )
+
+
+def test_text_generation_restores_its_history(tmp_path: Path, caplog) -> None:
+    from tests.test_generate_cache import (
+        test_extending_a_conversation_restores_it_and_generates_the_same as extending,
+    )
+
+    extending(tmp_path, ARCH, caplog)
