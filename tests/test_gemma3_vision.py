@@ -297,6 +297,7 @@ def test_reads_googles_and_transformers_4_weight_names(model_dir: Path, golden: 
         ({"vision_config": {"hidden_act": "relu"}}, "vision_config.hidden_act must be one of"),
         ({"vision_config": {"num_attention_heads": 3}}, "is not a multiple of num_attention"),
         ({"vision_config": {"patch_size": "8"}}, "vision_config.patch_size must be"),
+        ({"vision_config": {"num_channels": 1}}, "vision_config.num_channels must be 3"),
         ({"text_config": {"num_hidden_layers": 0}}, "num_hidden_layers must be"),
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ],
@@ -403,3 +404,16 @@ def test_text_generation_restores_its_history(tmp_path: Path, caplog) -> None:
     )
 
     extending(tmp_path, ARCH, caplog)
+
+
+def test_an_image_token_id_outside_the_vocabulary(tmp_path: Path, golden: dict) -> None:
+    """transformers embeds such an id as id 0 before the features replace it: the logits are
+    those of the same weights with an id inside the vocabulary."""
+    config = tiny_config(ARCH)
+    config["image_token_index"] = 400
+    loaded = build_model(load_local_dir(write_tiny_model(ARCH, tmp_path, config=config)))
+    assert isinstance(loaded, Gemma3Multimodal)
+    ids, shown = prompts(tiny_config(ARCH))["one"]
+    ids = [400 if t == 380 else t for t in ids]
+    got, _ = forward(loaded, ids, [all_image_bytes()[s] for s in shown])
+    assert np.abs(got - golden["logits_one"]).max() <= TOLERANCE

@@ -316,6 +316,10 @@ def _vision_config(config: dict[str, Any]) -> dict[str, Any]:
             f"config.json: vision_config.hidden_act must be one of {', '.join(_ACTIVATIONS)}, "
             f"not {show(v['hidden_act'])}"
         )
+    if v["num_channels"] != 3:  # the preprocessor makes RGB pixels
+        raise ModelLoadError(
+            f"config.json: vision_config.num_channels must be 3, not {show(v['num_channels'])}"
+        )
     if v["hidden_size"] % v["num_attention_heads"]:
         raise ModelLoadError(
             f"config.json: vision_config.hidden_size {v['hidden_size']} is not a multiple of "
