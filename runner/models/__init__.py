@@ -4,6 +4,7 @@
 from runner.models import (  # noqa: F401
     cohere2_moe,
     gemma3,
+    gemma3_vision,
     glm4_moe_lite,
     gpt_oss,
     llama,

@@ -115,6 +115,9 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
     model = family(module, source.config, architecture, backend)
+    bind_source = getattr(model, "bind_source", None)
+    if bind_source is not None:  # a family that reads more of the files (Gemma3's images)
+        bind_source(source)
     verify_batched_rows(model)
     return model
 
