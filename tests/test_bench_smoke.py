@@ -322,3 +322,15 @@ def test_llama_cpp_agrees_with_ours(model_dir, bench_engine, tmp_path):
         assert r.metrics["new_tokens"] > 0 and r.metrics["decode_tokens_per_s"] > 0
     cache = model_dir.parent / f"{model_dir.name}.gguf"
     assert (cache / "f32.gguf").exists() and (cache / "q4_k_m.gguf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="the vision baseline is transformers")
+def test_vision_decisions_agree_with_transformers(capsys):
+    from bench import vision
+
+    assert vision.main(["--rows", "3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "vision decisions: 3 rows, one image" in out
+    diff = float(out.split("max|Δlogit|")[1].split()[0])
+    assert diff <= 1e-4
