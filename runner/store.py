@@ -375,13 +375,17 @@ def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
     """Rename blob tensors to mlx-lm's spelling.
 
     `<t>.scale` -> `<P>.scales`, and `<t>.bias` -> `<P>.biases` only when `<t>.scale`
-    exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. mlx-lm's own
+    exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. A `.scale` without a
+    tensor `<t>` is a parameter of its own (Gemma 4's `router.scale`) and keeps its name,
+    as only tensors with a `<t>.scale` companion count as quantized. mlx-lm's own
     `<P>.scales`/`<P>.biases`, which some imports keep, pass through, but the Ollama
     spelling wins a clash (as in Go's `normaliseAuxNames`).
     """
     out: dict[str, mx.array] = {}
     for name, arr in raw.items():
         stem = name[: -len(".scale")] if name.endswith(".scale") else None
+        if stem is not None and stem not in raw:  # no tensor <t>: a parameter named scale
+            stem = None
         if stem is None and name.endswith(".bias") and name[: -len(".bias")] + ".scale" in raw:
             stem = name[: -len(".bias")]
         if stem is None:

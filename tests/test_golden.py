@@ -122,11 +122,12 @@ def quantized_sources(
     head_path = "lm_head" if "lm_head.weight" in dense.weights else "model.embed_tokens"
     weights = {}
     for name, w in dense.weights.items():
-        if w.ndim != 2 or not name.endswith(".weight"):
-            weights[name] = w
-            continue
         p = name.removesuffix(".weight")
         g, b = head if head is not None and p == head_path else (group_size, bits)
+        # as mlx-lm's quantization: rows too short for a group stay dense
+        if w.ndim != 2 or not name.endswith(".weight") or w.shape[-1] % g:
+            weights[name] = w
+            continue
         if (g, b) != (group_size, bits):
             quantization[p] = {"group_size": g, "bits": b, "mode": "affine"}
         packed, scales, biases = mx.quantize(w, g, b)

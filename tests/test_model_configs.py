@@ -19,13 +19,13 @@ from runner.models.gemma3 import Gemma3
 from runner.models.llama import Llama
 from runner.models.qwen3 import Qwen3
 from runner.source import ModelLoadError, ModelSource
-from tests.tiny import TINY_ARCHITECTURES, tiny_config, write_tiny_model
+from tests.tiny import TINY_ARCHITECTURES, edit_text_config, tiny_config, write_tiny_model
 from tools.spawned import SpawnedRunner
 
 
 def refused(arch: str, edits: dict[str, Any]) -> str:
     """The one-line message `build_model` refuses `arch`'s tiny config with, once edited."""
-    config = tiny_config(arch) | edits
+    config = edit_text_config(tiny_config(arch), edits)
     with pytest.raises(ModelLoadError) as err:
         build_model(ModelSource(name="x", config=config, tokenizer_json=""))
     message = str(err.value)

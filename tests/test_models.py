@@ -18,13 +18,16 @@ from runner.loader import load_local_dir
 from runner.models import Model, build_model, registered_architectures
 from runner.models.registry import register
 from runner.source import ModelLoadError, ModelSource
-from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, tiny_config, write_tiny_model
+from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, text_part, tiny_config, write_tiny_model
 
 CACHE_KINDS = {
     "LlamaForCausalLM": [KVCache] * 2,
     "Qwen3ForCausalLM": [KVCache] * 2,
     "Gemma3ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
     "Qwen3_5ForCausalLM": [ArraysCache, KVCache, ArraysCache, ArraysCache],
+    # layers 3 and 4 share the KV of layers 2 and 1: no caches of their own
+    "Gemma4ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache],
+    "Gemma4ForConditionalGeneration": [RotatingKVCache, RotatingKVCache, KVCache],
 }
 
 
@@ -70,7 +73,7 @@ def test_model_type_is_the_fallback_key(tmp_path: Path, arch: str) -> None:
 def test_facts(models: dict[str, Model], arch: str) -> None:
     model = models[arch]
     assert model.vocab_size == 384
-    assert model.context_length == tiny_config(arch)["max_position_embeddings"]
+    assert model.context_length == text_part(tiny_config(arch))["max_position_embeddings"]
     assert model.architecture == arch
 
 
@@ -80,7 +83,7 @@ def test_cache_kind_per_layer(models: dict[str, Model], arch: str) -> None:
     assert [type(c) for c in caches] == CACHE_KINDS[arch]
     for c in caches:
         if isinstance(c, RotatingKVCache):
-            assert c.max_size == tiny_config(arch)["sliding_window"]
+            assert c.max_size == text_part(tiny_config(arch))["sliding_window"]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)

@@ -112,6 +112,9 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
     model = family(module, source.config, architecture, backend)
+    read_generation_config = getattr(model, "use_generation_config", None)
+    if read_generation_config is not None:  # e.g. Gemma 4's suppress_tokens
+        read_generation_config(source.generation_config)
     verify_batched_rows(model)
     return model
 

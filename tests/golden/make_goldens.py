@@ -113,24 +113,87 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Gemma4: layer kinds S F S S F, the last two sharing the KV of layers 2 and 1, a wider
+    # head and one K=V head on global layers (per_layer_config), per-layer inputs, double-wide
+    # MLPs on the sharing layers, proportional partial RoPE, soft-capping.
+    "Gemma4ForCausalLM": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 5,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 8,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 384,
+            "global_head_dim": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 3.0,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    # Gemma4 MoE, nested under text_config with a (tiny) vision tower whose weights the
+    # runner drops: 4 experts, top-2, beside the dense MLP; the head tied at the top level.
+    "Gemma4ForConditionalGeneration": (
+        "Gemma4Config",
+        {
+            "text_config": {
+                "num_hidden_layers": 3,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                "sliding_window": 8,
+                "hidden_size_per_layer_input": 0,
+                "global_head_dim": 32,
+                "enable_moe_block": True,
+                "num_experts": 4,
+                "top_k_experts": 2,
+                "moe_intermediate_size": 32,
+                "final_logit_softcapping": 5.0,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "position_embedding_size": 64,
+            },
+            "audio_config": None,
+        },
+    ),
 }
 
 
 def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
     """config.json as transformers 5 writes it for the tiny `arch`, with `overrides` applied
-    as constructor arguments."""
+    as constructor arguments (to `text_config` where the model nests its text model)."""
     import transformers
 
     class_name, args = CONFIG_ARGS[arch]
     config_class = getattr(transformers, class_name)
-    config = config_class(**{**SHAPE, **TOKENS, **args, **overrides}, architectures=[arch])
+    if "text_config" in args:
+        text = {**SHAPE, **TOKENS, **args["text_config"], **overrides}
+        config = config_class(**{**args, "text_config": text}, architectures=[arch])
+    else:
+        config = config_class(**{**SHAPE, **TOKENS, **args, **overrides}, architectures=[arch])
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
 
 
 # Per architecture: weight-name substring -> initialiser, ahead of `initialiser`'s rules.
-INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {}
+INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
+    # a router of std 0.02 scores experts almost alike: rounding would pick the top-2
+    "Gemma4ForConditionalGeneration": {"router.proj": ("normal", 0.5)},
+}
 
 
 def initialiser(arch: str, name: str, value: Any) -> tuple[str, float]:
