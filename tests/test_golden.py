@@ -162,7 +162,8 @@ def test_quantized_model(
     model = build_model(quantized)
     out = model.module.get("lm_head") or model.module.model.embed_tokens
     assert isinstance(out, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    assert isinstance(model.module.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    layers = [m for _, m in model.module.named_modules() if m is not out]
+    assert any(isinstance(m, nn.QuantizedLinear) for m in layers)  # not only the head
     tokens, _ = stored_golden(arch)[1]
     ids = mx.array(tokens, dtype=mx.int32)[None]
     h = model.hidden(ids, model.make_caches())[0]
@@ -244,6 +245,25 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     (  # partial_rotary_factor absent: transformers' default 0.25
         "Qwen3_5ForCausalLM",
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        {},
+    ),
+    # (variants of manifest-built tiny models keep the manifest's weights)
+    ("NemotronHForCausalLM", {"tie_word_embeddings": True}, {}),
+    # attention_bias and mamba_proj_bias, which transformers' layers ignore
+    ("NemotronHForCausalLM", {"attention_bias": True, "mamba_proj_bias": True}, {}),
+    (  # the legacy pattern string; dt clamped at a large time_step_min
+        "NemotronHForCausalLM",
+        {"time_step_min": 0.9},
+        {"layers_block_type": None, "hybrid_override_pattern": "ME*-M"},
+    ),
+    (  # legacy block names
+        "NemotronHForCausalLM",
+        {},
+        {"layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba"]},
+    ),
+    (  # Gemma4's default RoPE (proportional, a quarter of the global head) and no soft-cap
+        "Gemma4ForCausalLM",
+        {"rope_parameters": None, "final_logit_softcapping": None},
         {},
     ),
 ]

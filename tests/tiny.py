@@ -37,6 +37,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "NemotronHForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

@@ -52,7 +52,7 @@ from runner.models.config import (
     number,
     require,
 )
-from runner.models.decoder import DecoderModel
+from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -210,15 +210,8 @@ class _SharedView(SharedPrefixKV):
         return keys, values
 
 
-class _Experts(gemma4_text.Experts):
-    """mlx-lm's experts; on the CPU, whose gather_mm computes float32 only, a half-precision
-    input is computed in float32 (the weights promote) and the result cast back."""
-
-    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
-            return super().__call__(x, indices, weights)
-        out = super().__call__(x.astype(mx.float32), indices, weights.astype(mx.float32))
-        return out.astype(x.dtype)
+class _Experts(Float32ExpertsOnCPU, gemma4_text.Experts):
+    """mlx-lm's experts, computed in float32 on the CPU (see Float32ExpertsOnCPU)."""
 
 
 class _TextModel(gemma4_text.Gemma4TextModel):

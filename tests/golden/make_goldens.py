@@ -169,6 +169,28 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "audio_config": None,
         },
     ),
+    # Nemotron-H: Mamba2, MoE (4 experts, top-2, a shared expert), attention and MLP layers.
+    "NemotronHForCausalLM": (
+        "NemotronHConfig",
+        {
+            "layers_block_type": [
+                "linear_attention",
+                "moe",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 8,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+    ),
 }
 
 
@@ -193,6 +215,7 @@ def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
 INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     # a router of std 0.02 scores experts almost alike: rounding would pick the top-2
     "Gemma4ForConditionalGeneration": {"router.proj": ("normal", 0.5)},
+    "NemotronHForCausalLM": {"mixer.gate.weight": ("normal", 0.5)},
 }
 
 
