@@ -261,6 +261,24 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {},
         {"layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba"]},
     ),
+    (  # Laguna: yarn over half of each global head
+        "LagunaForCausalLM",
+        {
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                    "partial_rotary_factor": 0.5,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            }
+        },
+        {},
+    ),
+    # transformers' default RoPE per kind; "per-head" spelled out
+    ("LagunaForCausalLM", {"gating": "per-head"}, {"rope_parameters": None}),
     (  # Gemma4's default RoPE (proportional, a quarter of the global head) and no soft-cap
         "Gemma4ForCausalLM",
         {"rope_parameters": None, "final_logit_softcapping": None},

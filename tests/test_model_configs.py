@@ -90,6 +90,16 @@ def test_every_family_refuses(arch: str, edits: dict[str, Any], message: str) ->
 
 
 FAMILY: list[tuple[str, dict[str, Any], str]] = [
+    ("LagunaForCausalLM", {"gating": False}, 'gating must be true or "per-head", not False'),
+    ("LagunaForCausalLM", {"num_attention_heads_per_layer": [4, 5, 4]}, "layer 1's 5 attention"),
+    ("LagunaForCausalLM", {"num_attention_heads_per_layer": [4]}, "num_attention_heads_per_layer"),
+    ("LagunaForCausalLM", {"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
+    ("LagunaForCausalLM", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than"),
+    (
+        "LagunaForCausalLM",
+        {"rope_parameters": {"full_attention": {"partial_rotary_factor": 0.1}}},
+        "rope_parameters.full_attention would rotate 1 ",
+    ),
     ("NemotronHForCausalLM", {"layer_norm_epsilon": 0}, "layer_norm_epsilon must be a positive"),
     ("NemotronHForCausalLM", {"mamba_num_heads": 7}, "mamba_num_heads 7 is not a multiple of"),
     ("NemotronHForCausalLM", {"layers_block_type": ["mamba2"]}, "layers_block_type must be"),

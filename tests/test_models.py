@@ -30,6 +30,7 @@ CACHE_KINDS = {
     "Gemma4ForConditionalGeneration": [RotatingKVCache, RotatingKVCache, KVCache],
     # Mamba2, attention, Mamba2: the MoE and MLP layers keep no state and have no cache
     "NemotronHForCausalLM": [ArraysCache, KVCache, ArraysCache],
+    "LagunaForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache],
 }
 
 

@@ -38,6 +38,7 @@ TINY_ARCHITECTURES = (
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
     "NemotronHForCausalLM",
+    "LagunaForCausalLM",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

@@ -191,6 +191,25 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_shared_expert_intermediate_size": 32,
         },
     ),
+    # Laguna: sliding + global layers with 4 / 8 heads, partial RoPE on the global layer,
+    # a dense MLP then MoE layers (4 experts, top-2, soft-capped router, scaled, shared).
+    "LagunaForCausalLM": (
+        "LagunaConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "sliding_window": 8,
+            "num_attention_heads_per_layer": [4, 8, 4],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "moe_router_logit_softcapping": 2.0,
+            "moe_routed_scaling_factor": 1.5,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 
 
@@ -216,6 +235,7 @@ INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     # a router of std 0.02 scores experts almost alike: rounding would pick the top-2
     "Gemma4ForConditionalGeneration": {"router.proj": ("normal", 0.5)},
     "NemotronHForCausalLM": {"mixer.gate.weight": ("normal", 0.5)},
+    "LagunaForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
 }
 
 
