@@ -279,6 +279,15 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ),
     # transformers' default RoPE per kind; "per-head" spelled out
     ("LagunaForCausalLM", {"gating": "per-head"}, {"rope_parameters": None}),
+    (  # Glimmer: layer kinds that do not follow layer_rope_theta's NoPE layers; linear RoPE
+        "MuseGlimmerForConditionalGeneration",
+        {
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "qk_scale_factor": 2.0,
+        },
+        {},
+    ),
     (  # Gemma4's default RoPE (proportional, a quarter of the global head) and no soft-cap
         "Gemma4ForCausalLM",
         {"rope_parameters": None, "final_logit_softcapping": None},

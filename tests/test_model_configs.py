@@ -89,7 +89,16 @@ def test_every_family_refuses(arch: str, edits: dict[str, Any], message: str) ->
         assert refused(arch, edits).startswith(f"config.json: {message}")
 
 
+GLIMMER = "MuseGlimmerForConditionalGeneration"
 FAMILY: list[tuple[str, dict[str, Any], str]] = [
+    (GLIMMER, {"output_multiplier": 0}, "output_multiplier must be a positive number"),
+    (GLIMMER, {"final_logit_softcapping": None}, "final_logit_softcapping must be a positive"),
+    (GLIMMER, {"qk_scale_factor": "3.87"}, "qk_scale_factor must be a positive number"),
+    (GLIMMER, {"layer_rope_theta": [0, 1e4]}, "layer_rope_theta must give a RoPE base"),
+    (GLIMMER, {"layer_rope_theta": [0, -1, 1e4, 1e4, 0]}, "layer_rope_theta[1] must be a"),
+    (GLIMMER, {"layer_types": ["full_attention"] * 4}, "layer_types must give one of"),
+    ("Gemma4ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("Gemma4ForCausalLM", {"per_layer_config": {"1": {"head_dim": 7}}}, "RoPE would rotate"),
     ("LagunaForCausalLM", {"gating": False}, 'gating must be true or "per-head", not False'),
     ("LagunaForCausalLM", {"num_attention_heads_per_layer": [4, 5, 4]}, "layer 1's 5 attention"),
     ("LagunaForCausalLM", {"num_attention_heads_per_layer": [4]}, "num_attention_heads_per_layer"),

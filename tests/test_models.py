@@ -31,6 +31,7 @@ CACHE_KINDS = {
     # Mamba2, attention, Mamba2: the MoE and MLP layers keep no state and have no cache
     "NemotronHForCausalLM": [ArraysCache, KVCache, ArraysCache],
     "LagunaForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache],
+    "MuseGlimmerForConditionalGeneration": [KVCache] + [RotatingKVCache] * 3 + [KVCache],
 }
 
 

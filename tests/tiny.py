@@ -39,6 +39,7 @@ TINY_ARCHITECTURES = (
     "Gemma4ForConditionalGeneration",
     "NemotronHForCausalLM",
     "LagunaForCausalLM",
+    "MuseGlimmerForConditionalGeneration",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",

@@ -166,6 +166,11 @@ def _rope(params: dict[str, Any], head_dim: int, where: str) -> nn.Module:
     """transformers' per-kind RoPE: "default" rotates the whole head (any
     partial_rotary_factor is ignored, as transformers' default init does); "proportional"
     rotates the first fraction's frequencies over the whole head, the rest standing still."""
+    if head_dim % 2:
+        raise ModelLoadError(
+            f"config.json: RoPE would rotate the {head_dim} dimensions of a {where} head; "
+            "it rotates pairs"
+        )
     params = dict(json_object(params, where))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ("default", "proportional"):

@@ -210,6 +210,29 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 4096,
         },
     ),
+    # Glimmer: the text model under text_config, global NoPE layers counted back from the
+    # last (transformers' default, not mlx-lm's), a small soft-cap, a tiny vision tower.
+    "MuseGlimmerForConditionalGeneration": (
+        "MuseGlimmerConfig",
+        {
+            "text_config": {
+                "num_hidden_layers": 5,
+                "sliding_window": 8,
+                "final_logit_softcapping": 2.0,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "pos_emb_height": 4,
+                "pos_emb_width": 4,
+            },
+            "out_hidden_size": 64,
+            "projector_hidden_size": 32,
+        },
+    ),
 }
 
 
