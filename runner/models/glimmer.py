@@ -98,7 +98,7 @@ class _Model(muse_glimmer.Model):
         super().__init__(args)
         for layer in self.model.layers:
             if layer.self_attn.use_rope:
-                layer.self_attn.rope = rope
+                layer.self_attn.rope = rope  # type: ignore[assignment]  # any RoPE type
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if not k.startswith(_MEDIA_PREFIXES)}
