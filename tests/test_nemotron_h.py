@@ -70,3 +70,25 @@ def test_a_quantized_router_loads_dequantized(tmp_path: Path) -> None:
     got = model.unembed(model.hidden(ids, model.make_caches()))
     want = dense.unembed(dense.hidden(ids, dense.make_caches()))
     assert np.corrcoef(np.array(got).ravel(), np.array(want).ravel())[0, 1] > 0.99
+
+
+@pytest.mark.parametrize(
+    ("arch", "key"),
+    [("NemotronH_Nano_VL_V2", "llm_config"), ("NemotronH_Nano_Omni_Reasoning_V3", "text_config")],
+)
+def test_multimodal_names_load_the_language_model(tmp_path: Path, arch: str, key: str) -> None:
+    """The language model nested in a multimodal checkpoint (config and weights), beside media
+    weights that are dropped, computes what the plain model computes. (Not checked against
+    transformers: its tiny multimodal models need their own vision and audio configs.)"""
+    plain = load_local_dir(write_tiny_model(ARCH, tmp_path))
+    nested = load_local_dir(tmp_path)
+    nested.config = {"architectures": [arch], key: plain.config, "vision_config": {}}
+    nested.weights = {f"language_model.{k}": v for k, v in plain.weights.items()}
+    nested.weights["vision_model.patch.weight"] = mx.zeros((4, 4))
+    nested.weights["mlp1.0.weight"] = mx.zeros((4,))
+    model, reference = build_model(nested), build_model(plain)
+    assert model.architecture == arch and model.context_length == reference.context_length
+    ids = mx.array([[5, 6, 7, 8, 9]], dtype=mx.int32)
+    got = model.unembed(model.hidden(ids, model.make_caches()))
+    want = reference.unembed(reference.hidden(ids, reference.make_caches()))
+    assert np.array_equal(np.array(got), np.array(want))

@@ -1,5 +1,8 @@
 """NemotronHForCausalLM (model_type nemotron_h) over mlx-lm's nemotron_h: Mamba2 layers mixed
-with attention (no RoPE), ReLU² MLP and MoE layers.
+with attention (no RoPE), ReLU² MLP and MoE layers. The multimodal NemotronH_Nano_VL_V2 and
+NemotronH_Nano_Omni_Reasoning_V3 load their language model only: its config under
+`text_config` (or the older `llm_config`), its weights under `language_model.`; the vision and
+audio weights are dropped, so media requests are refused as for any text model.
 
 Caches (docs/DESIGN.md §3.1): a recurrent cache (conv and SSM state, mlx-lm's ArraysCache)
 per Mamba2 layer and a KV cache per attention layer, in layer order; MLP and MoE layers keep
@@ -36,6 +39,7 @@ from runner.models.config import (
     check_decoder,
     flag,
     integer,
+    json_object,
     number,
     require,
 )
@@ -90,6 +94,14 @@ _MOE_SIZES = (
     "moe_shared_expert_intermediate_size",
     "num_experts_per_tok",
 )
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of the multimodal checkpoints, else `config`."""
+    for key in ("text_config", "llm_config"):
+        if key in config:
+            return json_object(config[key], key)
+    return config
 
 
 def layer_kinds(c: dict[str, Any]) -> list[str]:
@@ -176,8 +188,9 @@ class _Backbone(nemotron_h.NemotronHModel):
 
 
 class _Model(nemotron_h.Model):
-    def __init__(self, args: nemotron_h.ModelArgs):
+    def __init__(self, args: nemotron_h.ModelArgs, nested: bool):
         super().__init__(args)
+        self.nested = nested  # the language model's weights under language_model.
         self.backbone = _Backbone(args)
         for layer in self.backbone.layers:
             if layer.block_type == "E":
@@ -190,6 +203,9 @@ class _Model(nemotron_h.Model):
                 )
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        if self.nested:
+            prefix = "language_model."
+            weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         weights = _dense_router(weights, self.args.hidden_size)
         return super().sanitize(_stack_quantized_experts(weights, self.args.n_routed_experts or 0))
 
@@ -235,14 +251,20 @@ def _stack_quantized_experts(weights: dict[str, mx.array], experts: int) -> dict
     return out
 
 
-@register("NemotronHForCausalLM", "nemotron_h")
+@register(
+    "NemotronHForCausalLM",
+    "NemotronH_Nano_VL_V2",
+    "NemotronH_Nano_Omni_Reasoning_V3",
+    "nemotron_h",
+)
 class NemotronH(DecoderModel):
     DEFAULT_CONTEXT = 4096
     KERNELS = Kernels(attention=(nemotron_h.NemotronHAttention,))
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
-        c = {**NEMOTRON_H_DEFAULTS, **config}
+        text = text_config(config)
+        c = {**NEMOTRON_H_DEFAULTS, **text}
         kinds = layer_kinds(c)
         _check(c, kinds)
         c["hybrid_override_pattern"] = [_CHAR[kind] for kind in kinds]
@@ -253,13 +275,13 @@ class NemotronH(DecoderModel):
         c["attention_bias"] = False
         c["n_shared_experts"] = 1  # transformers' MoE always has the shared expert
         args = nemotron_h.ModelArgs.from_dict(c)
-        return _Model(args)
+        return _Model(args, nested=text is not config)
 
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
     ):
         self.module = module
-        self.config = config
+        self.config = config = text_config(config)
         self.architecture = architecture
         self.backend = backend
         self._tied = False
