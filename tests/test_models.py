@@ -32,6 +32,7 @@ CACHE_KINDS = {
     "NemotronHForCausalLM": [ArraysCache, KVCache, ArraysCache],
     "LagunaForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache],
     "MuseGlimmerForConditionalGeneration": [KVCache] + [RotatingKVCache] * 3 + [KVCache],
+    "Gemma4UnifiedForCausalLM": [RotatingKVCache, KVCache],
 }
 
 
@@ -58,8 +59,9 @@ def test_registry_refuses_duplicate_names() -> None:
 
 
 def test_every_registered_architecture_has_a_tiny_model() -> None:
-    causal = {name for name in registered_architectures() if name.endswith("ForCausalLM")}
-    assert causal == set(TINY_ARCHITECTURES)
+    registered = set(registered_architectures())
+    causal = {name for name in registered if name.endswith("ForCausalLM")}
+    assert causal <= set(TINY_ARCHITECTURES) <= registered
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)

@@ -37,6 +37,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForCausalLM",
     "NemotronHForCausalLM",
     "LagunaForCausalLM",
     "MuseGlimmerForConditionalGeneration",

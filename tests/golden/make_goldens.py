@@ -169,6 +169,19 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "audio_config": None,
         },
     ),
+    # Gemma4 unified text model: its own defaults (no per-layer inputs), one sliding and one
+    # global layer.
+    "Gemma4UnifiedForCausalLM": (
+        "Gemma4UnifiedTextConfig",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "global_head_dim": 32,
+            "final_logit_softcapping": 3.0,
+            "max_position_embeddings": 4096,
+        },
+    ),
     # Nemotron-H: Mamba2, MoE (4 experts, top-2, a shared expert), attention and MLP layers.
     "NemotronHForCausalLM": (
         "NemotronHConfig",
