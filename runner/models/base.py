@@ -27,6 +27,10 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   the scoring prefix cache with `hidden_rows(tokens)` -> (the last token's hidden row [1, H],
   tokens restored from the cache); that call checks for cancellation between chunks.
 
+A family that reads generation_config.json (Gemma 4's `suppress_tokens`) defines
+`use_generation_config(generation_config)`; `build_model` calls it once, before the model
+serves, with the file's contents or None.
+
 Every method runs on the MLX thread and builds lazy graphs; callers evaluate.
 """
 

@@ -8,8 +8,9 @@ or by `model_type` when it has no `architectures`.
 the config, `sanitize`, quantize the layers the weights say are quantized, load strictly,
 evaluate), with the family's config translation in front (see the family modules: transformers
 5 is the reference for what a config means) and every failure reported as a `ModelLoadError`.
-Then the backend's kernels go onto the loaded instances (runner/backend/install.py) and the
-batched-rows check runs on the model (runner/cache/batch.py).
+Then the backend's kernels go onto the loaded instances (runner/backend/install.py), a family
+that asks for it reads generation_config.json (runner/models/base.py), and the batched-rows
+check runs on the model (runner/cache/batch.py).
 """
 
 from __future__ import annotations
