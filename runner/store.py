@@ -375,7 +375,9 @@ def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
     """Rename blob tensors to mlx-lm's spelling.
 
     `<t>.scale` -> `<P>.scales`, and `<t>.bias` -> `<P>.biases` only when `<t>.scale`
-    exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. mlx-lm's own
+    exists (otherwise it is a true layer bias); `<t>` is `<P>.weight`. A `.scale` without a
+    tensor `<t>` is a parameter of its own (Gemma 4's `router.scale`) and keeps its name,
+    as only tensors with a `<t>.scale` companion count as quantized. mlx-lm's own
     `<P>.scales`/`<P>.biases`, which some imports keep, pass through, but the Ollama
     spelling wins a clash (as in Go's `normaliseAuxNames`). An nvfp4 global scale,
     `<P>.weight.global_scale` (else `<P>.weight_scale_2`), becomes `<P>.global_scale`
@@ -389,6 +391,8 @@ def _mlx_names(raw: dict[str, mx.array]) -> dict[str, mx.array]:
                 out[layer + ".global_scale"] = arr  # Go: `.global_scale`, else `_scale_2`
             continue
         stem = name[: -len(".scale")] if name.endswith(".scale") else None
+        if stem is not None and stem not in raw:  # no tensor <t>: a parameter named scale
+            stem = None
         if stem is None and name.endswith(".bias") and name[: -len(".bias")] + ".scale" in raw:
             stem = name[: -len(".bias")]
         if stem is None:

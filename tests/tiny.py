@@ -42,6 +42,12 @@ TINY_ARCHITECTURES = (
     "GptOssForCausalLM",
     "MistralForCausalLM",
     "Ministral3ForCausalLM",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForCausalLM",
+    "NemotronHForCausalLM",
+    "LagunaForCausalLM",
+    "MuseGlimmerForConditionalGeneration",
 )
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",
@@ -63,6 +69,21 @@ Spec = dict[str, tuple[tuple[int, ...], tuple[str, float]]]
 
 def tiny_config(arch: str) -> dict[str, Any]:
     return json.loads((CONFIGS / f"{arch}.json").read_text())
+
+
+def text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: `text_config` where a multimodal config nests it."""
+    return config.get("text_config") or config
+
+
+def edit_text_config(config: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
+    """`config` with `edits` applied to its text model's keys (nested or not); the names of
+    the architecture stay at the top level."""
+    if "text_config" not in config:
+        return config | edits
+    top = {k: v for k, v in edits.items() if k in ("architectures", "model_type")}
+    text = {k: v for k, v in edits.items() if k not in top}
+    return config | top | {"text_config": config["text_config"] | text}
 
 
 @functools.cache

@@ -36,6 +36,10 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   positions' embeddings. An atomic item is always whole inside one block
   (runner/media/request.py).
 
+A family that reads generation_config.json (Gemma 4's `suppress_tokens`) defines
+`use_generation_config(generation_config)`; `build_model` calls it once, before the model
+serves, with the file's contents or None.
+
 Every method except `prepare_image` runs on the MLX thread and builds lazy graphs; callers
 evaluate.
 """

@@ -164,3 +164,23 @@ class DecoderModel:
         if not self._tied and "bias" in self._head:
             logits = logits + self._head["bias"][ids].astype(mx.float32)
         return self.postprocess(logits)
+
+
+class Float32ExpertsOnCPU:
+    """Mixin for mlx-lm's expert layers (gather_mm): MLX's CPU gather_mm computes float32
+    only, so there a half-precision input is computed in float32 (the weights promote) and
+    the result cast back. The runner computes float32 on the CPU; this keeps a model loaded
+    in half precision there (tests, tools) working instead of failing at its first MoE layer.
+    """
+
+    def __call__(self, x: mx.array, *args: Any) -> mx.array:
+        call = super().__call__  # type: ignore[misc]
+        if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
+            return call(x, *args)
+        wide = tuple(
+            a.astype(mx.float32)
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
+            else a
+            for a in args
+        )
+        return call(x.astype(mx.float32), *wide).astype(x.dtype)

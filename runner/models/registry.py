@@ -9,8 +9,9 @@ the config, `sanitize`, quantize the layers the weights say are quantized (with 
 scales and row dtypes of runner/models/quantized.py), load strictly,
 evaluate), with the family's config translation in front (see the family modules: transformers
 5 is the reference for what a config means) and every failure reported as a `ModelLoadError`.
-Then the backend's kernels go onto the loaded instances (runner/backend/install.py) and the
-batched-rows check runs on the model (runner/cache/batch.py).
+Then the backend's kernels go onto the loaded instances (runner/backend/install.py), a family
+that asks for it reads generation_config.json (runner/models/base.py), and the batched-rows
+check runs on the model (runner/cache/batch.py).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
     bind_source = getattr(model, "bind_source", None)
     if bind_source is not None:  # a family that reads more of the files (Gemma3's images)
         bind_source(source)
+    read_generation_config = getattr(model, "use_generation_config", None)
+    if read_generation_config is not None:  # e.g. Gemma 4's suppress_tokens
+        read_generation_config(source.generation_config)
     verify_batched_rows(model)
     return model
 

@@ -247,17 +247,154 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Gemma4: layer kinds S F S S F, the last two sharing the KV of layers 2 and 1, a wider
+    # head and one K=V head on global layers (per_layer_config), per-layer inputs, double-wide
+    # MLPs on the sharing layers, proportional partial RoPE, soft-capping.
+    "Gemma4ForCausalLM": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 5,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 8,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 384,
+            "global_head_dim": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 3.0,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    # Gemma4 MoE, nested under text_config with a (tiny) vision tower whose weights the
+    # runner drops: 4 experts, top-2, beside the dense MLP; the head tied at the top level.
+    "Gemma4ForConditionalGeneration": (
+        "Gemma4Config",
+        {
+            "text_config": {
+                "num_hidden_layers": 3,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                "sliding_window": 8,
+                "hidden_size_per_layer_input": 0,
+                "global_head_dim": 32,
+                "enable_moe_block": True,
+                "num_experts": 4,
+                "top_k_experts": 2,
+                "moe_intermediate_size": 32,
+                "final_logit_softcapping": 5.0,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "position_embedding_size": 64,
+            },
+            "audio_config": None,
+        },
+    ),
+    # Gemma4 unified text model: its own defaults (no per-layer inputs), one sliding and one
+    # global layer.
+    "Gemma4UnifiedForCausalLM": (
+        "Gemma4UnifiedTextConfig",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "global_head_dim": 32,
+            "final_logit_softcapping": 3.0,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    # Nemotron-H: Mamba2, MoE (4 experts, top-2, a shared expert), attention and MLP layers.
+    "NemotronHForCausalLM": (
+        "NemotronHConfig",
+        {
+            "layers_block_type": [
+                "linear_attention",
+                "moe",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 8,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+    ),
+    # Laguna: sliding + global layers with 4 / 8 heads, partial RoPE on the global layer,
+    # a dense MLP then MoE layers (4 experts, top-2, soft-capped router, scaled, shared).
+    "LagunaForCausalLM": (
+        "LagunaConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "sliding_window": 8,
+            "num_attention_heads_per_layer": [4, 8, 4],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "moe_router_logit_softcapping": 2.0,
+            "moe_routed_scaling_factor": 1.5,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    # Glimmer: the text model under text_config, global NoPE layers counted back from the
+    # last (transformers' default, not mlx-lm's), a small soft-cap, a tiny vision tower.
+    "MuseGlimmerForConditionalGeneration": (
+        "MuseGlimmerConfig",
+        {
+            "text_config": {
+                "num_hidden_layers": 5,
+                "sliding_window": 8,
+                "final_logit_softcapping": 2.0,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "pos_emb_height": 4,
+                "pos_emb_width": 4,
+            },
+            "out_hidden_size": 64,
+            "projector_hidden_size": 32,
+        },
+    ),
 }
 
 
 def transformers_config(arch: str, **overrides: Any) -> dict[str, Any]:
     """config.json as transformers 5 writes it for the tiny `arch`, with `overrides` applied
-    as constructor arguments."""
+    as constructor arguments (to `text_config` where the model nests its text model)."""
     import transformers
 
     class_name, args = CONFIG_ARGS[arch]
     config_class = getattr(transformers, class_name)
-    config = config_class(**{**SHAPE, **TOKENS, **args, **overrides}, architectures=[arch])
+    if "text_config" in args:
+        text = {**SHAPE, **TOKENS, **args["text_config"], **overrides}
+        config = config_class(**{**args, "text_config": text}, architectures=[arch])
+    else:
+        config = config_class(**{**SHAPE, **TOKENS, **args, **overrides}, architectures=[arch])
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
@@ -275,6 +412,10 @@ INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     "Qwen3_5MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
     # GPT-OSS: its router, and attention sinks large enough to take a share of attention
     "GptOssForCausalLM": {"mlp.router.weight": ("normal", 0.3), "sinks": ("normal", 1.0)},
+    # a router of std 0.02 scores experts almost alike: rounding would pick the top-2
+    "Gemma4ForConditionalGeneration": {"router.proj": ("normal", 0.5)},
+    "NemotronHForCausalLM": {"mixer.gate.weight": ("normal", 0.5)},
+    "LagunaForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
 }
 
 
