@@ -180,8 +180,8 @@ def hf_weight_specs(c: dict[str, Any]) -> Spec:
         spec = read_manifest(c["architectures"][0])
         if c.get("tie_word_embeddings"):  # a tied checkpoint has no head of its own
             spec.pop("lm_head.weight", None)
-        elif c.get("tie_word_embeddings") is False:  # an untied one has
-            spec.setdefault("lm_head.weight", spec["model.embed_tokens.weight"])
+        elif c.get("tie_word_embeddings") is False and "lm_head.weight" not in spec:
+            spec["lm_head.weight"] = spec["model.embed_tokens.weight"]  # an untied one has
         return spec
     center = 0.0 if family in ("gemma3_text", "qwen3_5_text") else 1.0  # zero-centred norms
     qk_norm = None if family == "llama" else center
