@@ -116,15 +116,17 @@ def test_missing_or_misshaped_experts_are_named(tmp_path: Path) -> None:
         build_model(s)
 
 
-def conditional_generation(path: Path, tie: bool | None) -> ModelSource:
-    """The tiny Qwen3.5-MoE text checkpoint in `path` as the image-text model's: config
+def conditional_generation(
+    path: Path, tie: bool | None, arch: str = "Qwen3_5MoeForConditionalGeneration"
+) -> ModelSource:
+    """The tiny Qwen3.5(-MoE) text checkpoint in `path` as the image-text model's: config
     nested under text_config, weights under model.language_model., a vision tower and an MTP
     head that are not loaded."""
     s = load_local_dir(path)
     text = dict(s.config)
     config: dict[str, Any] = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
+        "architectures": [arch],
+        "model_type": "qwen3_5_moe" if "Moe" in arch else "qwen3_5",
         "text_config": text,
         "vision_config": {"model_type": "qwen3_5_moe_vision", "hidden_size": 32},
     }
@@ -149,6 +151,15 @@ def test_qwen3_5_moe_image_text_checkpoint_serves_its_text_model(tmp_path: Path)
     assert model.architecture == "Qwen3_5MoeForConditionalGeneration"
     assert model.context_length == tiny_config("Qwen3_5MoeForCausalLM")["max_position_embeddings"]
     assert model.vocab_size == 384
+    assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
+    assert np.array_equal(logits(model), logits(text))
+
+
+def test_qwen3_5_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    path = write_tiny_model("Qwen3_5ForCausalLM", tmp_path)
+    text = build_model(load_local_dir(path))
+    model = build_model(conditional_generation(path, False, "Qwen3_5ForConditionalGeneration"))
+    assert model.architecture == "Qwen3_5ForConditionalGeneration"
     assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
     assert np.array_equal(logits(model), logits(text))
 
@@ -263,6 +274,14 @@ VISION = {
         "image_size": 64,
         "patch_size": 16,
     },
+    "Qwen3_5ForConditionalGeneration": {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+    },
     "Qwen3_5MoeForConditionalGeneration": {
         "depth": 1,
         "hidden_size": 32,
@@ -276,6 +295,7 @@ IMAGE_TEXT = [
     ("Mistral3ForConditionalGeneration", "Mistral3Config", "Ministral3ForCausalLM", False),
     ("Mistral3ForConditionalGeneration", "Mistral3Config", "MistralForCausalLM", None),
     ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig", "Qwen3_5MoeForCausalLM", False),
+    ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", "Qwen3_5ForCausalLM", False),
 ]
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 
+from runner.backend import Backend
 from runner.backend.install import Kernels
 from runner.models.config import (
     FULL,
@@ -30,6 +32,7 @@ from runner.models.config import (
     check_rope,
     hf_rope_parameters,
     integer,
+    json_object,
     require,
 )
 from runner.models.decoder import DecoderModel
@@ -89,11 +92,64 @@ class Qwen3_5(DecoderModel):
     KERNELS = Kernels(attention=(qwen3_5.Attention,), swiglu=(qwen3_5.MLP,))
 
     @classmethod
-    def build_module(cls, config: dict[str, Any]) -> nn.Module:
+    def build_module(
+        cls, config: dict[str, Any], module_class: type[qwen3_5.TextModel] = qwen3_5.TextModel
+    ) -> nn.Module:
         c = {**QWEN3_5_DEFAULTS, **config}
         if c.get("num_experts"):
             raise ModelLoadError("num_experts: Qwen3.5 MoE is a different architecture")
-        return build_text_module(c, qwen3_5.TextModel)
+        return build_text_module(c, module_class)
+
+
+# The image-text checkpoints' prefixes: the text model's, and the parts that are not text
+# (the vision tower, the multi-token-prediction head), which are not loaded.
+IMAGE_TEXT_PREFIX = "model.language_model."
+NOT_TEXT = ("model.visual.", "mtp.")
+
+
+def image_text_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """An image-text checkpoint's text weights, named as the text model's."""
+    text = {}
+    for name, value in weights.items():
+        if name.startswith(NOT_TEXT):
+            continue
+        if name.startswith(IMAGE_TEXT_PREFIX):
+            name = "model." + name.removeprefix(IMAGE_TEXT_PREFIX)
+        text[name] = value
+    return text
+
+
+def image_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The image-text config's text model config, tied as its top level says (transformers'
+    default: untied)."""
+    text = dict(json_object(config.get("text_config"), "text_config"))
+    text["tie_word_embeddings"] = config.get("tie_word_embeddings", False)
+    return text
+
+
+class _ImageTextModel(qwen3_5.TextModel):
+    """The text model of `Qwen3_5ForConditionalGeneration`'s checkpoint."""
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return super().sanitize(image_text_weights(weights))
+
+
+@register("Qwen3_5ForConditionalGeneration", "qwen3_5")
+class Qwen3_5ImageText(DecoderModel):
+    """The text model of the image-text checkpoint (images are not served by this family:
+    a request with media is a 400)."""
+
+    DEFAULT_CONTEXT = 32768
+    KERNELS = Qwen3_5.KERNELS
+
+    def __init__(
+        self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
+    ):
+        super().__init__(module, image_text_config(config), architecture, backend)
+
+    @classmethod
+    def build_module(cls, config: dict[str, Any]) -> nn.Module:
+        return Qwen3_5.build_module(image_text_config(config), _ImageTextModel)
 
 
 def build_text_module(

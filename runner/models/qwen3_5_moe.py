@@ -30,10 +30,10 @@ from mlx_lm.models import qwen3_5, qwen3_next
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
-from runner.models.config import integer, json_object
+from runner.models.config import integer
 from runner.models.decoder import DecoderModel
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
-from runner.models.qwen3_5 import build_text_module
+from runner.models.qwen3_5 import build_text_module, image_text_config, image_text_weights
 from runner.models.registry import register
 
 # transformers 5 Qwen3_5MoeTextConfig defaults, where mlx-lm's differ.
@@ -60,9 +60,6 @@ QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
     "num_experts": 256,
 }
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# the image-text checkpoint's prefixes: its text model's, and the parts that are not text
-_TEXT_PREFIX = "model.language_model."
-_NOT_TEXT = ("model.visual.", "mtp.")
 
 
 class _TextModel(qwen3_5.TextModel):
@@ -78,21 +75,7 @@ class _ConditionalTextModel(_TextModel):
     """The text model of `Qwen3_5MoeForConditionalGeneration`'s checkpoint."""
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = {}
-        for name, value in weights.items():
-            if name.startswith(_NOT_TEXT):
-                continue
-            if name.startswith(_TEXT_PREFIX):
-                name = "model." + name.removeprefix(_TEXT_PREFIX)
-            text[name] = value
-        return super().sanitize(text)
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The image-text config's text model config, tied as its top level says."""
-    text = dict(json_object(config.get("text_config"), "text_config"))
-    text["tie_word_embeddings"] = config.get("tie_word_embeddings", False)
-    return text
+        return super().sanitize(image_text_weights(weights))
 
 
 def _build(config: dict[str, Any], module_class: type[_TextModel]) -> nn.Module:
@@ -131,8 +114,8 @@ class Qwen3_5MoeConditional(_Qwen3_5MoeBase):
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
     ):
-        super().__init__(module, _text_config(config), architecture, backend)
+        super().__init__(module, image_text_config(config), architecture, backend)
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
-        return _build(_text_config(config), _ConditionalTextModel)
+        return _build(image_text_config(config), _ConditionalTextModel)
