@@ -18,9 +18,10 @@ Two halves with different homes:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,6 @@ def prepare_rows(
     row's last tag."""
     if request.media and not isinstance(model, ImageModel):
         raise BadRequest("this model does not support image input")
-    if request.media:
-        return _prepare_image_rows(request, tokenizer, context_length, vocab_size, model)
     if not 1 <= len(request.rows) <= MAX_ROWS:
         raise BadRequest(f"scoring requires 1–{MAX_ROWS} prompts")
     max_tokens = request.maxtokens
@@ -75,63 +74,12 @@ def prepare_rows(
         raise BadRequest(f"max_tokens must be between 1 and {context_length}")
     # An id must index both the tokenizer's table and the model's output rows.
     id_limit = min(tokenizer.vocab_size, vocab_size)
-    # Every prompt and prompt + candidate, tokenized in one parallel batch, then checked in
-    # Go's order, so the first failure is still the answer (a row with too many candidates
-    # fails before any of them is read: they are not tokenized).
-    texts = []
-    for row in request.rows:
-        texts.append(row.prompt)
-        if len(row.candidates) <= MAX_CANDIDATES:
-            texts += [row.prompt + c for c in row.candidates]
-    encoded = iter(tokenizer.encode_batch(texts))
+    if request.media:
+        prompts = _image_prompts(request, tokenizer, model)
+    else:
+        prompts = _text_prompts(request, tokenizer)
     rows: list[Row] = []
-    for i, row in enumerate(request.rows):
-        tokens = next(encoded)
-        if not 1 <= len(tokens) <= max_tokens:
-            raise BadRequest(
-                f"prompt {i} has {len(tokens)} tokens; expected 1–{max_tokens} "
-                "(input is never truncated)"
-            )
-        if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
-            raise BadRequest(f"prompt {i} requires 1–{MAX_CANDIDATES} candidates")
-        candidates: list[int] = []
-        for candidate in row.candidates:
-            joined = next(encoded)
-            if (
-                tokenizer.is_special(candidate)
-                or len(joined) != len(tokens) + 1
-                or joined[: len(tokens)] != tokens
-            ):
-                raise BadRequest(
-                    f"candidate {go_quote(candidate)} must append exactly one ordinary token "
-                    f"to prompt {i}"
-                )
-            token = joined[-1]
-            if not 0 <= token < id_limit or token in candidates:
-                raise BadRequest(f"prompt {i} has invalid or duplicate candidate tokens")
-            candidates.append(token)
-        rows.append(Row(tokens, candidates))
-    return rows
-
-
-def _prepare_image_rows(
-    request: ScoreRequest,
-    tokenizer: Tokenizer,
-    context_length: int,
-    vocab_size: int,
-    model: ImageModel,
-) -> list[Row]:
-    """`prepare_rows` for a request with media, in the same order of checks."""
-    if not 1 <= len(request.rows) <= MAX_ROWS:
-        raise BadRequest(f"scoring requires 1–{MAX_ROWS} prompts")
-    max_tokens = request.maxtokens
-    if not 1 <= max_tokens <= context_length:
-        raise BadRequest(f"max_tokens must be between 1 and {context_length}")
-    id_limit = min(tokenizer.vocab_size, vocab_size)
-    expansions: dict[int, Expansion] = {}  # each media item decoded once per request
-    rows: list[Row] = []
-    for i, row in enumerate(request.rows):
-        prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
+    for i, (row, (prompt, tail, joined)) in enumerate(zip(request.rows, prompts, strict=True)):
         tokens = prompt.tokens
         if not 1 <= len(tokens) <= max_tokens:
             raise BadRequest(
@@ -140,26 +88,54 @@ def _prepare_image_rows(
             )
         if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
             raise BadRequest(f"prompt {i} requires 1–{MAX_CANDIDATES} candidates")
-        tail_text = str(split_prompt(row.prompt)[-1])  # the text after the last tag
-        tail = tokens[prompt.tail_start :]
         candidates: list[int] = []
-        joined_all = tokenizer.encode_batch([tail_text + c for c in row.candidates])
-        for candidate, joined in zip(row.candidates, joined_all, strict=True):
-            if (
-                tokenizer.is_special(candidate)
-                or len(joined) != len(tail) + 1
-                or joined[: len(tail)] != tail
-            ):
+        for candidate, ids in zip(row.candidates, joined(), strict=True):
+            if tokenizer.is_special(candidate) or len(ids) != len(tail) + 1 or ids[:-1] != tail:
                 raise BadRequest(
                     f"candidate {go_quote(candidate)} must append exactly one ordinary token "
                     f"to prompt {i}"
                 )
-            token = joined[-1]
+            token = ids[-1]
             if not 0 <= token < id_limit or token in candidates:
                 raise BadRequest(f"prompt {i} has invalid or duplicate candidate tokens")
             candidates.append(token)
-        rows.append(Row(prompt.keys, candidates, prompt))
+        rows.append(Row(prompt.keys, candidates, prompt if prompt.items else None))
     return rows
+
+
+# Per row, lazily in Go's order of checks: the prepared prompt, the tokens a candidate must
+# extend (the prompt's, or its text after the last tag), and the candidates' tokenizations.
+Prompts = Iterator[tuple[PreparedPrompt, list[int], Callable[[], list[list[int]]]]]
+
+
+def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer) -> Prompts:
+    """Every prompt and prompt + candidate tokenized in one parallel batch (a row with too
+    many candidates fails before any of them is read: they are not tokenized)."""
+    texts = []
+    for row in request.rows:
+        texts.append(row.prompt)
+        if len(row.candidates) <= MAX_CANDIDATES:
+            texts += [row.prompt + c for c in row.candidates]
+    encoded = iter(tokenizer.encode_batch(texts))
+    for row in request.rows:
+        tokens = next(encoded)
+        many = len(row.candidates) > MAX_CANDIDATES
+        joined = [] if many else [next(encoded) for _ in row.candidates]
+        yield PreparedPrompt(tokens), tokens, functools.partial(list, joined)
+
+
+def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:
+    """Each row's tags expanded (every media item decoded once per request); candidates are
+    checked against the text after the row's last tag."""
+    expansions: dict[int, Expansion] = {}
+    for row in request.rows:
+        prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
+        tail_text = str(split_prompt(row.prompt)[-1])
+
+        def joined(row=row, tail_text=tail_text) -> list[list[int]]:
+            return tokenizer.encode_batch([tail_text + c for c in row.candidates])
+
+        yield prompt, prompt.tokens[prompt.tail_start :], joined
 
 
 def shared_prefix_length(rows: Sequence[Row]) -> int:
