@@ -152,7 +152,10 @@ def _replace_byte(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error("runner-go-replace", _replace_byte)
 
 # A string literal, or one bracket outside strings.
-_SCAN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# Strings as one token (unrolled: runs of plain characters in one step, so a long string is
+# scanned at C speed, ~1 ms a MB, instead of one alternation per character, ~200 ms a MB with
+# the GIL held), and brackets.
+_SCAN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 # In a string: an escaped surrogate pair (kept), a lone surrogate (replaced), or any escape.
 _ESCAPE = re.compile(
     r"\\(u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[dD][89a-fA-F][0-9a-fA-F]{2}|.)"
