@@ -137,6 +137,7 @@ def load_local_dir(path: Path) -> ModelSource:
         tokenizer_json=tokenizer_json,
         tokenizer_config=_read_json(path / "tokenizer_config.json", optional=True),
         generation_config=_read_json(path / "generation_config.json", optional=True),
+        preprocessor_config=_read_json(path / "preprocessor_config.json", optional=True),
         weights=weights,
         quantization=_dir_quantization(config),
     )

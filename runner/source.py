@@ -32,6 +32,7 @@ class ModelSource:
     tokenizer_json: str  # the text of tokenizer.json
     tokenizer_config: dict[str, Any] | None = None
     generation_config: dict[str, Any] | None = None
+    preprocessor_config: dict[str, Any] | None = None  # an image model's preprocessor_config.json
     weights: dict[str, mx.array] = field(default_factory=dict)
     # mlx-lm's `quantization` config: {"group_size", "bits", "mode"} defaults plus per-layer
     # entries keyed by module path ({"group_size", "bits", "mode"}, or False for dense).

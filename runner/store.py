@@ -493,6 +493,7 @@ def load_store_model(name: str, models: Path | None = None) -> ModelSource:
         tokenizer_json=tokenizer_json,
         tokenizer_config=manifest.read_config_json("tokenizer_config.json", optional=True),
         generation_config=manifest.read_config_json("generation_config.json", optional=True),
+        preprocessor_config=manifest.read_config_json("preprocessor_config.json", optional=True),
         weights=weights,
         quantization=_quantization(weights, infos, default),
     )

@@ -516,3 +516,74 @@ def test_greedy_completion_after_an_image_equals_the_forward(served, engine) -> 
         return [s.token for s in served.generator.steps(plan.prompt, plan.options, job)]
 
     assert engine.call(generated) == want
+
+
+# --- preprocessor_config.json -------------------------------------------------------------------
+
+CUSTOM_PREPROCESSOR = {
+    "image_processor_type": "Gemma3ImageProcessor",
+    "processor_class": "Gemma3Processor",
+    "size": {"height": 64, "width": 64},
+    "resample": 0,  # nearest, where the class default is bilinear
+    "rescale_factor": 1 / 255,
+    "image_mean": [0.25, 0.5, 0.75],
+    "image_std": [0.5, 0.25, 2.0],
+    "do_pan_and_scan": None,
+}
+
+
+def with_preprocessor(tmp_path: Path, preprocessor: dict) -> Path:
+    path = write_tiny_model(ARCH, tmp_path)
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return path
+
+
+def test_preprocessor_config_decides_filter_mean_and_std(tmp_path: Path) -> None:
+    model = build_model(load_local_dir(with_preprocessor(tmp_path, CUSTOM_PREPROCESSOR)))
+    data = all_image_bytes()["wide"]
+    got = model.preprocess(data)
+    image = decode_image(data).convert("RGB").resize((64, 64), resample=Image.Resampling.NEAREST)
+    chw = np.asarray(image).transpose(2, 0, 1).astype(np.float64) / 255
+    mean = np.array([0.25, 0.5, 0.75])[:, None, None]
+    std = np.array([0.5, 0.25, 2.0])[:, None, None]
+    assert np.abs(got - (chw - mean) / std).max() <= 1e-6
+    default = build_model(load_local_dir(write_tiny_model(ARCH, tmp_path / "plain")))
+    assert np.abs(default.preprocess(data) - got).max() > 0.1  # the file changed the pixels
+
+
+def test_preprocessor_config_read_from_an_ollama_store(tmp_path: Path) -> None:
+    path = with_preprocessor(tmp_path / "hf", CUSTOM_PREPROCESSOR)
+    write_ollama_model(tmp_path / "models", "tiny-vision-pp", path)
+    from_store = build_model(load_store_model("tiny-vision-pp", tmp_path / "models"))
+    from_dir = build_model(load_local_dir(path))
+    data = all_image_bytes()["tall"]
+    assert np.array_equal(from_store.preprocess(data), from_dir.preprocess(data))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"size": {"height": 32, "width": 32}}, "is not the vision tower's 64 x 64"),
+        ({"do_pan_and_scan": True}, "pan-and-scan"),
+        ({"image_std": [0.5, 0.0, 0.5]}, "image_std"),
+        ({"image_mean": [0.5, 0.5]}, "image_mean"),
+        ({"resample": 99}, "resample 99 is not a PIL filter"),
+    ],
+)
+def test_bad_preprocessor_configs_are_refused(tmp_path: Path, edit: dict, message: str) -> None:
+    path = with_preprocessor(tmp_path, CUSTOM_PREPROCESSOR | edit)
+    with pytest.raises(ModelLoadError, match=message):
+        build_model(load_local_dir(path))
+
+
+@pytest.mark.reference
+@pytest.mark.usefixtures("reference_libraries")
+def test_preprocessor_config_pixels_equal_transformers(tmp_path: Path) -> None:
+    import transformers
+
+    path = with_preprocessor(tmp_path, CUSTOM_PREPROCESSOR)
+    model = build_model(load_local_dir(path))
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    for name, data in all_image_bytes().items():
+        expected = processor(images=[decode_image(data)], return_tensors="np")["pixel_values"][0]
+        assert np.abs(model.preprocess(data) - expected).max() <= 1e-6, name

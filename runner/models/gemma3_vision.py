@@ -85,17 +85,59 @@ class Gemma3ImagePreprocessor:
     of the uint8 image to S x S; float64 x / 255 cast to float32; (x - mean) / std in
     float32."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], preprocessor: dict[str, Any] | None = None):
+        """`preprocessor`: the model's preprocessor_config.json, whose resample filter,
+        rescale factor, mean and std (and do_rescale / do_normalize / do_convert_rgb) win over
+        the class defaults; its size must be the tower's."""
         vision = {**SIGLIP_DEFAULTS, **json_object(config.get("vision_config"), "vision_config")}
         self.size = integer(vision["image_size"], "vision_config.image_size")
-        self.mean = np.array(IMAGE_MEAN, np.float32)[:, None, None]
-        self.std = np.array(IMAGE_STD, np.float32)[:, None, None]
+        p = json_object(preprocessor or {}, "preprocessor_config.json")
+        size = p.get("size") or {"height": self.size, "width": self.size}
+        if not isinstance(size, dict) or (size.get("height"), size.get("width")) != (
+            self.size,
+            self.size,
+        ):
+            raise ModelLoadError(
+                f"preprocessor_config.json: size {show(size)} is not the vision tower's "
+                f"{self.size} x {self.size}"
+            )
+        if p.get("do_pan_and_scan") or p.get("do_resize") is False:
+            raise ModelLoadError(
+                "preprocessor_config.json: pan-and-scan and no resizing are not supported"
+            )
+        resample = p.get("resample", Image.Resampling.BILINEAR)
+        try:
+            self.resample = Image.Resampling(resample)
+        except (ValueError, TypeError):
+            raise ModelLoadError(
+                f"preprocessor_config.json: resample {show(resample)} is not a PIL filter"
+            ) from None
+        self.rescale = (
+            number(p.get("rescale_factor", RESCALE), "rescale_factor")
+            if p.get("do_rescale", True)
+            else 1.0
+        )
+        mean, std = p.get("image_mean", IMAGE_MEAN), p.get("image_std", IMAGE_STD)
+        if not p.get("do_normalize", True):
+            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        for name, values in (("image_mean", mean), ("image_std", std)):
+            if not (
+                isinstance(values, list | tuple)
+                and len(values) == 3
+                and all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+            ) or (name == "image_std" and 0 in values):
+                raise ModelLoadError(
+                    f"preprocessor_config.json: {name} {show(values)} is not three finite numbers"
+                )
+        self.mean = np.array(mean, np.float32)[:, None, None]
+        self.std = np.array(std, np.float32)[:, None, None]
+        self.convert_rgb = p.get("do_convert_rgb", True) is not False
 
     def __call__(self, image: Image.Image) -> np.ndarray:
-        rgb = _to_rgb(image)
-        resized = rgb.resize((self.size, self.size), resample=Image.Resampling.BILINEAR)
+        rgb = _to_rgb(image) if self.convert_rgb or image.mode != "RGB" else image
+        resized = rgb.resize((self.size, self.size), resample=self.resample)
         chw = np.asarray(resized).transpose(2, 0, 1)
-        scaled = (chw.astype(np.float64) * RESCALE).astype(np.float32)
+        scaled = (chw.astype(np.float64) * self.rescale).astype(np.float32)
         return np.ascontiguousarray((scaled - self.mean) / self.std, dtype=np.float32)
 
 
@@ -392,9 +434,12 @@ class Gemma3Multimodal(Gemma3):
         self.preprocessor = Gemma3ImagePreprocessor(config)
 
     def bind_source(self, source: ModelSource) -> None:
-        """Read what config.json does not say: the tokenizer's "\\n\\n" ids."""
+        """Read what config.json does not say: the tokenizer's "\\n\\n" ids, and the
+        preprocessor_config.json the model came with (if any)."""
         tokenizer = Tokenizer(source.tokenizer_json, tokenizer_config=source.tokenizer_config)
         self.newline_ids = tokenizer.encode(NEWLINES)
+        if source.preprocessor_config is not None:
+            self.preprocessor = Gemma3ImagePreprocessor(self.config, source.preprocessor_config)
 
     def postprocess(self, logits: mx.array) -> mx.array:
         return logits  # the conditional-generation head has no final soft-capping
