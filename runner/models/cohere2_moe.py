@@ -26,7 +26,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cohere2
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from runner.backend.install import Kernels
@@ -41,7 +40,13 @@ from runner.models.config import (
     number,
     require,
 )
-from runner.models.decoder import DecoderModel, FloatSwitchGLU, run_layers, switch_mlp_weights
+from runner.models.decoder import (
+    DecoderModel,
+    FloatSwitchGLU,
+    layer_caches,
+    run_layers,
+    switch_mlp_weights,
+)
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -202,7 +207,7 @@ class Model(nn.Module):
 
     def make_cache(self) -> list[Any]:
         m = self.model
-        return [RotatingKVCache(max_size=m.window) if k == SLIDING else KVCache() for k in m.kinds]
+        return layer_caches(m.kinds, m.window)
 
 
 def _kinds(c: dict[str, Any]) -> tuple[list[str], list[str]]:

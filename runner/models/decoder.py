@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from runner.backend import Backend, gemv
@@ -62,6 +62,31 @@ def run_layers(
     for layer, kind, c in zip(layers, kinds, cache, strict=True):
         h = layer(h, masks[kind], c)
     return h
+
+
+def layer_caches(kinds: list[str], window: int | None) -> list[Any]:
+    """One live cache per layer: a rotating cache of the window on sliding layers, a KV cache
+    on the others."""
+    return [RotatingKVCache(max_size=window) if k == SLIDING else KVCache() for k in kinds]
+
+
+class LayerKinds:
+    """Mixin for an mlx-lm text model (`embed_tokens`, `layers`, `norm`, built from `args`)
+    whose layers are full or sliding-window as `kinds` says (transformers' `layer_types`),
+    where mlx-lm's own model decides otherwise or has no windows: one mask per kind."""
+
+    embed_tokens: Any
+    layers: list[Any]
+    norm: Any
+
+    def __init__(self, args: Any, kinds: list[str], window: int | None):
+        super().__init__(args)  # type: ignore[call-arg]  # the mlx-lm model's
+        self.kinds = kinds
+        self.window = window
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
 
 
 def add_attention_bias(layers: list[Any]) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma3_text
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from runner.backend.install import Kernels
@@ -37,7 +36,7 @@ from runner.models.config import (
     number,
     require,
 )
-from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
+from runner.models.decoder import DecoderModel, add_attention_bias, layer_caches, run_layers
 from runner.models.registry import register
 from runner.source import ModelLoadError
 
@@ -108,11 +107,7 @@ class _Model(gemma3_text.Model):
         return super().sanitize(weights)
 
     def make_cache(self) -> list[Any]:
-        window = self.args.sliding_window
-        return [
-            RotatingKVCache(max_size=window) if k == SLIDING else KVCache()
-            for k in self.model.kinds
-        ]
+        return layer_caches(self.model.kinds, self.args.sliding_window)
 
 
 @register("Gemma3ForCausalLM", "gemma3_text")

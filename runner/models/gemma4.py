@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import ProportionalRoPE
 
 from runner.backend import Backend
@@ -52,7 +52,7 @@ from runner.models.config import (
     number,
     require,
 )
-from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU
+from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU, layer_caches
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
 
@@ -302,11 +302,7 @@ class _Model(gemma4_text.Model):
 
     def make_cache(self) -> list[Any]:
         first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers
-        window = self.args.sliding_window
-        return [
-            RotatingKVCache(max_size=window) if kind == SLIDING else KVCache()
-            for kind in self.model.kinds[:first_shared]
-        ]
+        return layer_caches(self.model.kinds[:first_shared], self.args.sliding_window)
 
 
 def _check(c: dict[str, Any]) -> None:

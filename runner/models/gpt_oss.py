@@ -27,7 +27,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gpt_oss
 from mlx_lm.models.activations import SwigluOAI
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
@@ -42,7 +41,7 @@ from runner.models.config import (
     number,
     rope_module,
 )
-from runner.models.decoder import DecoderModel, run_layers
+from runner.models.decoder import DecoderModel, LayerKinds, layer_caches
 from runner.models.moe import check_routing, gather_in_float32
 from runner.models.registry import register
 
@@ -83,18 +82,12 @@ def _both_kinds(args: gpt_oss.ModelArgs) -> gpt_oss.ModelArgs:
     return dataclasses.replace(args, layer_types=[SLIDING, FULL])
 
 
-class _TextModel(gpt_oss.GptOssMoeModel):
+class _TextModel(LayerKinds, gpt_oss.GptOssMoeModel):
     """mlx-lm's GPT-OSS model with the layer kinds as given."""
 
     def __init__(self, args: gpt_oss.ModelArgs, kinds: list[str], window: int | None):
-        super().__init__(_both_kinds(args))
+        super().__init__(_both_kinds(args), kinds, window)
         self.layer_types = kinds
-        self.kinds = kinds
-        self.window = window
-
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
 
 
 def _expert_weights(name: str, value: mx.array) -> dict[str, mx.array]:
@@ -136,7 +129,7 @@ class _Model(gpt_oss.Model):
 
     def make_cache(self) -> list[Any]:
         m = self.model
-        return [RotatingKVCache(max_size=m.window) if k == SLIDING else KVCache() for k in m.kinds]
+        return layer_caches(m.kinds, m.window)
 
 
 def _drop_attention_bias(layers: list[Any]) -> None:

@@ -28,7 +28,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, ministral3
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
@@ -44,7 +43,7 @@ from runner.models.config import (
     require,
     rope_module,
 )
-from runner.models.decoder import DecoderModel, run_layers
+from runner.models.decoder import DecoderModel, LayerKinds, layer_caches
 from runner.models.registry import register
 from runner.source import ModelLoadError
 
@@ -112,21 +111,11 @@ def _window(c: dict[str, Any]) -> int | None:
     return None if window is None else integer(window, "sliding_window")
 
 
-def _cache(kind: str, window: int | None) -> Any:
-    return RotatingKVCache(max_size=window) if kind == SLIDING else KVCache()
-
-
 # --- Mistral over mlx-lm's llama -------------------------------------------------------------
 
 
-class _LlamaText(llama.LlamaModel):
-    def __init__(self, args: llama.ModelArgs, kinds: list[str], window: int | None):
-        super().__init__(args)
-        self.kinds, self.window = kinds, window
-
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
+class _LlamaText(LayerKinds, llama.LlamaModel):
+    pass
 
 
 class _Llama(llama.Model):
@@ -135,7 +124,7 @@ class _Llama(llama.Model):
         self.model = _LlamaText(args, kinds, window)
 
     def make_cache(self) -> list[Any]:
-        return [_cache(kind, self.model.window) for kind in self.model.kinds]
+        return layer_caches(self.model.kinds, self.model.window)
 
 
 def _build_mistral(config: dict[str, Any]) -> nn.Module:
@@ -186,7 +175,7 @@ class _Ministral3(ministral3.Model):
         self.model = _Ministral3Text(args, kinds, window)
 
     def make_cache(self) -> list[Any]:
-        return [_cache(kind, self.model.window) for kind in self.model.kinds]
+        return layer_caches(self.model.kinds, self.model.window)
 
 
 def _build_ministral3(config: dict[str, Any]) -> nn.Module:

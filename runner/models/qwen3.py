@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend.install import Kernels
 from runner.models.config import (
@@ -25,7 +23,7 @@ from runner.models.config import (
     mlx_rope,
     require,
 )
-from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
+from runner.models.decoder import DecoderModel, LayerKinds, add_attention_bias, layer_caches
 from runner.models.registry import register
 
 # transformers 5 Qwen3Config defaults for keys mlx-lm requires or reads differently.
@@ -47,17 +45,8 @@ QWEN3_DEFAULTS: dict[str, Any] = {
 }
 
 
-class _Qwen3Model(qwen3.Qwen3Model):
+class _Qwen3Model(LayerKinds, qwen3.Qwen3Model):
     """mlx-lm's Qwen3 text model with transformers' per-layer sliding windows."""
-
-    def __init__(self, args: qwen3.ModelArgs, kinds: list[str], window: int | None):
-        super().__init__(args)
-        self.kinds = kinds
-        self.window = window
-
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
 
 
 class _Model(qwen3.Model):
@@ -66,8 +55,7 @@ class _Model(qwen3.Model):
         self.model = _Qwen3Model(args, kinds, window)
 
     def make_cache(self) -> list[Any]:
-        m = self.model
-        return [RotatingKVCache(max_size=m.window) if k == SLIDING else KVCache() for k in m.kinds]
+        return layer_caches(self.model.kinds, self.model.window)
 
 
 @register("Qwen3ForCausalLM", "qwen3")

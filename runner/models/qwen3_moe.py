@@ -21,7 +21,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_moe
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
@@ -35,7 +34,7 @@ from runner.models.config import (
     require,
     rope_module,
 )
-from runner.models.decoder import DecoderModel, add_attention_bias, run_layers
+from runner.models.decoder import DecoderModel, LayerKinds, add_attention_bias, layer_caches
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
 from runner.models.registry import register
 from runner.source import ModelLoadError, show
@@ -66,17 +65,8 @@ _DEFAULT_WINDOW = 4096
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class _TextModel(qwen3_moe.Qwen3MoeModel):
+class _TextModel(LayerKinds, qwen3_moe.Qwen3MoeModel):
     """mlx-lm's Qwen3-MoE text model, every layer full or (use_sliding_window) windowed."""
-
-    def __init__(self, args: qwen3_moe.ModelArgs, kinds: list[str], window: int | None):
-        super().__init__(args)
-        self.kinds = kinds
-        self.window = window
-
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        return self.norm(run_layers(self.layers, self.kinds, h, cache, self.window))
 
 
 class _Model(qwen3_moe.Model):
@@ -91,8 +81,7 @@ class _Model(qwen3_moe.Model):
         return stack_experts(weights, self.args.num_experts, _PROJECTIONS)
 
     def make_cache(self) -> list[Any]:
-        m = self.model
-        return [RotatingKVCache(max_size=m.window) if k == SLIDING else KVCache() for k in m.kinds]
+        return layer_caches(self.model.kinds, self.model.window)
 
 
 def _dense_layers(c: dict[str, Any]) -> list[int]:
