@@ -1,6 +1,6 @@
 """Text generation on the MLX thread: the Go runner's pipeline (docs/PROTOCOL.md §5).
 
-`Generator.generate(tokens, options, job, emit)`:
+`Generator.generate(prompt, options, job, emit)`:
 - a session of the generation prefix cache (the caches hold a restored prefix, or nothing),
   then the prompt is prefilled up to its last token, which is kept as the decode seed as Go
   does;
@@ -80,14 +80,14 @@ class Generator:
 
     def generate(
         self,
-        prompt: PreparedPrompt | list[int],
+        prompt: PreparedPrompt,
         options: GenerateOptions,
         job: Job,
         emit: Callable[[CompletionResponse], None],
     ) -> None:
         stats = Stats()
         detokenizer: Detokenizer[Logprob] = Detokenizer(self.tokenizer.token_bytes)
-        tokens = prompt.tokens if isinstance(prompt, PreparedPrompt) else prompt
+        tokens = prompt.tokens
         with contextlib.closing(self.steps(prompt, options, job, stats)) as steps:
             for step in steps:
                 flushed = detokenizer.add(step.token, step.logprob)

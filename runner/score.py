@@ -30,7 +30,7 @@ import mlx.core as mx
 from .cache.batch import unbatched_kinds
 from .cache.prefix_cache import PrefixCache
 from .errors import BadRequest, go_quote
-from .media.prepare import Expansion, PreparedPrompt, prepare_prompt, split_prompt
+from .media.prepare import Placed, PreparedPrompt, prepare_prompt, split_prompt
 from .media.request import RequestMedia
 from .models import CandidateUnembedder, ImageModel, Model
 from .tokenizer import Tokenizer
@@ -127,7 +127,7 @@ def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer) -> Prompts:
 def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:
     """Each row's tags expanded (every media item decoded once per request); candidates are
     checked against the text after the row's last tag."""
-    expansions: dict[int, Expansion] = {}
+    expansions: dict[int, Placed] = {}
     for row in request.rows:
         prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
         tail_text = str(split_prompt(row.prompt)[-1])

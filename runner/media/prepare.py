@@ -115,13 +115,13 @@ def prepare_prompt(
     tokenizer: Tokenizer,
     model: Any,
     add_bos: bool,
-    expansions: dict[int, Expansion] | None = None,
+    expansions: dict[int, Placed] | None = None,
 ) -> PreparedPrompt:
     """`prompt` with every tag expanded by `model.prepare_image` (an `ImageModel`).
 
-    `expansions` caches each media id's expansion across the rows of one request (the same
-    bytes are decoded once). Raises BadRequest for an unknown id, undecodable image bytes, or
-    an expansion that breaks the item rules.
+    `expansions` caches each media id's expansion and item folds across the tags and rows of
+    one request (the same bytes are decoded and hashed once). Raises BadRequest for an unknown
+    id, undecodable image bytes, or an expansion that breaks the item rules.
     """
     by_id = {item.id: item for item in media}  # a later item with the same id wins, as Go's map
     expansions = {} if expansions is None else expansions
@@ -143,12 +143,10 @@ def prepare_prompt(
         if source is None:
             raise BadRequest(f"invalid image index: {part}")
         if part not in expansions:
-            expansions[part] = expand(model, source.raw)
-        expansion = expansions[part]
+            expansions[part] = place(model, source.raw)
+        expansion, folds = expansions[part]
         base = len(tokens)
-        for e in expansion.items:
-            dims = tuple(int(d) for d in e.pixels.shape)
-            fold = fold_value(source.raw, dims)
+        for e, fold in zip(expansion.items, folds, strict=True):
             items.append(
                 Item(base + e.start, base + e.end, e.pixels, e.causal, fold, index // 2, e.opaque)
             )
@@ -157,11 +155,17 @@ def prepare_prompt(
     return PreparedPrompt(tokens, items, tail_start)
 
 
-def expand(model: Any, data: bytes) -> Expansion:
+Placed = tuple[Expansion, list[int]]  # an image's expansion and the fold of each item
+
+
+def place(model: Any, data: bytes) -> Placed:
+    """The model's expansion of `data` and each item's fold (bytes and the item's dims)."""
     try:
-        return model.prepare_image(data)
+        expansion = model.prepare_image(data)
     except ValueError as e:
         raise BadRequest(str(e) or "invalid image data") from None
+    folds = [fold_value(data, tuple(int(d) for d in e.pixels.shape)) for e in expansion.items]
+    return expansion, folds
 
 
 def check_items(items: list[Item], length: int, segments: int) -> None:
