@@ -23,6 +23,7 @@ sets it too, unless it is already set.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
     digest = hashlib.sha256(source).hexdigest()[:12]
     target = (cache_dir or cache_root() / "native") / f"sgemm_dispatch-{digest}.so"
     if target.exists():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # in use: not stale for another version's clean-up below
         return str(target)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -76,13 +80,25 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
             command = [compiler, *DISPATCH_FLAGS, "-o", str(built), str(DISPATCH_SOURCE)]
             subprocess.run([*command, "-ldl"], check=True, capture_output=True, timeout=120)
             built.replace(target)  # atomic: a concurrent build leaves one complete file
-        for stale in target.parent.glob("sgemm_dispatch-*.so"):
-            if stale != target:  # an older source or another CPU's; a running process keeps
-                stale.unlink(missing_ok=True)  # its mapped copy
+        _remove_stale(target)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the sgemm dispatch (%s); using OpenBLAS alone", e)
         return None
     return str(target)
+
+
+STALE_AFTER_S = 14 * 24 * 3600
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove other builds (an older source's, another CPU's) unused for two weeks: another
+    installed version of the runner sharing the cache directory keeps its own (each use
+    refreshes a build's time), and a running process keeps its mapped copy anyway."""
+    now = time.time()
+    for stale in target.parent.glob("sgemm_dispatch-*.so"):
+        with contextlib.suppress(OSError):
+            if stale != target and now - stale.stat().st_mtime > STALE_AFTER_S:
+                stale.unlink()
 
 
 def _cpu() -> str:

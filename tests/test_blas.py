@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,6 +69,23 @@ def test_no_compiler_means_no_dispatch(monkeypatch, tmp_path):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert blas.sgemm_dispatch(tmp_path) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_another_versions_build_stays_until_unused_for_two_weeks(monkeypatch, tmp_path):
+    """Two runner versions sharing the cache directory do not delete each other's build (each
+    would rebuild its own at every start); a build unused for two weeks goes."""
+    monkeypatch.undo()
+    target = tmp_path / "sgemm_dispatch-new.so"
+    recent, old = tmp_path / "sgemm_dispatch-other.so", tmp_path / "sgemm_dispatch-old.so"
+    for path in (target, recent, old):
+        path.write_bytes(b"")
+    weeks_ago = time.time() - blas.STALE_AFTER_S - 60
+    os.utime(old, (weeks_ago, weeks_ago))
+    blas._remove_stale(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sgemm_dispatch-new.so",
+        "sgemm_dispatch-other.so",
+    ]
 
 
 # --- the dispatch computes what OpenBLAS computes ---------------------------------------
