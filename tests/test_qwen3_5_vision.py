@@ -267,6 +267,19 @@ def test_media_that_does_not_fit_the_block_is_refused(model: Qwen3_5Multimodal) 
 # --- loading ------------------------------------------------------------------------------
 
 
+def test_loads_from_an_ollama_store(model_dir: Path, golden: dict, tmp_path: Path) -> None:
+    """The store's layers (weights, config, preprocessor_config.json) give the same model."""
+    from runner.store import load_store_model
+    from tests.ollama_store import write_ollama_model
+
+    write_ollama_model(tmp_path, "tiny-qwen3_5-vision", model_dir)
+    stored = build_model(load_store_model("tiny-qwen3_5-vision", tmp_path))
+    assert isinstance(stored, Qwen3_5Multimodal)
+    ids, images = golden_prompt(golden, "two")
+    got, _, _ = forward(stored, ids, images)
+    assert np.abs(got[-len(golden["logits_two"]) :] - golden["logits_two"]).max() <= TOLERANCE
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -435,6 +448,25 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
     answer = endpoint(decode_score_request(body))
     assert batches and batches[0][0] == 2  # the two rows longer than the shared prefix
     assert batches[0][1] is not None
+    for got, expected in zip(answer.logits, want, strict=True):
+        assert np.abs(np.array(got) - expected).max() <= TOLERANCE
+
+
+def test_rows_with_their_own_images_each_get_their_own_layout(served, engine) -> None:
+    """Rows whose images differ (and so their positions after them) are computed one by
+    one, each with its prompt's layout."""
+    from runner.endpoints import ScoreEndpoint
+    from runner.wire import decode_score_request
+
+    images = all_image_bytes()
+    rows = ["Look:[img-1] Is it blue?", "Look:[img-2] Is it blue?"]
+    body = score_body(rows, {1: images["wide"], 2: images["tall"]})
+    endpoint = ScoreEndpoint(served)
+    plan = endpoint.prepare(decode_score_request(body))
+    deltas = [row.prompt.layout.delta for row in plan.rows]
+    assert deltas[0] != deltas[1]  # 2 x 6 and 5 x 2 merged grids
+    want = expected_scores(served, engine, plan, [[images["wide"]], [images["tall"]]])
+    answer = endpoint(decode_score_request(body))
     for got, expected in zip(answer.logits, want, strict=True):
         assert np.abs(np.array(got) - expected).max() <= TOLERANCE
 
