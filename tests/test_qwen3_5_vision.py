@@ -256,6 +256,18 @@ def test_greedy_generation_equals_transformers(model: Qwen3_5Multimodal, golden:
     assert np.abs(np.array(right) - np.array(wrong)).max() > 1e-3
 
 
+def test_tower_attention_in_query_blocks_is_the_same(
+    model: Qwen3_5Multimodal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runner.models import qwen3_5_vision
+
+    pixels, grid = model.preprocess(all_image_bytes()["square"])  # 64 patches
+    whole = np.array(model.encode_image(mx.array(pixels), grid))
+    monkeypatch.setattr(qwen3_5_vision, "QUERY_BLOCK", 10)  # 7 blocks
+    blocked = np.array(model.encode_image(mx.array(pixels), grid))
+    assert np.abs(blocked - whole).max() <= 1e-6
+
+
 def test_media_that_does_not_fit_the_block_is_refused(model: Qwen3_5Multimodal) -> None:
     tokens = mx.zeros((1, 4), dtype=mx.int32)
     with pytest.raises(ValueError, match="does not fit"):

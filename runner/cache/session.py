@@ -134,7 +134,11 @@ class PrefixSession:
             size = max(1, min(BATCH_BYTES // max(1, per_row), owner.batch_tokens // width))
             chunk = order[begin : begin + size]
             batch = broadcast(kinds, live.caches, len(chunk))
-            hidden = forward_suffixes(owner.model, batch, [suffixes[i] for i in chunk], layout)
+            rows = [suffixes[i] for i in chunk]
+            if layout is None:
+                hidden = forward_suffixes(owner.model, batch, rows)
+            else:
+                hidden = forward_suffixes(owner.model, batch, rows, layout)
             for j, i in enumerate(chunk):
                 n = len(suffixes[i])
                 out[i] = hidden[j, n - 1 : n, :]
