@@ -156,9 +156,18 @@ def test_qwen3_5_moe_image_text_checkpoint_serves_its_text_model(tmp_path: Path)
 
 
 def test_qwen3_5_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """Text through the image model (runner/models/qwen3_5_vision.py: it needs its whole
+    tower) is the text model's, bit for bit."""
+    from tests.tiny import random_weights
+
     path = write_tiny_model("Qwen3_5ForCausalLM", tmp_path)
     text = build_model(load_local_dir(path))
-    model = build_model(conditional_generation(path, False, "Qwen3_5ForConditionalGeneration"))
+    s = conditional_generation(path, False, "Qwen3_5ForConditionalGeneration")
+    vision = tiny_config("Qwen3_5ForConditionalGeneration")
+    s.config |= {k: v for k, v in vision.items() if k.endswith(("token_id", "vision_config"))}
+    tower = random_weights(vision)
+    s.weights.update({k: mx.array(v) for k, v in tower.items() if k.startswith("model.visual.")})
+    model = build_model(s)
     assert model.architecture == "Qwen3_5ForConditionalGeneration"
     assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
     assert np.array_equal(logits(model), logits(text))
@@ -291,6 +300,14 @@ VISION = {
         "patch_size": 16,
     },
 }
+# Image token ids inside the tiny vocabulary, for the families that check them at load.
+IMAGE_TOKEN_IDS: dict[str, dict[str, int]] = {
+    "Qwen3_5ForConditionalGeneration": {
+        k: v
+        for k, v in tiny_config("Qwen3_5ForConditionalGeneration").items()
+        if k.endswith("token_id")
+    },
+}
 IMAGE_TEXT = [
     ("Mistral3ForConditionalGeneration", "Mistral3Config", "Ministral3ForCausalLM", False),
     ("Mistral3ForConditionalGeneration", "Mistral3Config", "MistralForCausalLM", None),
@@ -314,6 +331,7 @@ def test_image_text_checkpoint_matches_transformers(
 
     text = {k: v for k, v in tiny_config(text_arch).items() if k != "architectures"}
     extra = {} if tie is None else {"tie_word_embeddings": tie}
+    extra |= IMAGE_TOKEN_IDS.get(arch, {})
     config = getattr(transformers, config_class)(
         text_config=text, vision_config=VISION[arch], architectures=[arch], **extra
     )

@@ -84,12 +84,17 @@ def broadcast(kinds: list[Any], caches: list[Any], batch: int) -> list[Any]:
     return [kind.broadcast(c, batch) for kind, c in zip(kinds, caches, strict=True)]
 
 
-def forward_suffixes(model: Any, batch_caches: list[Any], suffixes: list[list[int]]) -> mx.array:
+def forward_suffixes(
+    model: Any, batch_caches: list[Any], suffixes: list[list[int]], layout: Any = None
+) -> mx.array:
     """The final hidden states [B, W, H] of the suffixes, right-padded to the longest (W),
-    computed over the batched caches (lazily)."""
+    computed over the batched caches (lazily); `layout`: the prefix's position layout, if
+    its prompt has one (runner/media/prepare.py), shared by every row."""
     width = max(len(s) for s in suffixes)
-    padded = [s + [0] * (width - len(s)) for s in suffixes]
-    return model.hidden(mx.array(padded, dtype=mx.int32), batch_caches)
+    padded = mx.array([s + [0] * (width - len(s)) for s in suffixes], dtype=mx.int32)
+    if layout is not None:
+        return model.hidden(padded, batch_caches, None, layout=layout)
+    return model.hidden(padded, batch_caches)
 
 
 # Tolerances for `verify_batched_rows`, relative to the largest hidden value: float32 rounding

@@ -64,7 +64,7 @@ class LiveState:
             else:
                 start = len(self.tokens)
                 ids, blocks = media.inputs(start, start + len(tokens))
-                hidden = self._forward(ids, blocks)
+                hidden = self._forward(ids, blocks, media.layout)
             mx.eval(hidden, *self.arrays())
         except BaseException:
             self.reset()
@@ -72,11 +72,12 @@ class LiveState:
         self.tokens.extend(tokens)
         return hidden
 
-    def step(self, token: int | mx.array) -> mx.array:
-        """Build (lazily) the forward of one decode token; returns its hidden row [1, H]."""
+    def step(self, token: int | mx.array, layout: Any = None) -> mx.array:
+        """Build (lazily) the forward of one decode token; returns its hidden row [1, H].
+        `layout`: the request's position layout (runner/media/prepare.py), if any."""
         token = mx.array([token], dtype=mx.int32) if isinstance(token, int) else token
         try:
-            hidden = self._forward(token.reshape(1, 1))
+            hidden = self._forward(token.reshape(1, 1), None, layout)
         except BaseException:
             self.reset()
             raise
@@ -95,8 +96,10 @@ class LiveState:
             raise
         self.tokens.extend(int(t.reshape(-1)[0].item()) for t in pending)  # type: ignore[arg-type]
 
-    def _forward(self, tokens: mx.array, media: list | None = None) -> mx.array:
-        if media:
+    def _forward(self, tokens: mx.array, media: list | None = None, layout: Any = None) -> mx.array:
+        if layout is not None:  # only models that make layouts take one
+            hidden = self.model.hidden(tokens, self.caches, media or None, layout=layout)
+        elif media:
             hidden = self.model.hidden(tokens, self.caches, media)
         else:
             hidden = self.model.hidden(tokens, self.caches)

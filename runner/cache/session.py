@@ -104,7 +104,7 @@ class PrefixSession:
     def decode(self, token: int | mx.array) -> mx.array:
         """The hidden row [1, H] of one more token after what the caches hold (lazy: the
         caller evaluates, and may build the next step before reading this one)."""
-        return self.owner.live.step(token)
+        return self.owner.live.step(token, self.media.layout if self.media is not None else None)
 
     def forward_rows(self, suffixes: list[list[int]], check: Callable[[], None]) -> list[mx.array]:
         """Each suffix's last hidden row [1, H], the rows computed as batches over the live
@@ -116,6 +116,10 @@ class PrefixSession:
         assert live.tokens == self.tokens, "the live state must hold the whole prefix"
         assert all(suffixes), "every row continues the prefix"
         owner.store_live()  # rows are stored below the prefix's node
+        # The prefix's position layout serves every row: rows batched here have all their
+        # images in the shared prefix (runner/score.py), so past it each row's positions are
+        # its indices plus the same delta, which the prefix's layout gives.
+        layout = self.media.layout if self.media is not None else None
         out: list[mx.array | None] = [None] * len(suffixes)
         order = sorted(range(len(suffixes)), key=lambda i: len(suffixes[i]))  # pad little
         kinds = live.kinds[: len(live.caches)]
@@ -130,7 +134,11 @@ class PrefixSession:
             size = max(1, min(BATCH_BYTES // max(1, per_row), owner.batch_tokens // width))
             chunk = order[begin : begin + size]
             batch = broadcast(kinds, live.caches, len(chunk))
-            hidden = forward_suffixes(owner.model, batch, [suffixes[i] for i in chunk])
+            rows = [suffixes[i] for i in chunk]
+            if layout is None:
+                hidden = forward_suffixes(owner.model, batch, rows)
+            else:
+                hidden = forward_suffixes(owner.model, batch, rows, layout)
             for j, i in enumerate(chunk):
                 n = len(suffixes[i])
                 out[i] = hidden[j, n - 1 : n, :]

@@ -16,6 +16,12 @@ splices recomputed state with stored state.
   FNV-1a 64 over the bytes, then each dim as a little-endian uint64, folded to 32 bits with
   bit 31 set), so text keys (ids < 2**31) never equal image keys, the same image restores
   past its expansion, and other bytes or geometry diverge at its first position.
+- A model whose positions are not the token indices once an image is in the prompt
+  (Qwen3.5's 3-channel rotary positions) makes a **position layout** for the prompt
+  (`model.position_layout(tokens, items)`, only when there are items): a deterministic
+  function of the tokens and items, so the same prefix always has the same layout and a
+  restored prefix needs no state beside its caches. Every forward of the request passes it
+  to the model (runner/media/request.py, runner/cache/session.py).
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ class PreparedPrompt:
     tokens: list[int]
     items: list[Item] = field(default_factory=list)
     tail_start: int = 0  # where the tokens of the text after the last tag begin
+    layout: Any = None  # the model's position layout for these tokens, if it makes one
 
     @property
     def keys(self) -> list[int]:
@@ -152,7 +159,9 @@ def prepare_prompt(
             )
         tokens += expansion.tokens
     check_items(items, len(tokens), sum(1 for p in parts if isinstance(p, int)))
-    return PreparedPrompt(tokens, items, tail_start)
+    make_layout = getattr(model, "position_layout", None)
+    layout = make_layout(tokens, items) if make_layout is not None and items else None
+    return PreparedPrompt(tokens, items, tail_start, layout)
 
 
 Placed = tuple[Expansion, list[int]]  # an image's expansion and the fold of each item

@@ -12,6 +12,8 @@ ids, and for every item the range overlaps, its features (the rows of that range
 - Features are encoded on the first chunk that overlaps an item (`model.encode_item`),
   kept while later chunks need them, and released once a chunk has gone past the item's
   end; `close()` releases the rest.
+- `layout`: the prompt's position layout (runner/media/prepare.py) or None; the live state
+  passes it with every forward of the request, decode steps included.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class RequestMedia:
         self.prompt = prompt
         self.items = prompt.items
         self.keys = prompt.keys
+        self.layout = prompt.layout  # every forward of the request passes it to the model
         self._features: dict[int, mx.array] = {}
         self.encoded = 0  # how many items were encoded (tests: each once)
 

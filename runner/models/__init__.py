@@ -16,6 +16,7 @@ from runner.models import (  # noqa: F401
     qwen3,
     qwen3_5,
     qwen3_5_moe,
+    qwen3_5_vision,
     qwen3_moe,
 )
 from runner.models.base import CachedScorer, CandidateUnembedder, HiddenRows, ImageModel, Model

@@ -34,7 +34,13 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   features [end - start, H]; `hidden(tokens, caches, media)` takes, besides the token ids,
   the features for this block: (position in the block, rows) pairs that replace those
   positions' embeddings. An atomic item is always whole inside one block
-  (runner/media/request.py).
+  (runner/media/request.py). A model whose token positions are not their indices once a
+  prompt has images (Qwen3.5's 3-channel rotary positions) also defines
+  `position_layout(tokens, items)` (off the MLX thread, deterministic; called only for
+  prompts with items), and its `hidden` takes `layout=`: the runner passes the prompt's
+  layout with every forward of that request (prefill chunks, batched rows over a shared
+  prefix, decode steps), and the model reads its block's absolute indices from its caches'
+  offset. Models without `position_layout` are never given one.
 
 A family that reads generation_config.json (Gemma 4's `suppress_tokens`) defines
 `use_generation_config(generation_config)`; `build_model` calls it once, before the model

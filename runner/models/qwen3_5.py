@@ -23,7 +23,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 
-from runner.backend import Backend
 from runner.backend.install import Kernels
 from runner.models.config import (
     FULL,
@@ -127,29 +126,12 @@ def image_text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-class _ImageTextModel(qwen3_5.TextModel):
-    """The text model of `Qwen3_5ForConditionalGeneration`'s checkpoint."""
+class ImageTextModel(qwen3_5.TextModel):
+    """The text model of `Qwen3_5ForConditionalGeneration`'s checkpoint (the tower is
+    runner/models/qwen3_5_vision.py's)."""
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return super().sanitize(image_text_weights(weights))
-
-
-@register("Qwen3_5ForConditionalGeneration", "qwen3_5")
-class Qwen3_5ImageText(DecoderModel):
-    """The text model of the image-text checkpoint (images are not served by this family:
-    a request with media is a 400)."""
-
-    DEFAULT_CONTEXT = 32768
-    KERNELS = Qwen3_5.KERNELS
-
-    def __init__(
-        self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
-    ):
-        super().__init__(module, image_text_config(config), architecture, backend)
-
-    @classmethod
-    def build_module(cls, config: dict[str, Any]) -> nn.Module:
-        return Qwen3_5.build_module(image_text_config(config), _ImageTextModel)
 
 
 def build_text_module(
