@@ -62,7 +62,9 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
     from runner.default_model import cache_root
 
     # Built for this CPU (-march=native): the name keys the source, the flags and the CPU.
-    source = DISPATCH_SOURCE.read_bytes() + " ".join(DISPATCH_FLAGS).encode() + _cpu().encode()
+    sources = sorted(DISPATCH_SOURCE.parent.glob("*.c"))  # the dispatch and what it includes
+    source = b"".join(path.read_bytes() for path in sources)
+    source += " ".join(DISPATCH_FLAGS).encode() + _cpu().encode()
     digest = hashlib.sha256(source).hexdigest()[:12]
     target = (cache_dir or cache_root() / "native") / f"sgemm_dispatch-{digest}.so"
     if target.exists():
@@ -78,7 +80,7 @@ def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             command = [compiler, *DISPATCH_FLAGS, "-o", str(built), str(DISPATCH_SOURCE)]
-            subprocess.run([*command, "-ldl"], check=True, capture_output=True, timeout=120)
+            subprocess.run([*command, "-ldl", "-lm"], check=True, capture_output=True, timeout=120)
             built.replace(target)  # atomic: a concurrent build leaves one complete file
         _remove_stale(target)
     except (OSError, subprocess.SubprocessError) as e:

@@ -57,6 +57,10 @@ class Backend:
     # where the runner's sgemm dispatch is not under MLX (it does the same inside MLX's graph,
     # without a synchronisation per product).
     gemv: bool
+    # backend.native_step: forwards of at most this many tokens (decode steps, short
+    # prompts) of Llama-shaped models run their decoder layers in one native call; None:
+    # never (no dispatch library, or not the CPU).
+    native_step_max_tokens: int | None
     # cache.session: suffix tokens per batched scoring forward.
     batch_tokens: int
     # cache.session: prompt tokens per prefill forward, and so the work between two checks
@@ -77,6 +81,9 @@ class Backend:
             host_activation_min_elements=8192,
             table_rope=True,
             gemv=not blas.dispatch_active(),
+            # SmolLM2, 480 tokens cached, native against MLX: 1 token 39 against 64 ms, 16:
+            # 72/107, 32: 141/174, 48: 194/245, 64: 223/235 (bench/native_step.py).
+            native_step_max_tokens=48 if blas.dispatch_active() else None,
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
             batch_tokens=512,
@@ -96,6 +103,7 @@ class Backend:
             host_activation_min_elements=None,
             table_rope=False,  # Metal and CUDA have a fast.rope kernel
             gemv=False,
+            native_step_max_tokens=None,
             batch_tokens=8192,  # GPUs want wide batches
             prefill_chunk_tokens=2048,
         )

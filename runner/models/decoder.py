@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from runner.backend import Backend, gemv
+from runner.backend import Backend, gemv, native_step
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
 from runner.models.quantized import GLOBAL_SCALE
@@ -147,6 +147,9 @@ class DecoderModel:
 
     DEFAULT_CONTEXT = 2048  # transformers' max_position_embeddings default for the family
     KERNELS: ClassVar[Kernels] = Kernels()
+    # Whether short forwards may run in one native call (runner/backend/native_step.py): for
+    # mlx-lm's Llama-shaped modules only; the builder still checks every layer.
+    NATIVE_STEP: ClassVar[bool] = False
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
@@ -163,11 +166,18 @@ class DecoderModel:
         self._head = module.model.embed_tokens if self._tied else module.lm_head
         self.context_length = int(config.get("max_position_embeddings") or self.DEFAULT_CONTEXT)
         self.vocab_size = int(self._head["weight"].shape[0])
+        self._native = (
+            native_step.build(module, backend.native_step_max_tokens) if self.NATIVE_STEP else None
+        )
 
     def make_caches(self) -> list[Any]:
         return make_prompt_cache(self.module)
 
     def hidden(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        if self._native is not None:
+            hidden = self._native(tokens, caches)
+            if hidden is not None:
+                return hidden
         return self.module.model(tokens, cache=caches)
 
     def postprocess(self, logits: mx.array) -> mx.array:

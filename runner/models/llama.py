@@ -35,6 +35,7 @@ LLAMA_DEFAULTS: dict[str, Any] = {
 @register("LlamaForCausalLM", "llama")
 class Llama(DecoderModel):
     DEFAULT_CONTEXT = 2048
+    NATIVE_STEP = True
     KERNELS = Kernels(attention=(llama.Attention,), swiglu=(llama.MLP,))
 
     @classmethod

@@ -61,6 +61,7 @@ class _Model(qwen3.Model):
 @register("Qwen3ForCausalLM", "qwen3")
 class Qwen3(DecoderModel):
     DEFAULT_CONTEXT = 32768
+    NATIVE_STEP = True
     KERNELS = Kernels(attention=(qwen3.Attention,), swiglu=(qwen3.MLP,))
 
     @classmethod

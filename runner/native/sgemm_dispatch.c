@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -51,7 +52,7 @@ static sgemm_fn next_sgemm;
 static sgemv_fn next_sgemv;
 
 /* Exported so the runner can tell that this dispatch is in the process. */
-int runner_sgemm_dispatch_version(void) { return 3; }
+int runner_sgemm_dispatch_version(void) { return 4; }
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 
@@ -157,16 +158,11 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static atomic_uint generation;
 static atomic_int pending, sleeping;
-static struct product job;
 
-static void share(int index, int *j0, int *j1) {
-    const int rw = job.m == 1 ? 8 : 6;
-    const int blocks = (job.n + rw - 1) / rw, per = blocks / threads, extra = blocks % threads;
-    const int first = index * per + (index < extra ? index : extra);
-    *j0 = first * rw;
-    *j1 = (first + per + (index < extra ? 1 : 0)) * rw;
-    if (*j1 > job.n) *j1 = job.n;
-}
+/* The job on the pool: task(task_arg, index, threads) runs once for every index. */
+typedef void (*task_fn)(const void *arg, int index, int count);
+static task_fn task;
+static const void *task_arg;
 
 static void *worker(void *arg) {
     const int index = (int)(size_t)arg;
@@ -182,9 +178,7 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&lock);
         }
         seen = atomic_load_explicit(&generation, memory_order_acquire);
-        int j0, j1;
-        share(index, &j0, &j1);
-        if (j0 < j1) columns(&job, j0, j1);
+        task(task_arg, index, threads);
         atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
     }
     return NULL;
@@ -214,16 +208,18 @@ static void start_pool(void) { /* under `callers` */
     if (!registered++) pthread_atfork(NULL, NULL, forked);
 }
 
-static void small_product(const struct product *p) {
-    pthread_mutex_lock(&callers); /* one product on the pool at a time */
+/* fn(arg, i, n) for every i in [0, n), n the pool's threads, the caller taking i = 0; one
+ * job on the pool at a time. */
+static void parallel(task_fn fn, const void *arg) {
+    pthread_mutex_lock(&callers);
     if (threads == 0) start_pool();
-    /* Narrow products are not worth waking anyone for. */
-    if (threads == 1 || (long)p->n * p->k * p->m < (1L << 18)) {
+    if (threads == 1) {
         pthread_mutex_unlock(&callers);
-        columns(p, 0, p->n);
+        fn(arg, 0, 1);
         return;
     }
-    job = *p;
+    task = fn;
+    task_arg = arg;
     atomic_store(&pending, threads - 1);
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     if (atomic_load(&sleeping) > 0) {
@@ -231,11 +227,30 @@ static void small_product(const struct product *p) {
         pthread_cond_broadcast(&wake);
         pthread_mutex_unlock(&lock);
     }
-    int j0, j1;
-    share(0, &j0, &j1);
-    if (j0 < j1) columns(&job, j0, j1);
+    fn(arg, 0, threads);
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) sched_yield();
     pthread_mutex_unlock(&callers);
+}
+
+/* Share `index` of `count` of a product's columns, in whole blocks of W's rows. */
+static void product_share(const void *arg, int index, int count) {
+    const struct product *p = arg;
+    const int rw = p->m == 1 ? 8 : 6;
+    const int blocks = (p->n + rw - 1) / rw, per = blocks / count, extra = blocks % count;
+    const int first = index * per + (index < extra ? index : extra);
+    const int j0 = first * rw;
+    int j1 = (first + per + (index < extra ? 1 : 0)) * rw;
+    if (j1 > p->n) j1 = p->n;
+    if (j0 < j1) columns(p, j0, j1);
+}
+
+static void small_product(const struct product *p) {
+    /* Narrow products are not worth waking anyone for. */
+    if ((long)p->n * p->k * p->m < (1L << 18)) {
+        columns(p, 0, p->n);
+        return;
+    }
+    parallel(product_share, p);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
@@ -264,3 +279,6 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     }
     next_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+/* The decoder layers of Llama-shaped models in one call (runner/backend/native_step.py). */
+#include "decoder_step.c"

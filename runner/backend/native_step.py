@@ -1,0 +1,261 @@
+"""Short forwards of Llama-shaped models in one native call (the CPU backend).
+
+A decode step or a few-token forward on MLX's CPU backend pays ~5 us for each of its
+~3,000 primitive operations (SmolLM2: 100 a layer) on top of reading the weights once;
+llama.cpp runs the same step as a few hundred fused operations. `NativeStep` runs all the
+decoder layers of such a forward in one call into the runner's compiled library
+(runner/native/decoder_step.c, built with the sgemm dispatch: runner/blas.py), with the
+dispatch's product tiles and thread pool, and MLX does the rest (embedding rows, the head).
+
+It serves Llama and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`, `Qwen3ForCausalLM`):
+RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
+from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
+anything else (a quantized or non-float32 weight, another module shape), and a call
+returns None where MLX's path must run: more tokens than the backend's limit, batched rows,
+a cache that is not a plain `KVCache` (sliding windows, the batched prefix of
+runner/cache/batch.py), or cache buffers it cannot read in place.
+
+Invariants:
+- The caches are only read here; this step's keys and values are appended through MLX's
+  `update_and_fetch` (copy-on-write), exactly what mlx-lm's attention would append, so
+  snapshots, rewinds and the prefix trie see the same caches either way.
+- Numbers: float32 throughout, the same operations as MLX's path in another summation
+  order; tests/test_native_step.py compares the two, and every golden test of the two
+  families runs through it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from runner.backend.rope import TableRoPE
+
+log = logging.getLogger(__name__)
+
+_P = ctypes.POINTER(ctypes.c_float)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
+            "q_norm", "k_norm", "post_norm", "gate", "up", "down",
+        )
+    ]  # fmt: skip
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [("keys", _P), ("values", _P), ("head_stride", ctypes.c_long)]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, ctypes.c_int)
+            for name in (
+                "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers",
+                "offset", "rope_dims",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", _P),
+        ("sin", _P),
+        ("layer", ctypes.POINTER(_Layer)),
+        ("cache", ctypes.POINTER(_Cache)),
+        ("final_norm", _P),
+        ("x", _P),
+        ("new_keys", _P),
+        ("new_values", _P),
+        ("scratch", _P),
+    ]  # fmt: skip
+
+
+def _library() -> Any | None:
+    """The preloaded dispatch library's step function, or None (no dispatch, or an older one)."""
+    try:
+        process = ctypes.CDLL(None)
+        step, scratch = process.runner_decoder_step, process.runner_step_scratch_floats
+    except (OSError, AttributeError):
+        return None
+    step.argtypes = scratch.argtypes = [ctypes.POINTER(_Args)]
+    step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
+    return step, scratch
+
+
+def _pointer(view: np.ndarray) -> Any:
+    return view.ctypes.data_as(_P)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _weights(module: nn.Module, name: str) -> np.ndarray:
+    """A float32 Linear/RMSNorm/Embedding weight (or bias) as a read-only view of MLX's memory."""
+    layer = module if name in ("weight", "bias") else getattr(module, name, None)
+    array = layer if isinstance(layer, mx.array) else getattr(layer, "weight", None)
+    if not isinstance(array, mx.array) or array.dtype != mx.float32:
+        raise _Unsupported(f"{name}: not a float32 weight")
+    mx.eval(array)
+    view = np.asarray(array)
+    if not view.flags.c_contiguous:
+        raise _Unsupported(f"{name}: not contiguous")
+    return view
+
+
+def _linear(parent: nn.Module, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    layer = getattr(parent, name, None)
+    if type(layer) is not nn.Linear:  # quantized, gemv or another subclass: MLX's path
+        raise _Unsupported(f"{name}: {type(layer).__name__}")
+    bias = np.asarray(layer.bias) if "bias" in layer else None
+    if bias is not None and layer.bias.dtype != mx.float32:
+        raise _Unsupported(f"{name}: bias dtype")
+    return _weights(layer, "weight"), bias
+
+
+def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
+    layer = getattr(parent, name, None)
+    if type(layer) is not nn.RMSNorm:
+        raise _Unsupported(f"{name}: {type(layer).__name__}")
+    return _weights(layer, "weight"), float(layer.eps)
+
+
+class NativeStep:
+    """Runs a Llama-shaped module's decoder layers for a few tokens in one native call."""
+
+    def __init__(self, module: nn.Module, max_tokens: int, functions: Any):
+        self._step, self._scratch = functions
+        self.max_tokens = max_tokens
+        inner = module.model
+        if type(inner.embed_tokens) is not nn.Embedding:
+            raise _Unsupported("the embedding is not a float32 nn.Embedding")
+        self._embed = _weights(inner.embed_tokens, "weight")
+        self._final_norm, eps = _norm(inner, "norm")
+        layers = list(inner.layers)
+        self._keep: list[np.ndarray] = [self._embed, self._final_norm]  # the views' lifetimes
+        structs = (_Layer * len(layers))()
+        first = layers[0].self_attn
+        self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
+        self.scale = float(first.scale)
+        rope = first.rope
+        if not isinstance(rope, TableRoPE):
+            raise _Unsupported("rotary embedding without a table")
+        self._rope = rope
+        q_weight, _ = _linear(first, "q_proj")
+        self.head_dim = q_weight.shape[0] // self.heads
+        self.hidden = int(self._embed.shape[1])
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer.mlp).__name__ != "MLP" or not hasattr(mlp, "gate_proj"):
+                raise _Unsupported("MLP is not SwiGLU")
+            if attn.rope is not rope and not (
+                isinstance(attn.rope, TableRoPE) and attn.rope._key == rope._key
+            ):
+                raise _Unsupported("layers rotate differently")
+            fields: dict[str, np.ndarray | None] = {}
+            fields["input_norm"], e1 = _norm(layer, "input_layernorm")
+            fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm")
+            for proj in ("q", "k", "v", "o"):
+                fields[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
+            for proj in ("gate", "up", "down"):
+                fields[proj], bias = _linear(mlp, f"{proj}_proj")
+                if bias is not None:
+                    raise _Unsupported("MLP biases")
+            eps_all = {e1, e2, eps}
+            for name in ("q_norm", "k_norm"):
+                if hasattr(attn, name):
+                    fields[name], e = _norm(attn, name)
+                    eps_all.add(e)
+            if len(eps_all) != 1:
+                raise _Unsupported("norms with different eps")
+            if int(attn.n_heads) != self.heads or int(attn.n_kv_heads) != self.kv_heads:
+                raise _Unsupported("layers of different shapes")
+            for name, view in fields.items():
+                if view is not None:
+                    self._keep.append(view)
+                    setattr(structs[i], name, _pointer(view))
+        self.intermediate = int(fields["gate"].shape[0])  # type: ignore[union-attr]
+        self.eps = eps
+        self.layers = len(layers)
+        self._structs = structs
+        if self.heads % self.kv_heads or rope.dims > min(self.head_dim, 1024):
+            raise _Unsupported("head layout")
+
+    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:
+        """The final hidden states [1, T, H] of `tokens` [1, T] after the caches, appending
+        to them; None when MLX's path must run this forward (nothing changed then)."""
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or not 0 < tokens.shape[1] <= self.max_tokens:
+            return None
+        if not caches or len(caches) != self.layers or any(type(c) is not KVCache for c in caches):
+            return None
+        offset = caches[0].offset
+        if any(c.offset != offset for c in caches):
+            return None
+        t = int(tokens.shape[1])
+        cache_structs = (_Cache * self.layers)()
+        keep: list[np.ndarray] = []
+        if offset:
+            arrays = [a for c in caches for a in (c.keys, c.values)]
+            mx.eval(*arrays)
+            for i, c in enumerate(caches):
+                keys, values = np.asarray(c.keys), np.asarray(c.values)
+                for view in (keys, values):
+                    if (
+                        view.dtype != np.float32
+                        or view.ndim != 4
+                        or view.shape[0] != 1
+                        or view.shape[1] != self.kv_heads
+                        or view.shape[3] != self.head_dim
+                        or view.shape[2] < offset
+                        or not view.flags.c_contiguous
+                    ):
+                        return None
+                keep += (keys, values)
+                cache_structs[i].keys = _pointer(keys)
+                cache_structs[i].values = _pointer(values)
+                cache_structs[i].head_stride = keys.shape[2] * self.head_dim
+        ids = np.asarray(tokens).reshape(-1)
+        x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
+        cos, sin = self._rope._tables.get(self._rope._key, self._rope._inv_freq, offset, t)
+        cos_view, sin_view = np.asarray(cos), np.asarray(sin)
+        new_keys = np.empty((self.layers, self.kv_heads, t, self.head_dim), np.float32)
+        new_values = np.empty_like(new_keys)
+        args = _Args(
+            tokens=t, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, intermediate=self.intermediate, layers=self.layers,
+            offset=offset, rope_dims=self._rope.dims, eps=self.eps, scale=self.scale,
+            cos=_pointer(cos_view), sin=_pointer(sin_view), layer=self._structs,
+            cache=cache_structs, final_norm=_pointer(self._final_norm), x=_pointer(x),
+            new_keys=_pointer(new_keys), new_values=_pointer(new_values),
+        )  # fmt: skip
+        scratch = np.empty(self._scratch(ctypes.byref(args)), np.float32)
+        args.scratch = _pointer(scratch)
+        if self._step(ctypes.byref(args)) != 0:
+            return None
+        del keep
+        for i, c in enumerate(caches):
+            c.update_and_fetch(mx.array(new_keys[i])[None], mx.array(new_values[i])[None])
+        return mx.array(x)[None]
+
+
+def build(module: nn.Module, max_tokens: int | None) -> NativeStep | None:
+    """The native step for `module`, or None (not a module it serves, no library, or off)."""
+    if not max_tokens:
+        return None
+    functions = _library()
+    if functions is None:
+        return None
+    try:
+        return NativeStep(module, max_tokens, functions)
+    except _Unsupported as e:
+        log.debug("no native step: %s", e)
+        return None

@@ -1,0 +1,147 @@
+"""The native decoder step (runner/backend/native_step.py) computes what MLX's path computes.
+
+Each test loads the same tiny model twice, with the native step and without it, and runs the
+same forwards through both: prompts in chunks the step takes and chunks it leaves to MLX,
+decode steps across a cache buffer's growth (mlx-lm grows KV buffers 256 positions at a
+time), a cache rewound and refilled. Hidden states, logits and the caches' contents agree
+within float32 rounding, and the step must actually have run (counted).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner import blas
+from runner.backend import Backend
+from tests.tiny import load_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not blas.dispatch_active(), reason="needs the runner's dispatch library preloaded"
+)
+
+ARCHES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+MAX_TOKENS = 8
+
+
+class Counting:
+    """Wraps a model's native step, counting the forwards it took."""
+
+    def __init__(self, step: Any):
+        self.step, self.taken, self.declined = step, 0, 0
+
+    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:
+        out = self.step(tokens, caches)
+        if out is None:
+            self.declined += 1
+        else:
+            self.taken += 1
+        return out
+
+
+@pytest.fixture(params=ARCHES)
+def pair(request, tmp_path):
+    arch = request.param
+    native = load_tiny_model(
+        arch, tmp_path / "a", backend=Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    )
+    plain = load_tiny_model(
+        arch, tmp_path / "b", backend=Backend.cpu().replace(native_step_max_tokens=None)
+    )
+    assert native._native is not None and plain._native is None
+    native._native = Counting(native._native)
+    return native, plain
+
+
+def forward(model: Any, caches: list[Any], tokens: list[int]) -> np.ndarray:
+    hidden = model.hidden(mx.array([tokens], dtype=mx.int32), caches)
+    logits = model.unembed(hidden)
+    mx.eval(hidden, logits)
+    return np.array(logits)
+
+
+def assert_caches_equal(a: list[Any], b: list[Any]) -> None:
+    assert [c.offset for c in a] == [c.offset for c in b]
+    for x, y in zip(a, b, strict=True):
+        n = x.offset
+        np.testing.assert_allclose(
+            np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :]), atol=2e-5
+        )
+        np.testing.assert_allclose(
+            np.array(x.values[..., :n, :]), np.array(y.values[..., :n, :]), atol=2e-5
+        )
+
+
+def test_chunks_and_decode_steps_equal_mlx(pair):
+    native, plain = pair
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 300, size=300).tolist()
+    a, b = native.make_caches(), plain.make_caches()
+    # 0..5 (native, empty cache), 5..250 (MLX), 250..258 (native, grows the buffer), then
+    # decode steps to 290 (native)
+    cuts = [0, 5, 250, 258, *range(259, 291)]
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(a, b)
+    assert native._native.taken == len(cuts) - 2  # all but the 245-token chunk
+    assert native._native.declined == 1
+
+
+def test_greedy_decode_equals_mlx_token_for_token(pair):
+    native, plain = pair
+    outputs = []
+    for model in (native, plain):
+        caches = model.make_caches()
+        logits = forward(model, caches, [5, 17, 42, 9, 100, 7])
+        tokens = []
+        for _ in range(40):
+            token = int(np.argmax(logits[0, -1]))
+            tokens.append(token)
+            logits = forward(model, caches, [token])
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert native._native.taken == 41
+
+
+def test_a_rewound_cache_is_refilled_as_mlx_refills_it(pair):
+    """A prefix cache rewinds a live cache by lowering its offset (runner/cache/kinds.py):
+    the step must read only the positions below it and append from there."""
+    native, plain = pair
+    prompt = list(range(10, 40))
+    a, b = native.make_caches(), plain.make_caches()
+    forward(native, a, prompt[:20])  # MLX path (20 > 8)
+    forward(plain, b, prompt[:20])
+    for c in (*a, *b):
+        c.offset = 12  # rewind
+    got = forward(native, a, [77, 78, 79])
+    want = forward(plain, b, [77, 78, 79])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(a, b)
+
+
+def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
+    native, _ = pair
+    caches = native.make_caches()
+    before = native._native.taken
+    two_rows = mx.array([[3, 4, 5], [6, 7, 8]], dtype=mx.int32)  # batched rows
+    assert native._native(two_rows, native.make_caches()) is None
+    assert native._native(mx.array([list(range(3, 3 + MAX_TOKENS + 1))]), caches) is None
+    assert native._native(mx.array([[3, 4]]), None) is None  # no caches
+    assert all(c.offset == 0 for c in caches)  # declining changed nothing
+    assert native._native.taken == before
+
+
+def test_only_float32_llama_shapes_get_a_step(tmp_path):
+    """Families without the step keep MLX's path, as does a Llama with the step turned off."""
+    gemma = load_tiny_model("Gemma3ForCausalLM", tmp_path / "g")
+    assert gemma._native is None
+    without = Backend.cpu().replace(native_step_max_tokens=None)
+    off = load_tiny_model("LlamaForCausalLM", tmp_path / "l", backend=without)
+    assert off._native is None
+    llama = load_tiny_model("LlamaForCausalLM", tmp_path / "q")
+    assert llama._native is not None  # the CPU default with the dispatch preloaded
