@@ -86,6 +86,29 @@ static void product(int m, int n, int k, const float *a, int lda, const float *w
     small_product(&p);
 }
 
+struct products {
+    const struct product *p;
+    int n;
+};
+
+static void products_share(const void *arg, int index, int count) {
+    const struct products *ps = arg;
+    for (int i = 0; i < ps->n; i++) product_share(&ps->p[i], index, count);
+}
+
+/* Products with the same rows of A, one job on the pool: no barrier between them. */
+static void products_of(int m, int k, const float *a, int n_products, const int *n,
+                        const float *const *w, float *const *c) {
+    struct product p[3];
+    for (int i = 0; i < n_products; i++)
+        p[i] = (struct product){m, n[i], k, k, k, n[i], 1.0f, 0.0f, a, w[i], c[i]};
+    const struct products ps = {p, n_products};
+    if ((long)m * k * n[0] < (1L << 18))
+        products_share(&ps, 0, 1);
+    else
+        parallel(products_share, &ps);
+}
+
 static void add_bias(float *c, const float *bias, int m, int n) {
     if (!bias) return;
     for (int i = 0; i < m; i++)
@@ -178,7 +201,7 @@ struct attention_job {
     const struct step_cache *cache;
     const float *q, *k, *v; /* this step's rows: [tokens, heads | kv_heads, head_dim] */
     float *out;             /* [tokens, heads, head_dim] */
-    float *scores;          /* per thread: [tokens, offset + tokens] */
+    float *scores;          /* per thread: one row of offset + tokens */
 };
 
 /* Query heads index, index + count, ...: each against its KV head's cached keys and this
@@ -188,14 +211,14 @@ static void attention_heads(const void *arg, int index, int count) {
     const struct step_args *a = j->a;
     const int T = a->tokens, D = a->head_dim, off = a->offset, S = off + T;
     const int rep = a->heads / a->kv_heads, qd = a->heads * D, kd = a->kv_heads * D;
-    float *scores = j->scores + (size_t)index * T * S;
+    float *scores = j->scores + (size_t)index * S; /* one row at a time */
     for (int h = index; h < a->heads; h += count) {
         const int g = h / rep;
         const float *kc = j->cache->keys + g * j->cache->head_stride;
         const float *vc = j->cache->values + g * j->cache->head_stride;
         for (int t = 0; t < T; t++) {
             const float *q = j->q + (size_t)t * qd + h * D;
-            float *row = scores + (size_t)t * S, *out = j->out + (size_t)t * qd + h * D;
+            float *row = scores, *out = j->out + (size_t)t * qd + h * D;
             const int n = off + t + 1;
             if (off) dot_keys(q, kc, D, off, D, a->scale, row);
             dot_keys(q, j->k + g * D, kd, t + 1, D, a->scale, row + off);
@@ -211,7 +234,7 @@ long runner_step_scratch_floats(const struct step_args *a) {
     const long T = a->tokens, qd = (long)a->heads * a->head_dim, kd = (long)a->kv_heads * a->head_dim;
     const long S = a->offset + T;
     return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * a->intermediate * 2 +
-           (long)MAX_THREADS * T * S;
+           (long)MAX_THREADS * S;
 }
 
 int runner_decoder_step(const struct step_args *a) {
@@ -225,9 +248,12 @@ int runner_decoder_step(const struct step_args *a) {
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->input_norm, a->eps, H, h + (size_t)t * H);
-        product(T, qd, H, h, H, w->q, H, q, qd);
-        product(T, kd, H, h, H, w->k, H, k, kd);
-        product(T, kd, H, h, H, w->v, H, v, kd);
+        {
+            const int n[3] = {qd, kd, kd};
+            const float *ws[3] = {w->q, w->k, w->v};
+            float *cs[3] = {q, k, v};
+            products_of(T, H, h, 3, n, ws, cs);
+        }
         add_bias(q, w->q_bias, T, qd);
         add_bias(k, w->k_bias, T, kd);
         add_bias(v, w->v_bias, T, kd);
@@ -253,8 +279,12 @@ int runner_decoder_step(const struct step_args *a) {
         add_bias(tmp, w->o_bias, T, H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
-        product(T, I, H, h, H, w->gate, H, gate, I);
-        product(T, I, H, h, H, w->up, H, up, I);
+        {
+            const int n[2] = {I, I};
+            const float *ws[2] = {w->gate, w->up};
+            float *cs[2] = {gate, up};
+            products_of(T, H, h, 2, n, ws, cs);
+        }
         const size_t n = (size_t)T * I, nv8 = n - n % VL;
         for (size_t i = 0; i < nv8; i += VL) { /* silu(g) * u = g / (1 + e^-g) * u */
             const vf g = load(gate + i);
