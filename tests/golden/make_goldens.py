@@ -410,6 +410,7 @@ INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     "Cohere2MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
     "Qwen3MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
     "Qwen3_5MoeForCausalLM": {"mlp.gate.weight": ("normal", 0.3)},
+    "Qwen3_5MoeForConditionalGeneration": {"mlp.gate.weight": ("normal", 0.3)},
     # GPT-OSS: its router, and attention sinks large enough to take a share of attention
     "GptOssForCausalLM": {"mlp.router.weight": ("normal", 0.3), "sinks": ("normal", 1.0)},
     # a router of std 0.02 scores experts almost alike: rounding would pick the top-2

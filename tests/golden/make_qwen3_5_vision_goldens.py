@@ -1,21 +1,25 @@
-"""Regenerate the tiny Qwen3_5ForConditionalGeneration model and its goldens with transformers.
+"""Regenerate the tiny Qwen3.5 image-text models and their goldens with transformers.
 
     python tests/golden/make_qwen3_5_vision_goldens.py --configs   # config + weights manifest
     python tests/golden/make_qwen3_5_vision_goldens.py             # goldens only
+    python tests/golden/make_qwen3_5_vision_goldens.py Qwen3_5MoeForConditionalGeneration  # one
 
-Writes tests/data/configs/Qwen3_5ForConditionalGeneration{.json,.weights.json} (transformers'
-own Qwen3_5Config and the names its model saves) and tests/data/golden/qwen3_5_vision.npz:
+For each architecture of `FAMILIES` (Qwen3_5ForConditionalGeneration, and its MoE sibling,
+the same tower and images over tests/golden's tiny Qwen3.5-MoE text model), writes
+tests/data/configs/<arch>{.json,.weights.json} (transformers' own config and the names its
+model saves) and the family's golden file (tests/data/golden/qwen3_5_vision.npz for the dense
+one):
 - `pixels_<name>` / `grid_<name>`: transformers' image processor (`AutoImageProcessor`, the
   PIL backend here, `Qwen2VLImageProcessorPil`) on each generated image of `IMAGES`, with the
   tiny model's `PREPROCESSOR` (preprocessor_config.json);
-- per prompt of `prompts`, its token ids and the logits of transformers'
-  Qwen3_5ForConditionalGeneration (CPU PyTorch, float32, eager attention) given
+- per prompt of `prompts`, its token ids and the logits of transformers' image-text model
+  (CPU PyTorch, float32, eager attention) given
   `mm_token_type_ids` and `image_grid_thw` as Qwen3VLProcessor makes them (so transformers
   computes its own 3-channel rotary positions): every position of the one-image prompt,
   the last `TAIL` positions of the others;
 - `generated`: transformers' greedy `generate` after the one-image prompt.
-tests/test_qwen3_5_vision.py reads the file, and imports the helpers below for its live
-`-m reference` tier. Needs torch, transformers and Pillow.
+tests/test_qwen3_5_vision.py and tests/test_qwen3_5_moe_vision.py read them, and import the
+helpers below for their live `-m reference` tier. Needs torch, transformers and Pillow.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import io
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +43,37 @@ from tests.tiny import (  # noqa: E402
     CONFIGS,
     GOLDEN,
     manifest_path,
-    tiny_config,
     write_tiny_model,
 )
 
+
+@dataclass(frozen=True)
+class Family:
+    """An image-text architecture: its transformers config class, the tiny text model whose
+    arguments (tests/golden/make_goldens.py) it nests, and its golden file."""
+
+    config_class: str
+    text_arch: str
+    golden: Path
+
+
 ARCH = "Qwen3_5ForConditionalGeneration"
-GOLDEN_FILE = GOLDEN / "qwen3_5_vision.npz"
+MOE_ARCH = "Qwen3_5MoeForConditionalGeneration"
+FAMILIES = {
+    ARCH: Family("Qwen3_5Config", "Qwen3_5ForCausalLM", GOLDEN / "qwen3_5_vision.npz"),
+    MOE_ARCH: Family(
+        "Qwen3_5MoeConfig", "Qwen3_5MoeForCausalLM", GOLDEN / "qwen3_5_moe_vision.npz"
+    ),
+}
+GOLDEN_FILE = FAMILIES[ARCH].golden
 MAX_NEW_TOKENS = 6
 EOS_ID = TOKENS["eos_token_id"]
 TAIL = 8  # last positions stored for the prompts other than "one"
 
-# The text model is tests/golden's Qwen3.5 (gated-delta and full-attention layers, partial
-# interleaved mrope with sections [2, 1, 1] over 4 rotary pairs); the tower: 2 blocks, 8-pixel
-# patches merged 2 x 2, a 4 x 4 learned position grid that every image's grid interpolates.
+# The text model is tests/golden's Qwen3.5 or Qwen3.5-MoE (gated-delta and full-attention
+# layers, partial interleaved mrope with sections [2, 1, 1] over 4 rotary pairs); the tower:
+# 2 blocks, 8-pixel patches merged 2 x 2, a 4 x 4 learned position grid that every image's
+# grid interpolates.
 # The image ids sit above the tokenizer's 340 entries, inside the model's 384.
 VISION_ARGS: dict[str, Any] = {
     "depth": 2,
@@ -94,25 +117,26 @@ IMAGES = (
 )
 
 
-def transformers_config() -> dict[str, Any]:
-    """config.json as transformers 5 writes it for the tiny model."""
+def transformers_config(arch: str = ARCH) -> dict[str, Any]:
+    """config.json as transformers 5 writes it for the tiny model of `arch`."""
     import transformers
 
-    _, text_args = CONFIG_ARGS["Qwen3_5ForCausalLM"]
-    config = transformers.Qwen3_5Config(
+    family = FAMILIES[arch]
+    _, text_args = CONFIG_ARGS[family.text_arch]
+    config = getattr(transformers, family.config_class)(
         text_config={**SHAPE, **TOKENS, **text_args},
         vision_config=VISION_ARGS,
         **MULTIMODAL_ARGS,
-        architectures=[ARCH],
+        architectures=[arch],
     )
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
 
 
-def write_model(path: Path, **kwargs: Any) -> Path:
-    """The tiny model directory, with its preprocessor_config.json."""
-    write_tiny_model(ARCH, path, **kwargs)
+def write_model(path: Path, arch: str = ARCH, **kwargs: Any) -> Path:
+    """The tiny model directory of `arch`, with its preprocessor_config.json."""
+    write_tiny_model(arch, path, **kwargs)
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return path
 
@@ -179,7 +203,8 @@ def reference_model(model_dir: Path) -> Any:
     import torch
     import transformers
 
-    model, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, arch).from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
     )
     bad = {k: v for k, v in info.items() if v}
@@ -234,7 +259,7 @@ def reference_generation(
 
 
 def compute_goldens(model_dir: Path) -> dict[str, np.ndarray]:
-    config = tiny_config(ARCH)
+    config = json.loads((model_dir / "config.json").read_text())
     pixels = reference_pixels(all_image_bytes())
     grids = {name: grid for name, (_, grid) in pixels.items()}
     model = reference_model(model_dir)
@@ -255,18 +280,24 @@ def compute_goldens(model_dir: Path) -> dict[str, np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch", nargs="*", help=f"of {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("--configs", action="store_true", help="rewrite config and manifest")
     args = parser.parse_args()
-    if args.configs:
-        text = json.dumps(transformers_config(), indent=2, sort_keys=True)
-        (CONFIGS / f"{ARCH}.json").write_text(text + "\n")
-        manifest = json.dumps(weight_manifest(ARCH), indent=1, sort_keys=True)
-        manifest_path(ARCH).write_text(manifest + "\n")
-        print("wrote", CONFIGS / f"{ARCH}.json", manifest_path(ARCH))
-    with tempfile.TemporaryDirectory() as tmp:
-        arrays = compute_goldens(write_model(Path(tmp)))
-    np.savez_compressed(GOLDEN_FILE, **arrays)
-    print("wrote", GOLDEN_FILE, "generated", arrays["generated"].tolist())
+    unknown = set(args.arch) - set(FAMILIES)
+    if unknown:
+        parser.error(f"not an image-text family here: {', '.join(sorted(unknown))}")
+    for arch in args.arch or FAMILIES:
+        if args.configs:
+            text = json.dumps(transformers_config(arch), indent=2, sort_keys=True)
+            (CONFIGS / f"{arch}.json").write_text(text + "\n")
+            manifest = json.dumps(weight_manifest(arch), indent=1, sort_keys=True)
+            manifest_path(arch).write_text(manifest + "\n")
+            print("wrote", CONFIGS / f"{arch}.json", manifest_path(arch))
+        with tempfile.TemporaryDirectory() as tmp:
+            arrays = compute_goldens(write_model(Path(tmp), arch))
+        golden = FAMILIES[arch].golden
+        np.savez_compressed(golden, **arrays)
+        print("wrote", golden, "generated", arrays["generated"].tolist())
 
 
 if __name__ == "__main__":
