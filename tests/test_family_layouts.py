@@ -120,15 +120,19 @@ def conditional_generation(
     path: Path, tie: bool | None, arch: str = "Qwen3_5MoeForConditionalGeneration"
 ) -> ModelSource:
     """The tiny Qwen3.5(-MoE) text checkpoint in `path` as the image-text model's: config
-    nested under text_config, weights under model.language_model., a vision tower and an MTP
-    head that are not loaded."""
+    nested under text_config, weights under model.language_model., the tiny tower of `arch`
+    (its vision_config, image token ids and model.visual. weights) and an MTP head that is
+    not loaded."""
+    from tests.tiny import random_weights
+
     s = load_local_dir(path)
     text = dict(s.config)
+    vision = tiny_config(arch)
     config: dict[str, Any] = {
         "architectures": [arch],
         "model_type": "qwen3_5_moe" if "Moe" in arch else "qwen3_5",
         "text_config": text,
-        "vision_config": {"model_type": "qwen3_5_moe_vision", "hidden_size": 32},
+        **{k: v for k, v in vision.items() if k.endswith(("token_id", "vision_config"))},
     }
     if tie is not None:
         config["tie_word_embeddings"] = tie
@@ -138,37 +142,31 @@ def conditional_generation(
         if name.startswith("model."):
             name = "model.language_model." + name.removeprefix("model.")
         weights[name] = value
-    weights["model.visual.patch_embed.proj.weight"] = mx.zeros((32, 3, 2, 16, 16))
+    tower = random_weights(vision)
+    weights.update({k: mx.array(v) for k, v in tower.items() if k.startswith("model.visual.")})
     weights["mtp.fc.weight"] = mx.zeros((64, 128))
     s.config, s.weights = config, weights
     return s
 
 
-def test_qwen3_5_moe_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
-    path = write_tiny_model("Qwen3_5MoeForCausalLM", tmp_path)
-    text = build_model(load_local_dir(path))
-    model = build_model(conditional_generation(path, tie=False))
-    assert model.architecture == "Qwen3_5MoeForConditionalGeneration"
-    assert model.context_length == tiny_config("Qwen3_5MoeForCausalLM")["max_position_embeddings"]
-    assert model.vocab_size == 384
-    assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
-    assert np.array_equal(logits(model), logits(text))
-
-
-def test_qwen3_5_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("text_arch", "arch"),
+    [
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    ],
+)
+def test_qwen3_5_image_text_checkpoint_serves_its_text_model(
+    tmp_path: Path, text_arch: str, arch: str
+) -> None:
     """Text through the image model (runner/models/qwen3_5_vision.py: it needs its whole
     tower) is the text model's, bit for bit."""
-    from tests.tiny import random_weights
-
-    path = write_tiny_model("Qwen3_5ForCausalLM", tmp_path)
+    path = write_tiny_model(text_arch, tmp_path)
     text = build_model(load_local_dir(path))
-    s = conditional_generation(path, False, "Qwen3_5ForConditionalGeneration")
-    vision = tiny_config("Qwen3_5ForConditionalGeneration")
-    s.config |= {k: v for k, v in vision.items() if k.endswith(("token_id", "vision_config"))}
-    tower = random_weights(vision)
-    s.weights.update({k: mx.array(v) for k, v in tower.items() if k.startswith("model.visual.")})
-    model = build_model(s)
-    assert model.architecture == "Qwen3_5ForConditionalGeneration"
+    model = build_model(conditional_generation(path, False, arch))
+    assert model.architecture == arch
+    assert model.context_length == tiny_config(text_arch)["max_position_embeddings"]
+    assert model.vocab_size == 384
     assert [type(c) for c in model.make_caches()] == [type(c) for c in text.make_caches()]
     assert np.array_equal(logits(model), logits(text))
 
@@ -302,11 +300,8 @@ VISION = {
 }
 # Image token ids inside the tiny vocabulary, for the families that check them at load.
 IMAGE_TOKEN_IDS: dict[str, dict[str, int]] = {
-    "Qwen3_5ForConditionalGeneration": {
-        k: v
-        for k, v in tiny_config("Qwen3_5ForConditionalGeneration").items()
-        if k.endswith("token_id")
-    },
+    arch: {k: v for k, v in tiny_config(arch).items() if k.endswith("token_id")}
+    for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 }
 IMAGE_TEXT = [
     ("Mistral3ForConditionalGeneration", "Mistral3Config", "Ministral3ForCausalLM", False),

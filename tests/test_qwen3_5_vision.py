@@ -35,7 +35,12 @@ from PIL import Image
 from runner.loader import load_local_dir
 from runner.media.prepare import Item
 from runner.models import ImageModel, build_model
-from runner.models.qwen3_5_vision import MropeLayout, Qwen3_5Multimodal, mrope_layout
+from runner.models.qwen3_5_vision import (
+    MropeLayout,
+    Qwen3_5ImageModel,
+    Qwen3_5Multimodal,
+    mrope_layout,
+)
 from runner.source import ModelLoadError
 from tests.golden.make_gemma3_vision_goldens import image_bytes
 from tests.golden.make_qwen3_5_vision_goldens import (
@@ -286,7 +291,8 @@ def test_loads_from_an_ollama_store(model_dir: Path, golden: dict, tmp_path: Pat
 
     write_ollama_model(tmp_path, "tiny-qwen3_5-vision", model_dir)
     stored = build_model(load_store_model("tiny-qwen3_5-vision", tmp_path))
-    assert isinstance(stored, Qwen3_5Multimodal)
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    assert isinstance(stored, Qwen3_5ImageModel) and stored.architecture == arch
     ids, images = golden_prompt(golden, "two")
     got, _, _ = forward(stored, ids, images)
     assert np.abs(got[-len(golden["logits_two"]) :] - golden["logits_two"]).max() <= TOLERANCE

@@ -3,12 +3,13 @@ with sparse mixture-of-experts MLPs (softmax router, top-k renormalised, plus a 
 behind a sigmoid gate) on every layer, over mlx-lm's qwen3_5 text model with MoE fields.
 
 Served as the text model (`Qwen3_5MoeForCausalLM`, model_type qwen3_5_moe_text) and as the
-text part of the image-text model (`Qwen3_5MoeForConditionalGeneration`, model_type
-qwen3_5_moe): its config nests the text model's under `text_config`, its weights are under
-`model.language_model.` (vision weights `model.visual.` are not loaded; images are refused as
-for every model without media, docs/PROTOCOL.md), and its top-level `tie_word_embeddings`
-decides the tying, as transformers reads it. The cache layout is Qwen3.5's: recurrent on
-linear-attention layers, KV on full-attention layers.
+image-text model (`Qwen3_5MoeForConditionalGeneration`, model_type qwen3_5_moe): its config
+nests the text model's under `text_config`, its weights are under `model.language_model.`
+and `model.visual.`, and its top-level `tie_word_embeddings` decides the tying, as
+transformers reads it. Its images are dense Qwen3.5's (runner/models/qwen3_5_vision.py:
+transformers' two image-text models differ only in their text models, the vision config,
+tower, processor and 3-channel rotary positions are the same). The cache layout is
+Qwen3.5's: recurrent on linear-attention layers, KV on full-attention layers.
 
 Where mlx-lm reads a transformers 5 config or checkpoint differently, this adapter follows
 transformers (on top of what runner/models/qwen3_5.py fixes):
@@ -33,7 +34,8 @@ from runner.backend.install import Kernels
 from runner.models.config import integer
 from runner.models.decoder import DecoderModel
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
-from runner.models.qwen3_5 import build_text_module, image_text_config, image_text_weights
+from runner.models.qwen3_5 import build_text_module, image_text_weights
+from runner.models.qwen3_5_vision import Qwen3_5ImageModel, VisionWeights
 from runner.models.registry import register
 
 # transformers 5 Qwen3_5MoeTextConfig defaults, where mlx-lm's differ.
@@ -107,15 +109,17 @@ class Qwen3_5Moe(_Qwen3_5MoeBase):
         return _build(config, _TextModel)
 
 
-@register("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
-class Qwen3_5MoeConditional(_Qwen3_5MoeBase):
-    """The text model of the image-text checkpoint (images are not served)."""
+class _VisionTextModel(VisionWeights, _ConditionalTextModel):
+    """The image-text checkpoint's text model beside the tower (`visual`)."""
 
-    def __init__(
-        self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
-    ):
-        super().__init__(module, image_text_config(config), architecture, backend)
+
+@register("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
+class Qwen3_5MoeMultimodal(Qwen3_5ImageModel, _Qwen3_5MoeBase):
+    """Qwen3.5-MoE with images: the image side's `__init__` hands the text config on to
+    `_Qwen3_5MoeBase`'s (its experts gather in float32)."""
+
+    KERNELS = _Qwen3_5MoeBase.KERNELS
 
     @classmethod
-    def build_module(cls, config: dict[str, Any]) -> nn.Module:
-        return _build(image_text_config(config), _ConditionalTextModel)
+    def build_text_module(cls, text_config: dict[str, Any]) -> nn.Module:
+        return _build(text_config, _VisionTextModel)

@@ -1,8 +1,10 @@
 """Qwen3_5ForConditionalGeneration (model_type qwen3_5): Qwen3.5's text model with images.
 
-The text model is runner/models/qwen3_5.py's, built from the nested `text_config`; the image
-side is Qwen3.5's vision tower and patch merger, written here in `mlx.nn` (mlx-lm has no
-vision towers). transformers 5 on the same weights is the reference:
+The text model is runner/models/qwen3_5.py's, built from the nested `text_config` (the MoE
+sibling, runner/models/qwen3_5_moe.py, puts its own text model under the same image side:
+`Qwen3_5ImageModel`); the image side is Qwen3.5's vision tower and patch merger, written
+here in `mlx.nn` (mlx-lm has no vision towers). transformers 5 on the same weights is the
+reference:
 - pixels: `Qwen3_5ImagePreprocessor`, the PIL backend of transformers' Qwen2-VL image
   processor (what AutoImageProcessor gives qwen3_5): `smart_resize` to multiples of
   patch * merge within [min_pixels, max_pixels], bicubic, rescale, normalise, then patches
@@ -466,8 +468,10 @@ def mrope_channels(pairs: int, section: tuple[int, ...]) -> np.ndarray:
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-class _VisionTextModel(ImageTextModel):
-    """The image-text checkpoint's text model (mlx-lm's) beside the tower (`visual`)."""
+class VisionWeights:
+    """Mixin for an image-text checkpoint's text module (mlx-lm's, whose own `sanitize` reads
+    the text weights): the tower's weights go to `visual` untouched, the rest to the text
+    module's `sanitize`. Put it first among the bases."""
 
     visual: VisionModel
 
@@ -479,7 +483,11 @@ class _VisionTextModel(ImageTextModel):
                 rest[name] = value
             else:
                 vision["visual." + name[len(prefix) :]] = value
-        return {**super().sanitize(rest), **vision}
+        return {**super().sanitize(rest), **vision}  # type: ignore[misc]
+
+
+class _VisionTextModel(VisionWeights, ImageTextModel):
+    """The image-text checkpoint's text model (mlx-lm's) beside the tower (`visual`)."""
 
 
 def _vision_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -547,20 +555,28 @@ def _mrope_section(text_config: dict[str, Any]) -> tuple[int, int, int]:
     return section[0], section[1], section[2]
 
 
-@register("Qwen3_5ForConditionalGeneration", "qwen3_5")
-class Qwen3_5Multimodal(DecoderModel):
-    """Qwen3.5's text model with image input (`ImageModel`, runner/models/base.py), whose
-    prompts carry a position layout."""
+class Qwen3_5ImageModel(DecoderModel):
+    """A Qwen3.5 text family with image input (`ImageModel`, runner/models/base.py), whose
+    prompts carry a position layout: the tower, preprocessing, expansions and positions are
+    the same for every text family (transformers' dense and MoE image-text models differ in
+    their text models only). A family subclasses it with `build_text_module`, putting its
+    own text adapter after this class among the bases where that adapter has an
+    `__init__` of its own (runner/models/qwen3_5_moe.py)."""
 
     DEFAULT_CONTEXT = 32768
-    KERNELS = Qwen3_5.KERNELS
+
+    @classmethod
+    def build_text_module(cls, text_config: dict[str, Any]) -> nn.Module:
+        """The family's mlx-lm text module for the nested `text_config`, its class's
+        `sanitize` reading the image-text checkpoint (`VisionWeights` first among its bases)."""
+        raise NotImplementedError
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
         c = {**MULTIMODAL_DEFAULTS, **config}
         flag(c["tie_word_embeddings"], "tie_word_embeddings")
         text_config = image_text_config(c)
-        module = Qwen3_5.build_module(text_config, _VisionTextModel)
+        module = cls.build_text_module(text_config)
         v = _vision_config(c)
         hidden = module.args.hidden_size
         if v["out_hidden_size"] != hidden:
@@ -675,6 +691,17 @@ class Qwen3_5Multimodal(DecoderModel):
         return mx.array(np.cos(angles).astype(np.float32)), mx.array(
             np.sin(angles).astype(np.float32)
         )
+
+
+@register("Qwen3_5ForConditionalGeneration", "qwen3_5")
+class Qwen3_5Multimodal(Qwen3_5ImageModel):
+    """Qwen3.5 (dense) with images."""
+
+    KERNELS = Qwen3_5.KERNELS
+
+    @classmethod
+    def build_text_module(cls, text_config: dict[str, Any]) -> nn.Module:
+        return Qwen3_5.build_module(text_config, _VisionTextModel)
 
 
 def _splice(h: mx.array, media: list[tuple[int, mx.array]]) -> mx.array:
