@@ -350,7 +350,9 @@ def test_preprocessor_config_decides_the_sizes(tmp_path: Path, model: Qwen3_5Mul
     pixels, grid = default.preprocess(all_image_bytes()["large"])
     assert grid == (1, 28, 38)  # 301 x 223 kept near its size: 304 x 224 pixels
     assert pixels.shape == (28 * 38, 384)
-    assert np.allclose(default.preprocessor.mean.ravel(), [0.48145466, 0.4578275, 0.40821073])
+    assert np.allclose(
+        default.preprocessor.pixels.mean.ravel(), [0.48145466, 0.4578275, 0.40821073]
+    )
     assert model.preprocess(all_image_bytes()["large"])[1] == (1, 6, 8)
 
 

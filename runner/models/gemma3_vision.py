@@ -32,6 +32,7 @@ from PIL import Image
 
 from runner.backend import Backend
 from runner.media.images import decode_image
+from runner.media.pixels import PixelRules
 from runner.media.prepare import Expansion, ExpansionItem, Item
 from runner.models import gemma3
 from runner.models.config import SLIDING, flag, integer, json_object, number
@@ -105,50 +106,12 @@ class Gemma3ImagePreprocessor:
             raise ModelLoadError(
                 "preprocessor_config.json: pan-and-scan and no resizing are not supported"
             )
-        resample = p.get("resample", Image.Resampling.BILINEAR)
-        try:
-            self.resample = Image.Resampling(resample)
-        except (ValueError, TypeError):
-            raise ModelLoadError(
-                f"preprocessor_config.json: resample {show(resample)} is not a PIL filter"
-            ) from None
-        self.rescale = (
-            number(p.get("rescale_factor", RESCALE), "rescale_factor")
-            if p.get("do_rescale", True)
-            else 1.0
-        )
-        mean, std = p.get("image_mean", IMAGE_MEAN), p.get("image_std", IMAGE_STD)
-        if not p.get("do_normalize", True):
-            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-        for name, values in (("image_mean", mean), ("image_std", std)):
-            if not (
-                isinstance(values, list | tuple)
-                and len(values) == 3
-                and all(isinstance(v, int | float) and math.isfinite(v) for v in values)
-            ) or (name == "image_std" and 0 in values):
-                raise ModelLoadError(
-                    f"preprocessor_config.json: {name} {show(values)} is not three finite numbers"
-                )
-        self.mean = np.array(mean, np.float32)[:, None, None]
-        self.std = np.array(std, np.float32)[:, None, None]
-        self.convert_rgb = p.get("do_convert_rgb", True) is not False
+        self.pixels = PixelRules.read(p, Image.Resampling.BILINEAR, RESCALE, IMAGE_MEAN, IMAGE_STD)
 
     def __call__(self, image: Image.Image) -> np.ndarray:
-        rgb = _to_rgb(image) if self.convert_rgb or image.mode != "RGB" else image
-        resized = rgb.resize((self.size, self.size), resample=self.resample)
-        chw = np.asarray(resized).transpose(2, 0, 1)
-        scaled = (chw.astype(np.float64) * self.rescale).astype(np.float32)
-        return np.ascontiguousarray((scaled - self.mean) / self.std, dtype=np.float32)
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """transformers' `convert_to_rgb`: transparency (an alpha band or a palette's transparent
-    index) composited onto white, everything else converted by Pillow."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+        rgb = self.pixels.rgb(image)
+        resized = rgb.resize((self.size, self.size), resample=self.pixels.resample)
+        return self.pixels.normalise(resized)
 
 
 class _PatchEmbedding(nn.Module):

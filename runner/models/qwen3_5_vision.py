@@ -46,10 +46,10 @@ from PIL import Image
 
 from runner.backend import Backend
 from runner.media.images import decode_image
+from runner.media.pixels import PixelRules
 from runner.media.prepare import Expansion, ExpansionItem, Item
 from runner.models.config import flag, integer, json_object, number
 from runner.models.decoder import DecoderModel
-from runner.models.gemma3_vision import _to_rgb
 from runner.models.qwen3_5 import ImageTextModel, Qwen3_5, image_text_config
 from runner.models.registry import register
 from runner.source import ModelLoadError, ModelSource, show
@@ -158,45 +158,17 @@ class Qwen3_5ImagePreprocessor:
             )
         if p.get("do_resize") is False:
             raise ModelLoadError("preprocessor_config.json: no resizing is not supported")
-        resample = p.get("resample", Image.Resampling.BICUBIC)
-        try:
-            self.resample = Image.Resampling(resample)
-        except (ValueError, TypeError):
-            raise ModelLoadError(
-                f"preprocessor_config.json: resample {show(resample)} is not a PIL filter"
-            ) from None
-        self.rescale = (
-            number(p.get("rescale_factor", RESCALE), "rescale_factor")
-            if p.get("do_rescale", True)
-            else 1.0
-        )
-        mean, std = p.get("image_mean", IMAGE_MEAN), p.get("image_std", IMAGE_STD)
-        if not p.get("do_normalize", True):
-            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-        for name, values in (("image_mean", mean), ("image_std", std)):
-            if not (
-                isinstance(values, list | tuple)
-                and len(values) == 3
-                and all(isinstance(v, int | float) and math.isfinite(v) for v in values)
-            ) or (name == "image_std" and 0 in values):
-                raise ModelLoadError(
-                    f"preprocessor_config.json: {name} {show(values)} is not three finite numbers"
-                )
-        self.mean = np.array(mean, np.float32)[:, None, None]
-        self.std = np.array(std, np.float32)[:, None, None]
-        self.convert_rgb = p.get("do_convert_rgb", True) is not False
+        self.pixels = PixelRules.read(p, Image.Resampling.BICUBIC, RESCALE, IMAGE_MEAN, IMAGE_STD)
 
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, Grid]:
         """float32 patches [h * w, 3 * T * P * P] and the grid (1, h, w) in patches."""
-        rgb = _to_rgb(image) if self.convert_rgb or image.mode != "RGB" else image
+        rgb = self.pixels.rgb(image)
         factor = self.patch * self.merge
         height, width = smart_resize(
             rgb.height, rgb.width, factor, self.min_pixels, self.max_pixels
         )
-        resized = rgb.resize((width, height), resample=self.resample)
-        chw = np.asarray(resized).transpose(2, 0, 1)
-        scaled = (chw.astype(np.float64) * self.rescale).astype(np.float32)
-        pixels = (scaled - self.mean) / self.std
+        resized = rgb.resize((width, height), resample=self.pixels.resample)
+        pixels = self.pixels.normalise(resized)
         p, m, t = self.patch, self.merge, self.temporal
         gh, gw = height // p, width // p
         blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
