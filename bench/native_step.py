@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__)
     p.add_argument("--model", default="default", help="a model directory, or `default`")
     p.add_argument("--cached", type=int, default=480)
-    p.add_argument("--tokens", default="1,4,8,16,32,48,64")
+    p.add_argument("--tokens", default="1,4,16,64,128,256,512")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed(model, t: int) -> float:
         caches = model.make_caches()
-        mx.eval(model.hidden(mx.array([prompt[: args.cached]], dtype=mx.int32), caches))
+        if args.cached:
+            mx.eval(model.hidden(mx.array([prompt[: args.cached]], dtype=mx.int32), caches))
         best = float("inf")
         for _ in range(args.repeats):
             for c in caches:

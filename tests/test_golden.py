@@ -104,8 +104,11 @@ def test_goldens_hold_with_every_block_through_numpy(
     for name in ("swiglu_host", "gelu_glu_host", "softmax_numerators_inplace"):
         kernel = getattr(host, name)
         monkeypatch.setattr(host, name, lambda *a, k=kernel: crossed.append(k) or k(*a))
-    everything = Backend.cpu().replace(
-        host_activation_min_elements=0, host_softmax_min_elements=0, blocked_causal_min_queries=1
+    everything = Backend.cpu().replace(  # MLX's path: the native step would bypass numpy
+        host_activation_min_elements=0,
+        host_softmax_min_elements=0,
+        blocked_causal_min_queries=1,
+        native_step_max_tokens=None,
     )
     model = load_tiny_model(arch, tmp_path / arch, backend=everything)
     for tokens, expected in stored_golden(arch):

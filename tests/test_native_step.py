@@ -145,3 +145,48 @@ def test_only_float32_llama_shapes_get_a_step(tmp_path):
     assert off._native is None
     llama = load_tiny_model("LlamaForCausalLM", tmp_path / "q")
     assert llama._native is not None  # the CPU default with the dispatch preloaded
+
+
+def test_rows_batched_over_a_shared_prefix_equal_mlx(pair):
+    """Scoring's batched rows (runner/cache/batch.py): each row attends to the shared prefix
+    and to its own suffix; the suffixes' keys and values land in the batch's caches."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    native, plain = pair
+    prefix = list(range(20, 60))
+    suffixes = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17]]
+    results = []
+    for model in (native, plain):
+        caches = model.make_caches()
+        forward(model, caches, prefix)  # 40 tokens: MLX's path in both (limit 8)
+        kinds = [kind_of(c) for c in caches]
+        batch = broadcast(kinds, caches, len(suffixes))
+        hidden = forward_suffixes(model, batch, suffixes)
+        mx.eval(hidden)
+        rows = [np.array(hidden[i, len(s) - 1]) for i, s in enumerate(suffixes)]
+        keys = [np.array(c.segment(1, 40, 45)[0]) for c in batch]
+        results.append((rows, keys))
+    for got, want in zip(results[0][0], results[1][0], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    for got, want in zip(results[0][1], results[1][1], strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    assert native._native.taken == 1  # the batch (the prefix was MLX's)
+
+
+def test_batched_rows_equal_each_row_alone(pair):
+    """The same rows, batched through the step and one by one through it."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    native, _ = pair
+    prefix, suffixes = [9, 8, 7, 6, 5], [[1, 2, 3], [4, 5, 6, 7]]
+    caches = native.make_caches()
+    forward(native, caches, prefix)
+    batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+    hidden = np.array(forward_suffixes(native, batch, suffixes))
+    for i, suffix in enumerate(suffixes):
+        alone = native.make_caches()
+        forward(native, alone, prefix)
+        row = np.array(native.hidden(mx.array([suffix], dtype=mx.int32), alone))
+        np.testing.assert_allclose(hidden[i, : len(suffix)], row[0], atol=1e-4, rtol=1e-4)

@@ -82,9 +82,9 @@ class Backend:
             table_rope=True,
             gemv=not blas.dispatch_active(),
             # After 480 cached tokens, native against MLX (bench/native_step.py), SmolLM2: 1
-            # token 38/54 ms, 16: 68/87, 64: 178/251, 128: 364/455, 256: 984/1033 (even:
-            # prompt chunks stay with OpenBLAS); Qwen3-0.6B shape: 1: 157/199, 128: 1535/1942.
-            native_step_max_tokens=128 if blas.dispatch_active() else None,
+            # token 38/54 ms, 16: 68/87, 64: 178/251, 128: 364/455, 512 (a prompt chunk, its
+            # products in OpenBLAS): 1590/2138; Qwen3-0.6B shape: 1: 157/199, 128: 1535/1942.
+            native_step_max_tokens=512 if blas.dispatch_active() else None,
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
             batch_tokens=512,

@@ -7,13 +7,17 @@ decoder layers of such a forward in one call into the runner's compiled library
 (runner/native/decoder_step.c, built with the sgemm dispatch: runner/blas.py), with the
 dispatch's product tiles and thread pool, and MLX does the rest (embedding rows, the head).
 
+It also runs rows batched over one shared prefix (runner/cache/batch.py): every row's
+tokens attend to the prefix's cached keys and to their own, as the runner's batched
+attention computes them.
+
 It serves Llama and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`, `Qwen3ForCausalLM`):
 RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
 from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
 anything else (a quantized or non-float32 weight, another module shape), and a call
-returns None where MLX's path must run: more tokens than the backend's limit, batched rows,
-a cache that is not a plain `KVCache` (sliding windows, the batched prefix of
-runner/cache/batch.py), or cache buffers it cannot read in place.
+returns None where MLX's path must run: more tokens than the backend's limit, a cache that
+is neither a plain `KVCache` (one row) nor an empty-suffixed `SharedPrefixKV` (rows over a
+prefix), e.g. sliding windows, or cache buffers it cannot read in place.
 
 Invariants:
 - The caches are only read here; this step's keys and values are appended through MLX's
@@ -36,6 +40,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from runner.backend.rope import TableRoPE
+from runner.cache.batch import SharedPrefixKV
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +66,8 @@ class _Args(ctypes.Structure):
         *(
             (name, ctypes.c_int)
             for name in (
-                "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers",
-                "offset", "rope_dims",
+                "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                "layers", "offset", "rope_dims",
             )
         ),
         ("eps", ctypes.c_float),
@@ -191,51 +196,52 @@ class NativeStep:
             raise _Unsupported("head layout")
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:
-        """The final hidden states [1, T, H] of `tokens` [1, T] after the caches, appending
-        to them; None when MLX's path must run this forward (nothing changed then)."""
-        if tokens.ndim != 2 or tokens.shape[0] != 1 or not 0 < tokens.shape[1] <= self.max_tokens:
+        """The final hidden states [B, T, H] of `tokens` [B, T] after the caches, appending
+        to them; None when MLX's path must run this forward (nothing changed then). One row
+        continues plain `KVCache`s; several rows continue one shared prefix each
+        (`SharedPrefixKV`, runner/cache/batch.py, before their suffixes are written)."""
+        if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.max_tokens:
             return None
-        if not caches or len(caches) != self.layers or any(type(c) is not KVCache for c in caches):
+        if not caches or len(caches) != self.layers:
             return None
-        offset = caches[0].offset
+        batch, t = int(tokens.shape[0]), int(tokens.shape[1])
+        if batch == 1 and all(type(c) is KVCache for c in caches):
+            offset = caches[0].offset
+            buffers = [(c.keys, c.values) for c in caches] if offset else []
+        elif all(type(c) is SharedPrefixKV and c.batch == batch for c in caches) and all(
+            c.suffix.keys is None for c in caches
+        ):
+            offset = caches[0].prefix_len
+            buffers = [(c.prefix_keys, c.prefix_values) for c in caches]
+        else:
+            return None
         if any(c.offset != offset for c in caches):
             return None
-        t = int(tokens.shape[1])
         cache_structs = (_Cache * self.layers)()
-        keep: list[np.ndarray] = []
+        keep: list[np.ndarray] = []  # the views' lifetimes: until the call returns
         if offset:
-            arrays = [a for c in caches for a in (c.keys, c.values)]
-            mx.eval(*arrays)
-            for i, c in enumerate(caches):
-                keys, values = np.asarray(c.keys), np.asarray(c.values)
-                for view in (keys, values):
-                    if (
-                        view.dtype != np.float32
-                        or view.ndim != 4
-                        or view.shape[0] != 1
-                        or view.shape[1] != self.kv_heads
-                        or view.shape[3] != self.head_dim
-                        or view.shape[2] < offset
-                        or not view.flags.c_contiguous
-                    ):
-                        return None
-                keep += (keys, values)
-                cache_structs[i].keys = _pointer(keys)
-                cache_structs[i].values = _pointer(values)
-                cache_structs[i].head_stride = keys.shape[2] * self.head_dim
+            mx.eval(*(a for pair in buffers for a in pair))
+            for i, (keys, values) in enumerate(buffers):
+                k_view, v_view = self._cache_view(keys, offset), self._cache_view(values, offset)
+                if k_view is None or v_view is None or k_view.strides != v_view.strides:
+                    return None
+                keep += (k_view, v_view)
+                cache_structs[i].keys = _pointer(k_view)
+                cache_structs[i].values = _pointer(v_view)
+                cache_structs[i].head_stride = k_view.strides[1] // 4
         ids = np.asarray(tokens).reshape(-1)
         x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
         cos, sin = self._rope._tables.get(self._rope._key, self._rope._inv_freq, offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
-        new_keys = np.empty((self.layers, self.kv_heads, t, self.head_dim), np.float32)
-        new_values = np.empty_like(new_keys)
+        shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
+        new_keys, new_values = np.empty(shape, np.float32), np.empty(shape, np.float32)
         args = _Args(
-            tokens=t, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, intermediate=self.intermediate, layers=self.layers,
-            offset=offset, rope_dims=self._rope.dims, eps=self.eps, scale=self.scale,
-            cos=_pointer(cos_view), sin=_pointer(sin_view), layer=self._structs,
-            cache=cache_structs, final_norm=_pointer(self._final_norm), x=_pointer(x),
-            new_keys=_pointer(new_keys), new_values=_pointer(new_values),
+            batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
+            layers=self.layers, offset=offset, rope_dims=self._rope.dims, eps=self.eps,
+            scale=self.scale, cos=_pointer(cos_view), sin=_pointer(sin_view),
+            layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
+            x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
         )  # fmt: skip
         scratch = np.empty(self._scratch(ctypes.byref(args)), np.float32)
         args.scratch = _pointer(scratch)
@@ -243,8 +249,25 @@ class NativeStep:
             return None
         del keep
         for i, c in enumerate(caches):
-            c.update_and_fetch(mx.array(new_keys[i])[None], mx.array(new_values[i])[None])
-        return mx.array(x)[None]
+            c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
+        return mx.array(x).reshape(batch, t, self.hidden)
+
+    def _cache_view(self, array: mx.array, offset: int) -> np.ndarray | None:
+        """`array` ([1, Hkv, >= offset, D] float32, positions' rows contiguous) as numpy's
+        view of MLX's memory, or None when the step cannot read it in place."""
+        view = np.asarray(array)
+        if (
+            view.dtype != np.float32
+            or view.ndim != 4
+            or view.shape[:2] != (1, self.kv_heads)
+            or view.shape[2] < offset
+            or view.shape[3] != self.head_dim
+            or view.strides[3] != 4
+            or view.strides[2] != 4 * self.head_dim
+            or view.strides[1] % 4
+        ):
+            return None
+        return view
 
 
 def build(module: nn.Module, max_tokens: int | None) -> NativeStep | None:

@@ -105,7 +105,17 @@ _TOLERANCE = {mx.float32: 1e-3, mx.float16: 5e-2, mx.bfloat16: 5e-2}
 
 def verify_batched_rows(model: Any) -> None:
     """Raise ModelLoadError unless rows batched over a shared prefix give the hidden states
-    the same rows give alone, on `model` itself (a few tokens; run on the MLX thread)."""
+    the same rows give alone, on `model` itself (a few tokens; run on the MLX thread): on
+    every path its forwards may take, MLX's included where a native step usually runs them
+    (runner/backend/native_step.py declines some forwards)."""
+    _verify_batched_rows(model)
+    mlx_only = getattr(model, "mlx_only", None)
+    if mlx_only is not None:
+        with mlx_only():
+            _verify_batched_rows(model)
+
+
+def _verify_batched_rows(model: Any) -> None:
     from runner.cache.kinds import kind_of  # kinds builds SharedPrefixKV: imported late
 
     vocab = model.vocab_size

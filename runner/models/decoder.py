@@ -9,6 +9,8 @@ model's output, `unembed` the head with the family's `postprocess`, and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -150,6 +152,7 @@ class DecoderModel:
     # Whether short forwards may run in one native call (runner/backend/native_step.py): for
     # mlx-lm's Llama-shaped modules only; the builder still checks every layer.
     NATIVE_STEP: ClassVar[bool] = False
+    _native: native_step.NativeStep | None = None  # families with their own __init__: none
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
@@ -172,6 +175,16 @@ class DecoderModel:
 
     def make_caches(self) -> list[Any]:
         return make_prompt_cache(self.module)
+
+    @contextlib.contextmanager
+    def mlx_only(self) -> Iterator[None]:
+        """Every forward inside runs MLX's path (no native step): what the load-time checks
+        of that path use. MLX thread only."""
+        native, self._native = self._native, None
+        try:
+            yield
+        finally:
+            self._native = native
 
     def hidden(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         if self._native is not None:

@@ -277,12 +277,18 @@ static void small_product(const struct product *p) {
     parallel(product_share, p);
 }
 
-void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
-                 int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+/* The BLAS behind this dispatch (OpenBLAS), found once; 0 when there is none. */
+static int next_blas(void) {
     if (!next_sgemm) {
         next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
         next_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
     }
+    return next_sgemm != NULL;
+}
+
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
+                 int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+    next_blas();
     if (order == ROW_MAJOR && m == 1 && !(ta == NO_TRANS && tb == TRANS) && next_sgemv) {
         /* One row against a weight stored [k, n] (or a transposed row): the BLAS's gemv. The
          * usual layout (b stored [n, k]) takes this file's one-row tiles below, which stream
