@@ -132,6 +132,8 @@ def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
     assert native._native(two_rows, native.make_caches()) is None
     assert native._native(mx.array([list(range(3, 3 + MAX_TOKENS + 1))]), caches) is None
     assert native._native(mx.array([[3, 4]]), None) is None  # no caches
+    past_the_table = native.vocab_size + 5  # MLX's path decides what such an id means
+    assert native._native(mx.array([[3, past_the_table]]), caches) is None
     assert all(c.offset == 0 for c in caches)  # declining changed nothing
     assert native._native.taken == before
 

@@ -104,16 +104,14 @@ class _Unsupported(Exception):
     pass
 
 
-def _weights(module: nn.Module, name: str) -> np.ndarray:
-    """A float32 Linear/RMSNorm/Embedding weight (or bias) as a read-only view of MLX's memory."""
-    layer = module if name in ("weight", "bias") else getattr(module, name, None)
-    array = layer if isinstance(layer, mx.array) else getattr(layer, "weight", None)
+def _view(array: Any, what: str) -> np.ndarray:
+    """A float32 array as a read-only view of MLX's memory (evaluated first)."""
     if not isinstance(array, mx.array) or array.dtype != mx.float32:
-        raise _Unsupported(f"{name}: not a float32 weight")
+        raise _Unsupported(f"{what}: not a float32 array")
     mx.eval(array)
     view = np.asarray(array)
     if not view.flags.c_contiguous:
-        raise _Unsupported(f"{name}: not contiguous")
+        raise _Unsupported(f"{what}: not contiguous")
     return view
 
 
@@ -121,17 +119,15 @@ def _linear(parent: nn.Module, name: str) -> tuple[np.ndarray, np.ndarray | None
     layer = getattr(parent, name, None)
     if type(layer) is not nn.Linear:  # quantized, gemv or another subclass: MLX's path
         raise _Unsupported(f"{name}: {type(layer).__name__}")
-    bias = np.asarray(layer.bias) if "bias" in layer else None
-    if bias is not None and layer.bias.dtype != mx.float32:
-        raise _Unsupported(f"{name}: bias dtype")
-    return _weights(layer, "weight"), bias
+    bias = _view(layer.bias, f"{name}.bias") if "bias" in layer else None
+    return _view(layer.weight, f"{name}.weight"), bias
 
 
 def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
     layer = getattr(parent, name, None)
     if type(layer) is not nn.RMSNorm:
         raise _Unsupported(f"{name}: {type(layer).__name__}")
-    return _weights(layer, "weight"), float(layer.eps)
+    return _view(layer.weight, f"{name}.weight"), float(layer.eps)
 
 
 class NativeStep:
@@ -143,7 +139,7 @@ class NativeStep:
         inner = module.model
         if type(inner.embed_tokens) is not nn.Embedding:
             raise _Unsupported("the embedding is not a float32 nn.Embedding")
-        self._embed = _weights(inner.embed_tokens, "weight")
+        self._embed = _view(inner.embed_tokens.weight, "embed_tokens.weight")
         self._final_norm, eps = _norm(inner, "norm")
         layers = list(inner.layers)
         self._keep: list[np.ndarray] = [self._embed, self._final_norm]  # the views' lifetimes
@@ -171,6 +167,15 @@ class NativeStep:
             fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm")
             for proj in ("q", "k", "v", "o"):
                 fields[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
+            shapes = {p: fields[p].shape for p in ("q", "k", "v", "o")}  # type: ignore[union-attr]
+            q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            if shapes != {
+                "q": (q_rows, self.hidden),
+                "k": (kv_rows, self.hidden),
+                "v": (kv_rows, self.hidden),
+                "o": (self.hidden, q_rows),
+            }:
+                raise _Unsupported(f"attention projections {shapes}")
             for proj in ("gate", "up", "down"):
                 fields[proj], bias = _linear(mlp, f"{proj}_proj")
                 if bias is not None:
@@ -230,6 +235,8 @@ class NativeStep:
                 cache_structs[i].values = _pointer(v_view)
                 cache_structs[i].head_stride = k_view.strides[1] // 4
         ids = np.asarray(tokens).reshape(-1)
+        if ids.min() < 0 or ids.max() >= self._embed.shape[0]:
+            return None  # MLX's path decides what an id past the table means
         x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
         cos, sin = self._rope._tables.get(self._rope._key, self._rope._inv_freq, offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
