@@ -377,7 +377,8 @@ async def test_a_client_that_disconnects_stops_the_work(steered, engine, client)
         assert json.loads(await response.content.readline())["Done"] is False
     response.close()
     at_disconnect = model.steps
-    assert await wait_idle(engine) < 1.0
+    # Not a speed: the whole budget is ~40 s, and a shared CI machine can stall a second.
+    assert await wait_idle(engine, seconds=20.0) < 10.0
     assert model.steps - at_disconnect <= 3  # stopped before its next token or two
     steps_when_idle = model.steps
     lines = await complete(client, {"Prompt": PROMPT, "Options": {"num_predict": 3}})
