@@ -73,6 +73,26 @@ def test_fold_depends_on_bytes_and_geometry_and_never_looks_like_a_token():
     assert fold_value(b"", ()) == (0xCBF29CE4 ^ 0x84222325) | FOLD_BIT
 
 
+def test_the_native_fold_equals_the_definition():
+    """FNV-1a through the dispatch library (when preloaded) equals the byte-by-byte loop on
+    lengths around the Python cut-off (64 bytes) and up to a megabyte, and a known value:
+    FNV-1a 64 of "a" is 0xAF63DC4C8601EC8C; a fold over it equals the definition."""
+    from runner.media import prepare
+
+    if prepare._NATIVE_FNV is None:
+        pytest.skip("the dispatch library is not preloaded")
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 63, 64, 65, 1000, 1 << 20):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        native = int(prepare._NATIVE_FNV(data, len(data), prepare._FNV_OFFSET))
+        assert native == prepare._fnv1a64_python(data, prepare._FNV_OFFSET), n
+    assert int(prepare._NATIVE_FNV(b"a", 1, prepare._FNV_OFFSET)) == 0xAF63DC4C8601EC8C
+    big = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    dims = (2).to_bytes(8, "little") + (3).to_bytes(8, "little")
+    h = prepare._fnv1a64_python(big + dims, prepare._FNV_OFFSET)
+    assert fold_value(big, (2, 3)) == ((h >> 32) ^ (h & 0xFFFFFFFF)) | FOLD_BIT
+
+
 def test_tags_expand_to_the_models_tokens_with_items_keyed_by_fold(image_runner):
     runner = image_runner()
     tok = runner.tokenizer

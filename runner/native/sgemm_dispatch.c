@@ -312,3 +312,10 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 
 /* The decoder layers of Llama-shaped models in one call (runner/backend/native_step.py). */
 #include "decoder_step.c"
+
+/* FNV-1a 64 of n bytes from h: the image fold of runner/media/prepare.py (Go's foldValue),
+ * one byte at a time by definition, ~120 ms a megabyte in Python. */
+unsigned long long runner_fnv1a64(const unsigned char *data, size_t n, unsigned long long h) {
+    for (size_t i = 0; i < n; i++) h = (h ^ data[i]) * 0x100000001B3ULL;
+    return h;
+}
