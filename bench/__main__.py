@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -174,9 +173,7 @@ def _model_dir(p: argparse.ArgumentParser, given: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = blas.preload_env(dict(os.environ))
-    if env is not None:  # LD_PRELOAD acts only at process start, before MLX loads
-        os.execve(sys.executable, [sys.executable, "-m", "bench", *argv], env)
+    blas.reexec_preloaded("bench", argv)  # LD_PRELOAD acts only at process start
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         return run(args, Path(tmp))

@@ -13,7 +13,6 @@ ratio to the native one. The threshold in runner/backend/__init__.py comes from 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -22,9 +21,7 @@ from runner import blas
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = blas.preload_env(dict(os.environ))
-    if env is not None:  # as `python -m bench`: the BLAS is chosen at process start
-        os.execve(sys.executable, [sys.executable, "-m", "bench.native_step", *argv], env)
+    blas.reexec_preloaded("bench.native_step", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__)
     p.add_argument("--model", default="default", help="a model directory, or `default`")
     p.add_argument("--cached", type=int, default=480)

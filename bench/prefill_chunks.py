@@ -12,7 +12,6 @@ rounds (the machine is shared and noisy), with each size's median as a ratio to 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,9 +22,7 @@ from runner import blas
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = blas.preload_env(dict(os.environ))
-    if env is not None:  # as `python -m bench`: the BLAS is chosen at process start
-        os.execve(sys.executable, [sys.executable, "-m", "bench.prefill_chunks", *argv], env)
+    blas.reexec_preloaded("bench.prefill_chunks", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.prefill_chunks", description=__doc__)
     p.add_argument(
         "--model-dir",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,9 +33,7 @@ QUESTIONS = ("is the sky blue", "is it red", "is the cat on the mat", "is the do
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = blas.preload_env(dict(os.environ))
-    if env is not None:  # as `python -m bench`: the BLAS is chosen at process start
-        os.execve(sys.executable, [sys.executable, "-m", "bench.vision", *argv], env)
+    blas.reexec_preloaded("bench.vision", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.vision", description=__doc__)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)

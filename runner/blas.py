@@ -143,6 +143,14 @@ def preload_env(env: dict[str, str]) -> dict[str, str] | None:
     return {**env, **changes, MARKER: libraries[-1]}
 
 
+def reexec_preloaded(module: str, argv: list[str]) -> None:
+    """Re-execute `python -m module *argv` once with the preloads, when they change anything
+    (LD_PRELOAD acts only at process start): for the bench programs."""
+    env = preload_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
 def dispatch_active() -> bool:
     """Whether the runner's sgemm dispatch is in this process (preloaded)."""
     try:

@@ -39,6 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
 from runner.cache.batch import SharedPrefixKV
 
@@ -133,7 +134,9 @@ def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
 class NativeStep:
     """Runs a Llama-shaped module's decoder layers for a few tokens in one native call."""
 
-    def __init__(self, module: nn.Module, max_tokens: int, functions: Any):
+    def __init__(self, module: nn.Module, kernels: Kernels, max_tokens: int, functions: Any):
+        """`kernels`: the family's declared mlx-lm classes (runner/backend/install.py); every
+        layer's attention and SwiGLU MLP must be of them."""
         self._step, self._scratch = functions
         self.max_tokens = max_tokens
         inner = module.model
@@ -156,11 +159,9 @@ class NativeStep:
         self.hidden = int(self._embed.shape[1])
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if type(layer.mlp).__name__ != "MLP" or not hasattr(mlp, "gate_proj"):
-                raise _Unsupported("MLP is not SwiGLU")
-            if attn.rope is not rope and not (
-                isinstance(attn.rope, TableRoPE) and attn.rope._key == rope._key
-            ):
+            if not isinstance(attn, kernels.attention) or not isinstance(mlp, kernels.swiglu):
+                raise _Unsupported("a layer of other classes than the family declares")
+            if not (isinstance(attn.rope, TableRoPE) and attn.rope.key == rope.key):
                 raise _Unsupported("layers rotate differently")
             fields: dict[str, np.ndarray | None] = {}
             fields["input_norm"], e1 = _norm(layer, "input_layernorm")
@@ -238,7 +239,7 @@ class NativeStep:
         if ids.min() < 0 or ids.max() >= self._embed.shape[0]:
             return None  # MLX's path decides what an id past the table means
         x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
-        cos, sin = self._rope._tables.get(self._rope._key, self._rope._inv_freq, offset, t)
+        cos, sin = self._rope.table(offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
         new_keys, new_values = np.empty(shape, np.float32), np.empty(shape, np.float32)
@@ -277,7 +278,7 @@ class NativeStep:
         return view
 
 
-def build(module: nn.Module, max_tokens: int | None) -> NativeStep | None:
+def build(module: nn.Module, kernels: Kernels, max_tokens: int | None) -> NativeStep | None:
     """The native step for `module`, or None (not a module it serves, no library, or off)."""
     if not max_tokens:
         return None
@@ -285,7 +286,7 @@ def build(module: nn.Module, max_tokens: int | None) -> NativeStep | None:
     if functions is None:
         return None
     try:
-        return NativeStep(module, max_tokens, functions)
+        return NativeStep(module, kernels, max_tokens, functions)
     except _Unsupported as e:
         log.debug("no native step: %s", e)
         return None

@@ -65,13 +65,17 @@ class TableRoPE(nn.Module):
         rotate = mx.array(np.r_[np.arange(half, 2 * half), np.arange(half)], mx.uint32)
         object.__setattr__(self, "_rotate", rotate)
         self._inv_freq = inv_freq  # float64, already multiplied by the position scale
-        self._key = hash(inv_freq.tobytes())
+        self.key = hash(inv_freq.tobytes())  # equal keys: the same rotation
         self.dims = int(original.dims)
+
+    def table(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
+        """(C, S) [length, dims] for positions offset .. offset + length - 1."""
+        return self._tables.get(self.key, self._inv_freq, offset, length)
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not isinstance(offset, int):
             return self._original(x, offset=offset)
-        cos, sin = self._tables.get(self._key, self._inv_freq, offset, x.shape[-2])
+        cos, sin = self.table(offset, x.shape[-2])
         if x.shape[-1] == self.dims:
             return self._apply(x, cos, sin)
         rotated = self._apply(x[..., : self.dims], cos, sin)

@@ -170,7 +170,9 @@ class DecoderModel:
         self.context_length = int(config.get("max_position_embeddings") or self.DEFAULT_CONTEXT)
         self.vocab_size = int(self._head["weight"].shape[0])
         self._native = (
-            native_step.build(module, backend.native_step_max_tokens) if self.NATIVE_STEP else None
+            native_step.build(module, self.KERNELS, backend.native_step_max_tokens)
+            if self.NATIVE_STEP
+            else None
         )
 
     def make_caches(self) -> list[Any]:

@@ -137,9 +137,7 @@ TILE(tile_1x8, 1, 8, 0)
 /* Columns [j0, j1) of C: RW rows of W at a time (streamed from memory once, the next block
  * fetched while this one is computed from the cache), each against every row of A (from the
  * cache), RA rows at a time. */
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2 /* how far ahead the next weights are fetched, in blocks */
-#endif
+enum { PREFETCH_BLOCKS = 2 }; /* how far ahead the next weights are fetched, in blocks */
 static void columns(const struct product *p, int j0, int j1) {
     const int one = p->m == 1, RA = one ? 1 : 2, RW = one ? 8 : 6;
     const int k = p->k, kv = k - k % VL, groups = (p->m + RA - 1) / RA;
