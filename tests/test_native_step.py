@@ -92,6 +92,32 @@ def test_chunks_and_decode_steps_equal_mlx(pair):
     assert native._native.declined == 1
 
 
+def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
+    """The native attention takes query rows in blocks of 48, keys in chunks of 128, and the
+    cached positions in up to 16 ranges merged afterwards (runner/native/decoder_step.c):
+    forwards long enough for several of each, with and without cached positions, equal MLX's
+    path. The tiny models have 2 query heads per KV head."""
+    for arch in ARCHES:
+        backend = Backend.cpu().replace(native_step_max_tokens=512)
+        native = load_tiny_model(arch, tmp_path / arch / "a", backend=backend)
+        plain = load_tiny_model(
+            arch, tmp_path / arch / "b", backend=Backend.cpu().replace(native_step_max_tokens=None)
+        )
+        native._native = Counting(native._native)
+        prompt = np.random.default_rng(1).integers(3, 300, size=1990).tolist()
+        a, b = native.make_caches(), plain.make_caches()
+        # 300 tokens on an empty cache (own keys only: 3 chunks, 13 row blocks), 1500 by
+        # MLX's path (> 512), 150 after 1800 cached (2 ranges of 900 cached keys, 7 chunks
+        # each), 37 more, then decode steps (16 ranges of the cached keys)
+        cuts = [0, 300, 1800, 1950, 1987, 1988, 1989, 1990]
+        for start, stop in itertools.pairwise(cuts):
+            got = forward(native, a, prompt[start:stop])
+            want = forward(plain, b, prompt[start:stop])
+            np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+        assert_caches_equal(a, b)
+        assert native._native.taken == len(cuts) - 2
+
+
 def test_greedy_decode_equals_mlx_token_for_token(pair):
     native, plain = pair
     outputs = []

@@ -150,6 +150,8 @@ class NativeStep:
         first = layers[0].self_attn
         self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
         self.scale = float(first.scale)
+        if not self.scale > 0:  # the attention takes maxima of unscaled scores
+            raise _Unsupported(f"attention scale {self.scale}")
         rope = first.rope
         if not isinstance(rope, TableRoPE):
             raise _Unsupported("rotary embedding without a table")

@@ -46,11 +46,15 @@ struct step_args {
 
 typedef int vi __attribute__((vector_size(VBYTES)));
 
-static inline vf splat(float f) {
-    vf v;
-    for (int i = 0; i < VL; i++) v[i] = f;
-    return v;
-}
+/* f in every lane: one broadcast (a loop over the lanes compiles to a chain of inserts). */
+static inline vf splat(float f) { return (vf){0} + f; }
+
+/* *p in every lane, loaded as a broadcast (no register for the zero `splat` adds to). */
+#if defined(__AVX__) && VBYTES == 32
+static inline vf splat_at(const float *p) { return (vf)_mm256_broadcast_ss(p); }
+#else
+static inline vf splat_at(const float *p) { return splat(*p); }
+#endif
 
 static inline vf select_(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
@@ -147,114 +151,338 @@ static void rotate(float *x, int rows, int tokens, int heads, int head_dim, int 
         }
 }
 
-/* row[0, n) -> softmax(row[0, n)) */
-static void softmax(float *row, int n) {
-    float top = row[0];
-    for (int i = 1; i < n; i++) top = row[i] > top ? row[i] : top;
-    const int nv = n - n % VL;
-    vf acc = splat(0.0f);
-    for (int i = 0; i < nv; i += VL) {
-        const vf e = vexp(load(row + i) - top);
-        store_vec(row + i, e);
-        acc += e;
+/* out[r][0, width) = (add ? out[r][0, width) : 0) + sum_i w[r][i] * v[i * ldv + (0, width)]
+ * for rows r < RA, i < n; width a multiple of VL. RA rows at a time against 4 vectors of
+ * each row of v (4 * RA accumulators; the 4 vectors loaded once for the RA rows, each w[r][i]
+ * broadcast from memory). */
+#define ROWS_TIMES(NAME, RA)                                                                 \
+    static void NAME(const float *const *w, int n, const float *v, long ldv, int width,     \
+                     float *const *out, int add) {                                          \
+        int t = 0;                                                                          \
+        for (; t + 4 * VL <= width; t += 4 * VL) {                                          \
+            vf acc[4 * RA], zero = {0};                                                     \
+            PIN(zero);                                                                      \
+            _Pragma("GCC unroll 16") for (int q = 0; q < 4 * RA; q++)                       \
+                acc[q] = add ? load(out[q / 4] + t + q % 4 * VL) : zero;                    \
+            for (int i = 0; i < n; i++) {                                                   \
+                const float *vi = v + i * ldv + t;                                          \
+                vf b[RA];                                                                   \
+                _Pragma("GCC unroll 4") for (int r = 0; r < RA; r++) {                      \
+                    b[r] = splat_at(w[r] + i);                                              \
+                    PIN(b[r]);                                                              \
+                }                                                                           \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                       \
+                    vf y = load(vi + c * VL);                                               \
+                    PIN(y); /* loaded once for the RA rows, not folded into each FMA */     \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < RA; r++) acc[r * 4 + c] += b[r] * y; \
+                }                                                                           \
+            }                                                                               \
+            _Pragma("GCC unroll 16") for (int q = 0; q < 4 * RA; q++)                       \
+                store_vec(out[q / 4] + t + q % 4 * VL, acc[q]);                             \
+        }                                                                                   \
+        for (; t < width; t += VL) {                                                        \
+            vf acc[RA];                                                                     \
+            for (int r = 0; r < RA; r++) acc[r] = add ? load(out[r] + t) : splat(0.0f);    \
+            for (int i = 0; i < n; i++) {                                                   \
+                const vf y = load(v + i * ldv + t);                                         \
+                for (int r = 0; r < RA; r++) acc[r] += splat_at(w[r] + i) * y;              \
+            }                                                                               \
+            for (int r = 0; r < RA; r++) store_vec(out[r] + t, acc[r]);                     \
+        }                                                                                   \
     }
-    float total = hsum(acc);
-    for (int i = nv; i < n; i++) {
-        row[i] = expf(row[i] - top);
-        total += row[i];
-    }
-    const float inv = 1.0f / total;
-    for (int i = 0; i < n; i++) row[i] *= inv;
+ROWS_TIMES(rows_times_3, 3)
+ROWS_TIMES(rows_times_1, 1)
+
+/* rows_times for any number of rows: three at a time, then one at a time. Both of
+ * attention's products are this: scores = q K^T (w: query rows, v: the keys transposed) and
+ * out += p V (w: the rows' softmax weights, v: the values). */
+static void rows_times(const float *const *w, int rows, int n, const float *v, long ldv,
+                       int width, float *const *out, int add) {
+    int r = 0;
+    for (; r + 3 <= rows; r += 3) rows_times_3(w + r, n, v, ldv, width, out + r, add);
+    for (; r < rows; r++) rows_times_1(w + r, n, v, ldv, width, out + r, add);
 }
 
-/* scores[i] = scale * q . keys[i * stride] for i < n (head_dim d, a multiple of VL): eight
- * keys at a time, their dot products in eight accumulators, each q vector loaded once. */
-static void dot_keys(const float *q, const float *keys, long stride, int n, int d, float scale,
-                     float *scores) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        vf acc[8] = {{0}};
-        for (int t = 0; t < d; t += VL) {
-            const vf x = load(q + t);
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) acc[r] += x * load(keys + (i + r) * stride + t);
-        }
-        float out[8];
-        sum4(out, acc[0], acc[1], acc[2], acc[3]);
-        sum4(out + 4, acc[4], acc[5], acc[6], acc[7]);
-        for (int r = 0; r < 8; r++) scores[i + r] = out[r] * scale;
-    }
-    for (; i < n; i++) {
-        vf acc = {0};
-        for (int t = 0; t < d; t += VL) acc += load(q + t) * load(keys + i * stride + t);
-        scores[i] = hsum(acc) * scale;
-    }
-}
-
-/* out[0, d) += sum_i weights[i] * values[i * stride] for i < n: the output in registers, 64
- * floats at a time. */
-static void weigh_values(const float *weights, const float *values, long stride, int n, int d,
-                         float *out) {
-    int t = 0;
-    for (; t + 8 * VL <= d; t += 8 * VL) {
-        vf acc[8];
-        for (int r = 0; r < 8; r++) acc[r] = load(out + t + r * VL);
-        for (int i = 0; i < n; i++) {
-            const vf w = splat(weights[i]);
-            const float *v = values + i * stride + t;
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) acc[r] += w * load(v + r * VL);
-        }
-        for (int r = 0; r < 8; r++) store_vec(out + t + r * VL, acc[r]);
-    }
-    for (; t < d; t += VL) {
-        vf acc = load(out + t);
-        for (int i = 0; i < n; i++) acc += splat(weights[i]) * load(values + i * stride + t);
-        store_vec(out + t, acc);
-    }
-}
+/*
+ * Attention of one layer, as items of work over (KV head group, block of query rows, range
+ * of keys). The query heads that share a KV head are taken together, and a block's rows are
+ * multiplied with a chunk of keys at once (the product tiles), so each key and value is
+ * read once per block instead of once per query head and token. Items are:
+ *   - prefix items: (group, one of `splits` ranges of the cached positions, a block of the
+ *     group's rows over every batch row): no mask;
+ *   - own items: (batch row, group, a block of that row's rows) against the row's own new
+ *     keys, causal (token t sees new keys 0..t).
+ * Each item leaves, per query row, a partial softmax (running max m, sum l, weighted values
+ * o) in its slot: prefix range s in slot s, own keys in slot `splits`; the merge then
+ * combines a row's slots (the split-softmax identity), so the cached keys can be split
+ * across threads even for one query row (a decode step).
+ *
+ * Rows of a group are ordered (batch row b, token t, head in group j), so the rows of one
+ * token are adjacent and, within a batch row, t grows with the row index.
+ *
+ * Blocks of 4 rows or more get their scores as rows times the chunk's keys transposed (no
+ * horizontal sums); fewer (a decode step's 1-3 rows a group) take the dot-product tiles.
+ * Measured with SmolLM2's shapes on the 2-core VM (attention alone, 30 layers): 64 rows of
+ * 20 tokens over 480 cached 0.72 s against 1.0-1.1 s for one (row, head) at a time with
+ * 8-key dot products; 15 tokens over 483 cached 11.5-11.8 against 12.5-13.5 ms.
+ */
+enum { KEY_CHUNK = 128, ROW_BLOCK = 48, TRANSPOSED_ROWS = 4, MIN_SPLIT_KEYS = 32, TARGET_ITEMS = 16, MAX_SPLITS = 16 };
 
 struct attention_job {
     const struct step_args *a;
     const struct step_cache *cache;
-    const float *q, *k, *v; /* this step's rows: [tokens, heads | kv_heads, head_dim] */
-    float *out;             /* [tokens, heads, head_dim] */
-    float *scores;          /* per thread: one row of offset + tokens */
+    const float *q;             /* [batch * tokens, heads, head_dim] */
+    const float *nk, *nv;       /* this step's keys, values: [batch, kv_heads, tokens, head_dim] */
+    float *out;                 /* [batch * tokens, heads, head_dim] */
+    float *part;                /* [splits + 1][batch * tokens * heads] of (m, l, o[head_dim]) */
+    float *scores;              /* per thread: ROW_BLOCK * KEY_CHUNK, then head_dim * KEY_CHUNK */
+    int splits, prefix_blocks, own_blocks, items;
+    atomic_int next;            /* the next item to take */
 };
 
-/* (row, query head) pairs index, index + count, ...: each against its KV head's cached keys
- * and its row's keys of this step, causal (token t sees positions <= offset + t). */
-static void attention_heads(const void *arg, int index, int count) {
+static int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
+
+/* How many ranges the cached positions are split into: enough items for the pool, each
+ * range at least MIN_SPLIT_KEYS keys. */
+static int attention_splits(const struct step_args *a, int prefix_blocks) {
+    if (a->offset == 0) return 0;
+    int s = ceil_div(TARGET_ITEMS, (long)a->kv_heads * prefix_blocks);
+    const int most = a->offset / MIN_SPLIT_KEYS;
+    if (s > most) s = most;
+    if (s > MAX_SPLITS) s = MAX_SPLITS;
+    return s < 1 ? 1 : s;
+}
+
+#if defined(__AVX__) && VBYTES == 32
+/* dst[j * ld + i] = src[i * ls + j] for i, j < 8: the usual unpack / shuffle / permute. */
+static inline void transpose_8x8(const float *src, long ls, float *dst, long ld) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ls);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
+/* kt[d * KEY_CHUNK + i] = keys[i * d_ + d] for keys i < n, zeros up to a multiple of VL. */
+static void transpose_keys(const float *keys, int n, int d_, float *kt) {
+    const int padded = (n + VL - 1) / VL * VL;
+    int i0 = 0;
+#if defined(__AVX__) && VBYTES == 32
+    for (; i0 + 8 <= n; i0 += 8)
+        for (int d0 = 0; d0 < d_; d0 += 8)
+            transpose_8x8(keys + (size_t)i0 * d_ + d0, d_, kt + (size_t)d0 * KEY_CHUNK + i0, KEY_CHUNK);
+#endif
+    for (int d = 0; d < d_; d++)
+        for (int i = i0; i < padded; i++)
+            kt[(size_t)d * KEY_CHUNK + i] = i < n ? keys[(size_t)i * d_ + d] : 0.0f;
+}
+
+static float *partial(const struct attention_job *j, int slot, int row) {
+    const struct step_args *a = j->a;
+    const size_t rows = (size_t)a->batch * a->tokens * a->heads;
+    return j->part + ((size_t)slot * rows + row) * (a->head_dim + 2);
+}
+
+/* The partial softmax of `n` query rows against keys [k0, k1) of `keys` / `values` (rows of
+ * head_dim floats), into slot `slot`. `causal`: row r sees key i only if i <= tpos[r], and
+ * tpos grows with r. */
+static void attend(const struct attention_job *j, const float *const *qrow, const int *grow,
+                   const int *tpos, int n, const float *keys, const float *values, int k0,
+                   int k1, int causal, int slot, float *scores, float *kt) {
+    const int D = j->a->head_dim;
+    const float scale = j->a->scale;
+    float *out[ROW_BLOCK];
+    for (int r = 0; r < n; r++) {
+        float *p = partial(j, slot, grow[r]);
+        p[0] = -INFINITY;
+        p[1] = 0.0f;
+        memset(p + 2, 0, sizeof(float) * D);
+        out[r] = p + 2;
+    }
+    for (int c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
+        const int nc = k1 - c0 < KEY_CHUNK ? k1 - c0 : KEY_CHUNK;
+        int first = 0; /* the rows before it see no key of this chunk */
+        if (causal)
+            while (first < n && tpos[first] < c0) first++;
+        float *srow[ROW_BLOCK];
+        for (int r = first; r < n; r++) srow[r] = scores + (size_t)r * KEY_CHUNK;
+        if (n - first >= TRANSPOSED_ROWS) { /* q K^T as rows times the keys transposed */
+            transpose_keys(keys + (size_t)c0 * D, nc, D, kt);
+            rows_times(qrow + first, n - first, D, kt, KEY_CHUNK, (nc + VL - 1) / VL * VL,
+                       srow + first, 0);
+        } else { /* a few rows (a decode step): dot products, no transposition */
+            for (int r = first; r < n; r += 2) {
+                const float *a2[2] = {qrow[r], qrow[r + 1 < n ? r + 1 : r]};
+                for (int i = 0; i < nc; i += 6) {
+                    const float *w6[6];
+                    for (int b = 0; b < 6; b++) w6[b] = keys + (size_t)(c0 + (i + b < nc ? i + b : nc - 1)) * D;
+                    float dot[12];
+                    tile_2x6(a2, w6, D, dot);
+                    for (int rr = 0; rr < 2 && r + rr < n; rr++)
+                        for (int b = 0; b < 6 && i + b < nc; b++) srow[r + rr][i + b] = dot[rr * 6 + b];
+                }
+            }
+        }
+        for (int r = first; r < n; r++) {
+            float *s = scores + (size_t)r * KEY_CHUNK, *p = out[r] - 2;
+            int seen = nc;
+            if (causal && tpos[r] - c0 + 1 < nc) seen = tpos[r] - c0 + 1;
+            const int sv = seen - seen % VL;
+            vf most = splat(-INFINITY);
+            for (int i = 0; i < sv; i += VL) {
+                const vf x = load(s + i);
+                most = select_(x > most, x, most);
+            }
+            float top = -INFINITY;
+            for (int i = 0; i < VL; i++) top = most[i] > top ? most[i] : top;
+            for (int i = sv; i < seen; i++) top = s[i] > top ? s[i] : top;
+            top = top * scale > p[0] ? top * scale : p[0]; /* scale > 0 */
+            const float correction = expf(p[0] - top); /* 0 for the first keys (m = -inf) */
+            if (correction != 1.0f) {
+                p[1] *= correction;
+                for (int t = 0; t < D; t++) out[r][t] *= correction;
+            }
+            vf acc = splat(0.0f);
+            for (int i = 0; i < sv; i += VL) {
+                const vf e = vexp(load(s + i) * scale - top);
+                store_vec(s + i, e);
+                acc += e;
+            }
+            float total = hsum(acc);
+            for (int i = sv; i < seen; i++) {
+                s[i] = expf(s[i] * scale - top);
+                total += s[i];
+            }
+            for (int i = seen; i < nc; i++) s[i] = 0.0f;
+            p[0] = top;
+            p[1] += total;
+        }
+        rows_times((const float *const *)srow + first, n - first, nc, values + (size_t)c0 * D, D, D,
+                   out + first, 1);
+    }
+}
+
+/* Items taken in turn until none is left. */
+static void attention_items(const void *arg, int index, int count) {
+    (void)count;
+    struct attention_job *j = (struct attention_job *)arg;
+    const struct step_args *a = j->a;
+    const int T = a->tokens, D = a->head_dim, G = a->kv_heads, rep = a->heads / G;
+    const int group_rows = a->batch * T * rep, own_rows = T * rep;
+    const int prefix_items = G * j->splits * j->prefix_blocks;
+    float *scores = j->scores + (size_t)index * (ROW_BLOCK + D) * KEY_CHUNK;
+    float *kt = scores + (size_t)ROW_BLOCK * KEY_CHUNK;
+    const float *qrow[ROW_BLOCK];
+    int grow[ROW_BLOCK], tpos[ROW_BLOCK];
+    for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
+        int g, r0, r1, b0 = 0;
+        if (item < prefix_items) {
+            g = item / (j->splits * j->prefix_blocks);
+            const int s = item / j->prefix_blocks % j->splits, block = item % j->prefix_blocks;
+            r0 = block * ROW_BLOCK;
+            r1 = r0 + ROW_BLOCK < group_rows ? r0 + ROW_BLOCK : group_rows;
+            for (int r = r0; r < r1; r++) {
+                const int b = r / own_rows, t = r % own_rows / rep, h = g * rep + r % rep;
+                grow[r - r0] = (b * T + t) * a->heads + h;
+                qrow[r - r0] = j->q + (size_t)grow[r - r0] * D;
+            }
+            const float *kc = j->cache->keys + g * j->cache->head_stride;
+            const float *vc = j->cache->values + g * j->cache->head_stride;
+            const int k0 = (int)((long)a->offset * s / j->splits);
+            const int k1 = (int)((long)a->offset * (s + 1) / j->splits);
+            attend(j, qrow, grow, tpos, r1 - r0, kc, vc, k0, k1, 0, s, scores, kt);
+        } else {
+            const int rest = item - prefix_items, block = rest % j->own_blocks;
+            b0 = rest / j->own_blocks / G;
+            g = rest / j->own_blocks % G;
+            r0 = block * ROW_BLOCK;
+            r1 = r0 + ROW_BLOCK < own_rows ? r0 + ROW_BLOCK : own_rows;
+            for (int r = r0; r < r1; r++) {
+                const int t = r / rep, h = g * rep + r % rep;
+                tpos[r - r0] = t;
+                grow[r - r0] = (b0 * T + t) * a->heads + h;
+                qrow[r - r0] = j->q + (size_t)grow[r - r0] * D;
+            }
+            const size_t at = ((size_t)b0 * G + g) * T * D;
+            attend(j, qrow, grow, tpos, r1 - r0, j->nk + at, j->nv + at, 0, tpos[r1 - r0 - 1] + 1, 1,
+                   j->splits, scores, kt);
+        }
+    }
+}
+
+/* Each query row's slots combined: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. */
+static void attention_merge(const void *arg, int index, int count) {
     const struct attention_job *j = arg;
     const struct step_args *a = j->a;
-    const int T = a->tokens, D = a->head_dim, off = a->offset, S = off + T;
-    const int rep = a->heads / a->kv_heads, qd = a->heads * D, kd = a->kv_heads * D;
-    float *row = j->scores + (size_t)index * S; /* one score row at a time */
-    for (int bh = index; bh < a->batch * a->heads; bh += count) {
-        const int b = bh / a->heads, h = bh % a->heads, g = h / rep;
-        const float *kc = j->cache->keys + g * j->cache->head_stride;
-        const float *vc = j->cache->values + g * j->cache->head_stride;
-        const size_t first = (size_t)b * T; /* the row's first token */
-        const float *kn = j->k + first * kd + g * D, *vn = j->v + first * kd + g * D;
-        for (int t = 0; t < T; t++) {
-            const float *q = j->q + (first + t) * qd + h * D;
-            float *out = j->out + (first + t) * qd + h * D;
-            const int n = off + t + 1;
-            if (off) dot_keys(q, kc, D, off, D, a->scale, row);
-            dot_keys(q, kn, kd, t + 1, D, a->scale, row + off);
-            softmax(row, n);
-            memset(out, 0, sizeof(float) * D);
-            if (off) weigh_values(row, vc, D, off, D, out);
-            weigh_values(row + off, vn, kd, t + 1, D, out);
+    const int D = a->head_dim, rows = a->batch * a->tokens * a->heads;
+    for (int row = index; row < rows; row += count) {
+        float top = -INFINITY;
+        for (int s = 0; s <= j->splits; s++) {
+            const float m = partial(j, s, row)[0];
+            top = m > top ? m : top;
         }
+        float *out = j->out + (size_t)row * D, total = 0.0f;
+        memset(out, 0, sizeof(float) * D);
+        for (int s = 0; s <= j->splits; s++) {
+            const float *p = partial(j, s, row);
+            if (p[0] == -INFINITY) continue;
+            const float w = expf(p[0] - top);
+            total += w * p[1];
+            for (int t = 0; t < D; t++) out[t] += w * p[2 + t];
+        }
+        const float inv = 1.0f / total;
+        for (int t = 0; t < D; t++) out[t] *= inv;
+    }
+}
+
+static int prefix_blocks(const struct step_args *a) {
+    return ceil_div((long)a->batch * a->tokens * (a->heads / a->kv_heads), ROW_BLOCK);
+}
+
+static long attention_scratch_floats(const struct step_args *a) {
+    const int splits = attention_splits(a, prefix_blocks(a));
+    return (long)(splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2) +
+           (long)MAX_THREADS * (ROW_BLOCK + a->head_dim) * KEY_CHUNK;
+}
+
+/* softmax(q k^T * scale, causal) v for every query row of this layer, into `out`. */
+static void attention(const struct step_args *a, const struct step_cache *cache, const float *q,
+                      const float *nk, const float *nv, float *out, float *scratch) {
+    struct attention_job j = {.a = a, .cache = cache, .q = q, .nk = nk, .nv = nv, .out = out};
+    j.prefix_blocks = prefix_blocks(a);
+    j.own_blocks = ceil_div((long)a->tokens * (a->heads / a->kv_heads), ROW_BLOCK);
+    j.splits = attention_splits(a, j.prefix_blocks);
+    j.items = a->kv_heads * (j.splits * j.prefix_blocks + a->batch * j.own_blocks);
+    j.part = scratch;
+    j.scores = scratch + (long)(j.splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2);
+    atomic_init(&j.next, 0);
+    const long work = (long)a->heads * a->batch * a->tokens * (a->offset + a->tokens) * a->head_dim;
+    if (work < (1L << 16)) {
+        attention_items(&j, 0, 1);
+        attention_merge(&j, 0, 1);
+    } else {
+        parallel(attention_items, &j);
+        parallel(attention_merge, &j);
     }
 }
 
 long runner_step_scratch_floats(const struct step_args *a) {
     const long T = (long)a->batch * a->tokens, qd = (long)a->heads * a->head_dim;
-    const long kd = (long)a->kv_heads * a->head_dim, S = a->offset + a->tokens;
+    const long kd = (long)a->kv_heads * a->head_dim;
     return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * a->intermediate * 2 +
-           (long)MAX_THREADS * S;
+           attention_scratch_floats(a);
 }
 
 int runner_decoder_step(const struct step_args *a) {
@@ -294,11 +522,7 @@ int runner_decoder_step(const struct step_args *a) {
                     memcpy(nk + to, k + from, sizeof(float) * D);
                     memcpy(nv + to, v + from, sizeof(float) * D);
                 }
-        const struct attention_job job = {a, &a->cache[l], q, k, v, o, scores};
-        if ((long)a->heads * T * (a->offset + W) * D < (1L << 16))
-            attention_heads(&job, 0, 1);
-        else
-            parallel(attention_heads, &job);
+        attention(a, &a->cache[l], q, nk, nv, o, scores);
         product(T, H, qd, o, qd, w->o, qd, tmp, H);
         add_bias(tmp, w->o_bias, T, H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];

@@ -106,7 +106,9 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
 #define TILE(NAME, RA, RW, A_HELD)                                                         \
     static void NAME(const float *const *a, const float *const *w, int kv, float *dot) {   \
         _Static_assert((RA * RW) % 4 == 0, "sums are taken 4 at a time");                  \
-        vf acc[RA * RW] = {{0}};                                                           \
+        vf acc[RA * RW], zero = {0};                                                       \
+        PIN(zero); /* else the zeroing is a call to memset and a trip through the stack */ \
+        _Pragma("GCC unroll 16") for (int q = 0; q < RA * RW; q++) acc[q] = zero;          \
         for (int t = 0; t < kv; t += VL) {                                                 \
             if (A_HELD) {                                                                  \
                 vf x[RA];                                                                  \
