@@ -150,6 +150,43 @@ def test_a_rewound_cache_is_refilled_as_mlx_refills_it(pair):
     assert_caches_equal(a, b)
 
 
+def test_one_row_appends_in_place_and_never_into_a_snapshot(pair):
+    """One row's caches are written in place (no MLX operation a step), but only into
+    buffers the step allocated: a cache restored from one trie snapshot is a view of the
+    snapshot's memory (a concatenation of one array is that array), and a live rewind below
+    the snapshot's end must not write into it."""
+    from runner.cache.kinds import kind_of
+
+    native, plain = pair
+    caches = native.make_caches()
+    forward(native, caches, [10, 11, 12, 13, 14, 15])
+    kinds = [kind_of(c) for c in caches]
+    snaps = [k.capture(c, 0, 6) for k, c in zip(kinds, caches, strict=True)]
+    mx.eval(*(a for s in snaps for a in s.arrays))
+    saved = [[np.array(a) for a in s.arrays] for s in snaps]
+
+    restored = native.make_caches()
+    for kind, cache, snap in zip(kinds, restored, snaps, strict=True):
+        kind.install(cache, [snap], 6)
+        kind.rewind(cache, 6, 3)
+    got = forward(native, restored, [77, 78])
+    for snap, before in zip(snaps, saved, strict=True):
+        for array, copy in zip(snap.arrays, before, strict=True):
+            np.testing.assert_array_equal(np.array(array), copy)
+    reference = plain.make_caches()
+    want = forward(plain, reference, [10, 11, 12, 77, 78])
+    np.testing.assert_allclose(got[0, -1], want[0, -1], atol=1e-4, rtol=1e-4)
+    assert_caches_equal(restored, reference)
+
+    # decode steps within a buffer's room keep the buffers: nothing is copied or re-made
+    buffers = [(c.keys, c.values) for c in restored]
+    for token in (5, 6, 7):
+        forward(native, restored, [token])
+        assert all(
+            c.keys is k and c.values is v for c, (k, v) in zip(restored, buffers, strict=True)
+        )
+
+
 def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
     native, _ = pair
     caches = native.make_caches()

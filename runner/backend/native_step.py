@@ -20,9 +20,11 @@ is neither a plain `KVCache` (one row) nor an empty-suffixed `SharedPrefixKV` (r
 prefix), e.g. sliding windows, or cache buffers it cannot read in place.
 
 Invariants:
-- The caches are only read here; this step's keys and values are appended through MLX's
-  `update_and_fetch` (copy-on-write), exactly what mlx-lm's attention would append, so
-  snapshots, rewinds and the prefix trie see the same caches either way.
+- One row's `KVCache`s are written in place, into buffers this step allocated for them
+  (`NativeStep._own`: the only buffers known to be the cache's alone); rows batched over a
+  prefix append through MLX's `update_and_fetch` (copy-on-write). Either way a cache holds
+  exactly what mlx-lm's attention would have appended, so snapshots, rewinds and the
+  prefix trie see the same caches on both paths.
 - Numbers: float32 throughout, the same operations as MLX's path in another summation
   order; tests/test_native_step.py compares the two, and every golden test of the two
   families runs through it.
@@ -31,7 +33,9 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -59,7 +63,29 @@ class _Layer(ctypes.Structure):
 
 
 class _Cache(ctypes.Structure):
-    _fields_ = [("keys", _P), ("values", _P), ("head_stride", ctypes.c_long)]
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("head_stride", ctypes.c_long),
+        ("append_keys", ctypes.c_void_p),
+        ("append_values", ctypes.c_void_p),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owned:
+    """Buffers this step allocated for one `KVCache` (see `NativeStep._own`): valid while
+    the cache still holds exactly these arrays. Weak references, so a buffer the cache has
+    dropped (MLX's path replaced it, the cache was reset) is freed as usual."""
+
+    keys: weakref.ref
+    values: weakref.ref
+    keys_at: int  # the buffers' addresses
+    values_at: int
+    capacity: int  # positions
+
+    def holds(self, cache: KVCache) -> bool:
+        return self.keys() is cache.keys and self.values() is cache.values
 
 
 class _Args(ctypes.Structure):
@@ -200,6 +226,8 @@ class NativeStep:
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs
+        # single-row caches -> the buffers this step allocated for them (`_own`)
+        self._owned: weakref.WeakKeyDictionary[KVCache, _Owned] = weakref.WeakKeyDictionary()
         if self.heads % self.kv_heads or rope.dims > min(self.head_dim, 1024):
             raise _Unsupported("head layout")
 
@@ -213,9 +241,10 @@ class NativeStep:
         if not caches or len(caches) != self.layers:
             return None
         batch, t = int(tokens.shape[0]), int(tokens.shape[1])
-        if batch == 1 and all(type(c) is KVCache for c in caches):
+        one_row = batch == 1 and all(type(c) is KVCache for c in caches)
+        if one_row:
             offset = caches[0].offset
-            buffers = [(c.keys, c.values) for c in caches] if offset else []
+            buffers = [(c.keys, c.values) for c in caches if not self._holds(c)] if offset else []
         elif all(type(c) is SharedPrefixKV and c.batch == batch for c in caches) and all(
             c.suffix.keys is None for c in caches
         ):
@@ -227,20 +256,30 @@ class NativeStep:
             return None
         cache_structs = (_Cache * self.layers)()
         keep: list[np.ndarray] = []  # the views' lifetimes: until the call returns
-        if offset:
+        if buffers:
             mx.eval(*(a for pair in buffers for a in pair))
             for i, (keys, values) in enumerate(buffers):
                 k_view, v_view = self._cache_view(keys, offset), self._cache_view(values, offset)
                 if k_view is None or v_view is None or k_view.strides != v_view.strides:
                     return None
+                if one_row:
+                    continue  # checked for `_own`'s copy; read from the step's buffers below
                 keep += (k_view, v_view)
-                cache_structs[i].keys = _pointer(k_view)
-                cache_structs[i].values = _pointer(v_view)
+                cache_structs[i].keys = k_view.ctypes.data
+                cache_structs[i].values = v_view.ctypes.data
                 cache_structs[i].head_stride = k_view.strides[1] // 4
         ids = np.asarray(tokens).reshape(-1)
         if ids.min() < 0 or ids.max() >= self._embed.shape[0]:
             return None  # MLX's path decides what an id past the table means
         x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
+        if one_row:  # every check passed: the caches move to buffers this step writes
+            for i, c in enumerate(caches):
+                owned = self._own(c, offset + t)
+                cache_structs[i].keys, cache_structs[i].values = owned.keys_at, owned.values_at
+                cache_structs[i].head_stride = owned.capacity * self.head_dim
+                row = offset * self.head_dim * 4
+                cache_structs[i].append_keys = owned.keys_at + row
+                cache_structs[i].append_values = owned.values_at + row
         cos, sin = self._rope.table(offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
@@ -259,8 +298,51 @@ class NativeStep:
             return None
         del keep
         for i, c in enumerate(caches):
-            c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
+            if one_row:  # the step wrote them into the buffers
+                c.offset = offset + t
+            else:
+                c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
         return mx.array(x).reshape(batch, t, self.hidden)
+
+    def _holds(self, cache: KVCache) -> bool:
+        owned = self._owned.get(cache)
+        return owned is not None and owned.holds(cache)
+
+    def _own(self, cache: KVCache, positions: int) -> _Owned:
+        """`cache`'s buffers as this step's own, with room for `positions`: the ones it
+        allocated earlier when the cache still holds them and they have room, else new ones
+        (mlx-lm's growth: whole steps of `cache.step` positions) holding the cached ones.
+
+        Writing into a cache buffer in place is safe only when nothing else holds its memory:
+        a restored cache can be a view of a trie snapshot (a concatenation of one array is
+        that array), and MLX's own in-place updates check who holds a buffer, which numpy's
+        writes cannot. Buffers allocated here are known to be the cache's alone: snapshots,
+        row segments and captures copy what they take (docs/DESIGN.md §3.1), and the views
+        MLX's path and batched rows take of a live cache only read positions below their
+        offset and are evaluated before the next forward (sessions evaluate each forward)."""
+        owned = self._owned.get(cache)
+        if owned is not None and owned.holds(cache) and owned.capacity >= positions:
+            return owned
+        step = int(getattr(cache, "step", 256))
+        capacity = (positions + step - 1) // step * step
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        if cache.offset:
+            keys[:, :, : cache.offset] = np.asarray(cache.keys)[:, :, : cache.offset]
+            values[:, :, : cache.offset] = np.asarray(cache.values)[:, :, : cache.offset]
+        cache.keys, cache.values = mx.array(keys), mx.array(values)
+        mx.eval(cache.keys, cache.values)
+        k_view, v_view = np.asarray(cache.keys), np.asarray(cache.values)
+        assert k_view.flags.c_contiguous and v_view.flags.c_contiguous
+        owned = _Owned(
+            weakref.ref(cache.keys),
+            weakref.ref(cache.values),
+            k_view.ctypes.data,
+            v_view.ctypes.data,
+            capacity,
+        )
+        self._owned[cache] = owned
+        return owned
 
     def _cache_view(self, array: mx.array, offset: int) -> np.ndarray | None:
         """`array` ([1, Hkv, >= offset, D] float32, positions' rows contiguous) as numpy's

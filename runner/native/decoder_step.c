@@ -12,8 +12,9 @@
  *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
  *   then the final rms_norm.
  *
- * The caches are read, never written: the caller appends `new_keys` / `new_values` to them
- * through MLX (its copy-on-write keeps every other reference to a cache buffer intact).
+ * The step's keys and values are returned in `new_keys` / `new_values`, and also written
+ * into the cache where the caller says (`append_keys`: a buffer only the caller holds,
+ * runner/backend/native_step.py); cached positions are only read.
  *
  * `batch` rows of `tokens` tokens each may share one cache (scoring rows over a shared
  * prefix): every row attends to the cached positions and to its own tokens, at the same
@@ -30,6 +31,10 @@ struct step_layer {
 struct step_cache {
     const float *keys, *values; /* [kv_heads, capacity, head_dim]: head h at h * head_stride */
     long head_stride;
+    /* NULL, or where this step's keys and values go (one row: keys + offset * head_dim,
+     * same head stride), written after they are computed (the attention reads only the
+     * positions below them) */
+    float *append_keys, *append_values;
 };
 
 struct step_args {
@@ -521,6 +526,14 @@ int runner_decoder_step(const struct step_args *a) {
                     const size_t from = ((size_t)b * W + t) * kd + g * D;
                     memcpy(nk + to, k + from, sizeof(float) * D);
                     memcpy(nv + to, v + from, sizeof(float) * D);
+                }
+        const struct step_cache *c = &a->cache[l];
+        if (c->append_keys && a->batch == 1)
+            for (int g = 0; g < a->kv_heads; g++)
+                for (int t = 0; t < W; t++) {
+                    const size_t to = (size_t)g * c->head_stride + (size_t)t * D;
+                    memcpy(c->append_keys + to, nk + ((size_t)g * W + t) * D, sizeof(float) * D);
+                    memcpy(c->append_values + to, nv + ((size_t)g * W + t) * D, sizeof(float) * D);
                 }
         attention(a, &a->cache[l], q, nk, nv, o, scores);
         product(T, H, qd, o, qd, w->o, qd, tmp, H);
