@@ -474,13 +474,16 @@ static void attention(const struct step_args *a, const struct step_cache *cache,
     j.scores = scratch + (long)(j.splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2);
     atomic_init(&j.next, 0);
     const long work = (long)a->heads * a->batch * a->tokens * (a->offset + a->tokens) * a->head_dim;
-    if (work < (1L << 16)) {
+    if (work < (1L << 16))
         attention_items(&j, 0, 1);
-        attention_merge(&j, 0, 1);
-    } else {
+    else
         parallel(attention_items, &j);
+    /* the merge reads (splits + 1) partials a row: a decode step's 9-32 rows are not worth
+     * waking the pool for */
+    if ((long)a->batch * a->tokens * a->heads * (j.splits + 1) * a->head_dim < (1L << 16))
+        attention_merge(&j, 0, 1);
+    else
         parallel(attention_merge, &j);
-    }
 }
 
 long runner_step_scratch_floats(const struct step_args *a) {
