@@ -325,15 +325,25 @@ class NativeStep:
             return owned
         step = int(getattr(cache, "step", 256))
         capacity = (positions + step - 1) // step * step
-        shape = (1, self.kv_heads, capacity, self.head_dim)
-        keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        if cache.offset:
-            keys[:, :, : cache.offset] = np.asarray(cache.keys)[:, :, : cache.offset]
-            values[:, :, : cache.offset] = np.asarray(cache.values)[:, :, : cache.offset]
-        cache.keys, cache.values = mx.array(keys), mx.array(values)
+        kept, shape = cache.offset, (1, self.kv_heads, capacity, self.head_dim)
+
+        def fresh(old: mx.array | None) -> mx.array:
+            # One pass in MLX, as mlx-lm grows a cache: the cached positions, then zeros. A
+            # concatenation of two arrays is a new buffer (of one it would be the array).
+            rest = mx.zeros((1, self.kv_heads, capacity - kept, self.head_dim), mx.float32)
+            if not kept:
+                return rest
+            assert old is not None  # checked by the caller: offset > 0 has buffers
+            return mx.concatenate([old[..., :kept, :], rest], axis=2)
+
+        before = {np.asarray(a).ctypes.data for a in (cache.keys, cache.values) if kept}
+        cache.keys, cache.values = fresh(cache.keys), fresh(cache.values)
         mx.eval(cache.keys, cache.values)
         k_view, v_view = np.asarray(cache.keys), np.asarray(cache.values)
-        assert k_view.flags.c_contiguous and v_view.flags.c_contiguous
+        for view in (k_view, v_view):  # a real buffer of its own, rows where the step writes
+            plain = view.shape == shape and view.flags.c_contiguous and view.flags.writeable
+            if not plain or view.ctypes.data in before:
+                raise AssertionError(f"a fresh KV buffer is not a new plain array: {view.strides}")
         owned = _Owned(
             weakref.ref(cache.keys),
             weakref.ref(cache.values),
