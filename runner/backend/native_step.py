@@ -336,7 +336,10 @@ class NativeStep:
             assert old is not None  # checked by the caller: offset > 0 has buffers
             return mx.concatenate([old[..., :kept, :], rest], axis=2)
 
-        before = {np.asarray(a).ctypes.data for a in (cache.keys, cache.values) if kept}
+        # The old arrays stay alive until the check: a new buffer at one of their addresses
+        # is then an alias, not a freed buffer MLX handed out again.
+        old = [a for a in (cache.keys, cache.values) if kept and a is not None]
+        before = {np.asarray(a).ctypes.data for a in old}
         cache.keys, cache.values = fresh(cache.keys), fresh(cache.values)
         mx.eval(cache.keys, cache.values)
         k_view, v_view = np.asarray(cache.keys), np.asarray(cache.values)
@@ -344,6 +347,7 @@ class NativeStep:
             plain = view.shape == shape and view.flags.c_contiguous and view.flags.writeable
             if not plain or view.ctypes.data in before:
                 raise AssertionError(f"a fresh KV buffer is not a new plain array: {view.strides}")
+        del old
         owned = _Owned(
             weakref.ref(cache.keys),
             weakref.ref(cache.values),
