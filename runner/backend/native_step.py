@@ -21,7 +21,7 @@ prefix), e.g. sliding windows, or cache buffers it cannot read in place.
 
 Invariants:
 - One row's `KVCache`s are written in place, into buffers this step allocated for them
-  (`NativeStep._own`: the only buffers known to be the cache's alone); rows batched over a
+  (`NativeStep._grow`: the only buffers known to be the cache's alone); rows batched over a
   prefix append through MLX's `update_and_fetch` (copy-on-write). Either way a cache holds
   exactly what mlx-lm's attention would have appended, so snapshots, rewinds and the
   prefix trie see the same caches on both paths.
@@ -74,7 +74,7 @@ class _Cache(ctypes.Structure):
 
 @dataclasses.dataclass(frozen=True)
 class _Owned:
-    """Buffers this step allocated for one `KVCache` (see `NativeStep._own`): valid while
+    """Buffers this step allocated for one `KVCache` (see `NativeStep._grow`): valid while
     the cache still holds exactly these arrays. Weak references, so a buffer the cache has
     dropped (MLX's path replaced it, the cache was reset) is freed as usual."""
 
@@ -226,7 +226,7 @@ class NativeStep:
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs
-        # single-row caches -> the buffers this step allocated for them (`_own`)
+        # single-row caches -> the buffers this step allocated for them (`_grow`)
         self._owned: weakref.WeakKeyDictionary[KVCache, _Owned] = weakref.WeakKeyDictionary()
         if self.heads % self.kv_heads or rope.dims > min(self.head_dim, 1024):
             raise _Unsupported("head layout")
@@ -244,7 +244,14 @@ class NativeStep:
         one_row = batch == 1 and all(type(c) is KVCache for c in caches)
         if one_row:
             offset = caches[0].offset
-            buffers = [(c.keys, c.values) for c in caches if not self._holds(c)] if offset else []
+            # per cache: the buffers this step allocated for it, when they have room for these
+            # tokens; None: grown below, once its cached positions pass the checks here
+            owned = [self._room(c, offset + t) for c in caches]
+            buffers = [
+                (c.keys, c.values)
+                for c, o in zip(caches, owned, strict=True)
+                if o is None and offset
+            ]
         elif all(type(c) is SharedPrefixKV and c.batch == batch for c in caches) and all(
             c.suffix.keys is None for c in caches
         ):
@@ -263,7 +270,7 @@ class NativeStep:
                 if k_view is None or v_view is None or k_view.strides != v_view.strides:
                     return None
                 if one_row:
-                    continue  # checked for `_own`'s copy; read from the step's buffers below
+                    continue  # checked for `_grow`'s copy; read from the step's buffers below
                 keep += (k_view, v_view)
                 cache_structs[i].keys = k_view.ctypes.data
                 cache_structs[i].values = v_view.ctypes.data
@@ -273,13 +280,13 @@ class NativeStep:
             return None  # MLX's path decides what an id past the table means
         x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
         if one_row:  # every check passed: the caches move to buffers this step writes
-            for i, c in enumerate(caches):
-                owned = self._own(c, offset + t)
-                cache_structs[i].keys, cache_structs[i].values = owned.keys_at, owned.values_at
-                cache_structs[i].head_stride = owned.capacity * self.head_dim
-                row = offset * self.head_dim * 4
-                cache_structs[i].append_keys = owned.keys_at + row
-                cache_structs[i].append_values = owned.values_at + row
+            row = offset * self.head_dim * 4
+            for i, (c, o) in enumerate(zip(caches, owned, strict=True)):
+                o = o or self._grow(c, offset + t)
+                cache_structs[i].keys, cache_structs[i].values = o.keys_at, o.values_at
+                cache_structs[i].head_stride = o.capacity * self.head_dim
+                cache_structs[i].append_keys = o.keys_at + row
+                cache_structs[i].append_values = o.values_at + row
         cos, sin = self._rope.table(offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
@@ -304,14 +311,17 @@ class NativeStep:
                 c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
         return mx.array(x).reshape(batch, t, self.hidden)
 
-    def _holds(self, cache: KVCache) -> bool:
+    def _room(self, cache: KVCache, positions: int) -> _Owned | None:
+        """The buffers this step allocated for `cache` when it still holds them and they
+        have room for `positions`; else None (`_grow` makes new ones)."""
         owned = self._owned.get(cache)
-        return owned is not None and owned.holds(cache)
+        if owned is not None and owned.holds(cache) and owned.capacity >= positions:
+            return owned
+        return None
 
-    def _own(self, cache: KVCache, positions: int) -> _Owned:
-        """`cache`'s buffers as this step's own, with room for `positions`: the ones it
-        allocated earlier when the cache still holds them and they have room, else new ones
-        (mlx-lm's growth: whole steps of `cache.step` positions) holding the cached ones.
+    def _grow(self, cache: KVCache, positions: int) -> _Owned:
+        """New buffers for `cache`, this step's own, holding its cached positions with room
+        for `positions` (mlx-lm's growth: whole steps of `cache.step` positions).
 
         Writing into a cache buffer in place is safe only when nothing else holds its memory:
         a restored cache can be a view of a trie snapshot (a concatenation of one array is
@@ -320,9 +330,6 @@ class NativeStep:
         row segments and captures copy what they take (docs/DESIGN.md §3.1), and the views
         MLX's path and batched rows take of a live cache only read positions below their
         offset and are evaluated before the next forward (sessions evaluate each forward)."""
-        owned = self._owned.get(cache)
-        if owned is not None and owned.holds(cache) and owned.capacity >= positions:
-            return owned
         step = int(getattr(cache, "step", 256))
         capacity = (positions + step - 1) // step * step
         kept, shape = cache.offset, (1, self.kv_heads, capacity, self.head_dim)

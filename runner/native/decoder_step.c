@@ -393,48 +393,51 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
     }
 }
 
+/* Rows [r0, r1) of group g in its order (batch row, token, head in the group): their query
+ * rows, their rows of the output and partials, and their tokens. */
+static void group_rows(const struct attention_job *j, int g, int r0, int r1, const float **qrow,
+                       int *grow, int *tpos) {
+    const struct step_args *a = j->a;
+    const int rep = a->heads / a->kv_heads, row_rows = a->tokens * rep;
+    for (int r = r0; r < r1; r++) {
+        const int b = r / row_rows, t = r % row_rows / rep, h = g * rep + r % rep;
+        tpos[r - r0] = t;
+        grow[r - r0] = (b * a->tokens + t) * a->heads + h;
+        qrow[r - r0] = j->q + (size_t)grow[r - r0] * a->head_dim;
+    }
+}
+
 /* Items taken in turn until none is left. */
 static void attention_items(const void *arg, int index, int count) {
     (void)count;
     struct attention_job *j = (struct attention_job *)arg;
     const struct step_args *a = j->a;
-    const int T = a->tokens, D = a->head_dim, G = a->kv_heads, rep = a->heads / G;
-    const int group_rows = a->batch * T * rep, own_rows = T * rep;
+    const int T = a->tokens, D = a->head_dim, G = a->kv_heads;
+    const int own_rows = T * (a->heads / G), all_rows = a->batch * own_rows;
     const int prefix_items = G * j->splits * j->prefix_blocks;
     float *scores = j->scores + (size_t)index * (ROW_BLOCK + D) * KEY_CHUNK;
     float *kt = scores + (size_t)ROW_BLOCK * KEY_CHUNK;
     const float *qrow[ROW_BLOCK];
     int grow[ROW_BLOCK], tpos[ROW_BLOCK];
     for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
-        int g, r0, r1, b0 = 0;
-        if (item < prefix_items) {
-            g = item / (j->splits * j->prefix_blocks);
-            const int s = item / j->prefix_blocks % j->splits, block = item % j->prefix_blocks;
-            r0 = block * ROW_BLOCK;
-            r1 = r0 + ROW_BLOCK < group_rows ? r0 + ROW_BLOCK : group_rows;
-            for (int r = r0; r < r1; r++) {
-                const int b = r / own_rows, t = r % own_rows / rep, h = g * rep + r % rep;
-                grow[r - r0] = (b * T + t) * a->heads + h;
-                qrow[r - r0] = j->q + (size_t)grow[r - r0] * D;
-            }
+        if (item < prefix_items) { /* every batch row's rows against a range of the cache */
+            const int g = item / (j->splits * j->prefix_blocks);
+            const int s = item / j->prefix_blocks % j->splits;
+            const int r0 = item % j->prefix_blocks * ROW_BLOCK;
+            const int r1 = r0 + ROW_BLOCK < all_rows ? r0 + ROW_BLOCK : all_rows;
+            group_rows(j, g, r0, r1, qrow, grow, tpos);
             const float *kc = j->cache->keys + g * j->cache->head_stride;
             const float *vc = j->cache->values + g * j->cache->head_stride;
             const int k0 = (int)((long)a->offset * s / j->splits);
             const int k1 = (int)((long)a->offset * (s + 1) / j->splits);
             attend(j, qrow, grow, tpos, r1 - r0, kc, vc, k0, k1, 0, s, scores, kt);
-        } else {
-            const int rest = item - prefix_items, block = rest % j->own_blocks;
-            b0 = rest / j->own_blocks / G;
-            g = rest / j->own_blocks % G;
-            r0 = block * ROW_BLOCK;
-            r1 = r0 + ROW_BLOCK < own_rows ? r0 + ROW_BLOCK : own_rows;
-            for (int r = r0; r < r1; r++) {
-                const int t = r / rep, h = g * rep + r % rep;
-                tpos[r - r0] = t;
-                grow[r - r0] = (b0 * T + t) * a->heads + h;
-                qrow[r - r0] = j->q + (size_t)grow[r - r0] * D;
-            }
-            const size_t at = ((size_t)b0 * G + g) * T * D;
+        } else { /* one batch row's rows against its own new keys */
+            const int rest = item - prefix_items, b = rest / j->own_blocks / G;
+            const int g = rest / j->own_blocks % G, first = b * own_rows;
+            const int r0 = first + rest % j->own_blocks * ROW_BLOCK;
+            const int r1 = r0 + ROW_BLOCK < first + own_rows ? r0 + ROW_BLOCK : first + own_rows;
+            group_rows(j, g, r0, r1, qrow, grow, tpos);
+            const size_t at = ((size_t)b * G + g) * T * D;
             attend(j, qrow, grow, tpos, r1 - r0, j->nk + at, j->nv + at, 0, tpos[r1 - r0 - 1] + 1, 1,
                    j->splits, scores, kt);
         }
