@@ -2,6 +2,10 @@
 
 - `llama.cpp-f32`: a float32 GGUF and a float32 KV cache: the same arithmetic as ours, so
   its logits are checked against ours like any other system's.
+- `llama.cpp-f16`: a float16 GGUF (lossless for a checkpoint stored in float16, as the
+  default model is: the weights' bytes ours reads from its half copies), float32 KV cache.
+  llama.cpp rounds the activations to float16 for these products, so its logits differ a
+  little from ours; the columns say by how much.
 - `llama.cpp-q4`: Q4_K_M quantized from that GGUF, default (f16) KV cache: what a llama.cpp
   user runs. Its logits differ from ours by the quantization; the columns say by how much.
 
@@ -58,7 +62,7 @@ CONVERTER = "convert_hf_to_gguf.py"
 CONVERTER_PATHS = (CONVERTER, "gguf-py/", "conversion/")
 SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
-F32, Q4 = "f32.gguf", "q4_k_m.gguf"
+F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
 STAMP = "source.json"
 
 # Runs convert_hf_to_gguf.py with argv[1] on sys.path (for its `conversion` package); when
@@ -154,9 +158,10 @@ def source_stamp(model_dir: Path, version: str) -> dict[str, Any]:
     return {"model_dir": str(model_dir.resolve()), "files": digest, "llama_cpp_python": version}
 
 
-def convert(model_dir: Path, out: Path, src: Path, log: Path) -> None:
-    """convert_hf_to_gguf.py --outtype f32 as a subprocess, its own gguf-py first on the
-    path (it must win over an installed gguf); the output appears complete or not at all."""
+def convert(model_dir: Path, out: Path, src: Path, log: Path, outtype: str = "f32") -> None:
+    """convert_hf_to_gguf.py --outtype `outtype` as a subprocess, its own gguf-py first on
+    the path (it must win over an installed gguf); the output appears complete or not at
+    all."""
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         raise Skipped(f"converting to GGUF needs {', '.join(missing)} (pip install '.[reference]')")
@@ -167,7 +172,7 @@ def convert(model_dir: Path, out: Path, src: Path, log: Path) -> None:
     partial = out.with_suffix(".partial")
     pre = llama_cpp_pre_tokenizer(model_dir) or ""
     command = [sys.executable, "-c", CONVERT, str(src), pre, str(model_dir)]
-    command += ["--outtype", "f32", "--outfile", str(partial)]
+    command += ["--outtype", outtype, "--outfile", str(partial)]
     with log.open("w") as sink:
         done = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
     if done.returncode != 0:
@@ -191,7 +196,8 @@ def quantize(llama_cpp: Any, source: Path, out: Path) -> None:
 
 
 def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
-    """The GGUF `name` (F32 or Q4) of ctx.model_dir, made on first use or after a change."""
+    """The GGUF `name` (F32, F16 or Q4) of ctx.model_dir, made on first use or after a
+    change."""
     model_dir = Path(ctx.model_dir)
     version = llama_cpp.__version__
     cache = model_dir.parent / f"{model_dir.name}.gguf"
@@ -199,11 +205,14 @@ def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
     stamp_path = cache / STAMP
     if not stamp_path.exists() or json.loads(stamp_path.read_text()) != stamp:
         cache.mkdir(parents=True, exist_ok=True)
-        for old in (stamp_path, cache / F32, cache / Q4):
+        for old in (stamp_path, cache / F32, cache / F16, cache / Q4):
             old.unlink(missing_ok=True)
         src = converter_source(ctx.llama_cpp_src, version)
         convert(model_dir, cache / F32, src, cache / "convert.log")
         stamp_path.write_text(json.dumps(stamp, indent=2))
+    if name == F16 and not (cache / name).exists():
+        src = converter_source(ctx.llama_cpp_src, version)
+        convert(model_dir, cache / F16, src, cache / "convert-f16.log", "f16")
     if not (cache / name).exists():
         quantize(llama_cpp, cache / F32, cache / name)
     return cache / name
@@ -351,6 +360,12 @@ class LlamaCpp(System):
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         return self._call("generate", workload, new_tokens)
+
+
+class LlamaCppF16(LlamaCpp):
+    name = "llama.cpp-f16"
+    description = "llama-cpp-python, f16 GGUF (the checkpoint's own bytes), f32 KV cache"
+    gguf = F16
 
 
 class LlamaCppQ4(LlamaCpp):

@@ -4,13 +4,23 @@ are checked against it)."""
 from __future__ import annotations
 
 from bench.base import System
-from bench.llamacpp import LlamaCpp, LlamaCppQ4
+from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
 from bench.ours import Ours, OursHTTP, OursRows
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
     cls.name: cls
-    for cls in (Ours, OursRows, OursHTTP, Baseline, MlxLm, Transformers, LlamaCpp, LlamaCppQ4)
+    for cls in (
+        Ours,
+        OursRows,
+        OursHTTP,
+        Baseline,
+        MlxLm,
+        Transformers,
+        LlamaCpp,
+        LlamaCppF16,
+        LlamaCppQ4,
+    )
 }
 NAMES = tuple(SYSTEMS)
 

@@ -24,7 +24,7 @@ from bench.__main__ import parse_args, run
 from bench.base import Context
 from bench.harness import run_system
 from bench.http import SpawnedRunner
-from bench.llamacpp import LlamaCpp, LlamaCppQ4
+from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
 from bench.models import SHAPES, load_tokenizer, write_model_dir
 from bench.ours import Ours, OursHTTP
 from bench.peers import Baseline
@@ -289,7 +289,7 @@ def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     workloads = build_workloads(list(NAMES), "small", load_tokenizer(model_dir).encode)
     ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context)
-    for system in (LlamaCpp(), LlamaCppQ4()):
+    for system in (LlamaCpp(), LlamaCppF16(), LlamaCppQ4()):
         results = run_system(system, workloads, ctx, repeats=1, sample_rows=None)
         assert [r.workload for r in results] == list(NAMES)
         for r in results:
@@ -303,25 +303,27 @@ def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, mo
 @pytest.mark.skipif(not HAS_TORCH, reason="converting to GGUF needs torch and transformers")
 def test_llama_cpp_agrees_with_ours(model_dir, bench_engine, tmp_path):
     """The small model converted to GGUF (its bench tokenizer named "gpt-2" for the
-    converter): llama.cpp-f32 scores like ours and tokenizes like ours; llama.cpp-q4 runs.
-    The converter comes from $LLAMA_CPP_SRC or the cached llama-cpp-python sdist."""
-    results = _run([Ours(), LlamaCpp(), LlamaCppQ4()], model_dir, bench_engine, tmp_path)
+    converter): llama.cpp-f32 scores like ours and tokenizes like ours; llama.cpp-f16 and
+    -q4 run. The converter comes from $LLAMA_CPP_SRC or the cached llama-cpp-python sdist."""
+    systems = [Ours(), LlamaCpp(), LlamaCppF16(), LlamaCppQ4()]
+    results = _run(systems, model_dir, bench_engine, tmp_path)
     for name in SCORE_WORKLOADS:
-        _, f32, q4 = results[name]
+        _, f32, f16, q4 = results[name]
         assert f32.status == "ok", f32.reason
         assert f32.metrics["max_abs_diff"] < 1e-2, f32.metrics
         assert f32.metrics["argmax_agree"] == 1.0
-        assert q4.status == "ok", q4.reason
-        assert q4.metrics["compared_rows"] == len(q4.outcome.values) > 0
+        for r in (f16, q4):
+            assert r.status == "ok", r.reason
+            assert r.metrics["compared_rows"] == len(r.outcome.values) > 0
     # llama.cpp reuses its KV cache across rows: a row after the first computes its question
     requests = results["requests"][1].outcome.request_computed
     assert max(requests[1:]) < requests[0]
-    _, f32, q4 = results["generate"]
-    for r in (f32, q4):
+    _, f32, f16, q4 = results["generate"]
+    for r in (f32, f16, q4):
         assert r.status == "ok", r.reason
         assert r.metrics["new_tokens"] > 0 and r.metrics["decode_tokens_per_s"] > 0
     cache = model_dir.parent / f"{model_dir.name}.gguf"
-    assert (cache / "f32.gguf").exists() and (cache / "q4_k_m.gguf").exists()
+    assert all((cache / name).exists() for name in ("f32.gguf", "f16.gguf", "q4_k_m.gguf"))
 
 
 @pytest.mark.slow

@@ -25,6 +25,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 ARCHES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+# (family, checkpoint dtype): half-precision checkpoints get the step's exact half copies
+# (Llama's untied head in bfloat16, Qwen3's tied one in float16)
+CHECKPOINTS = [
+    ("LlamaForCausalLM", "float32"),
+    ("Qwen3ForCausalLM", "float32"),
+    ("LlamaForCausalLM", "bfloat16"),
+    ("Qwen3ForCausalLM", "float16"),
+]
 MAX_TOKENS = 8
 
 
@@ -42,17 +50,27 @@ class Counting:
             self.taken += 1
         return out
 
+    def __getattr__(self, name: str) -> Any:  # the head (`unembed`), the step's fields
+        return getattr(self.step, name)
 
-@pytest.fixture(params=ARCHES)
+
+@pytest.fixture(params=CHECKPOINTS, ids=lambda c: "-".join(c))
 def pair(request, tmp_path):
-    arch = request.param
+    arch, dtype = request.param
     native = load_tiny_model(
-        arch, tmp_path / "a", backend=Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+        arch,
+        tmp_path / "a",
+        backend=Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS),
+        dtype=dtype,
     )
     plain = load_tiny_model(
-        arch, tmp_path / "b", backend=Backend.cpu().replace(native_step_max_tokens=None)
+        arch,
+        tmp_path / "b",
+        backend=Backend.cpu().replace(native_step_max_tokens=None),
+        dtype=dtype,
     )
     assert native._native is not None and plain._native is None
+    assert native._native.half_format == (None if dtype == "float32" else dtype)
     native._native = Counting(native._native)
     return native, plain
 
@@ -304,3 +322,108 @@ def test_batched_rows_equal_each_row_alone(pair):
         forward(native, alone, prefix)
         row = np.array(native.hidden(mx.array([suffix], dtype=mx.int32), alone))
         np.testing.assert_allclose(hidden[i, : len(suffix)], row[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch, dtype", CHECKPOINTS[2:])
+def test_half_copies_compute_what_float32_weights_compute_bit_for_bit(arch, dtype, tmp_path):
+    """A half-precision checkpoint's weights read from their exact half copies (half the
+    bytes) give the float32 step's numbers exactly: prompt chunks, decode steps with the
+    head, batched rows; only the bytes read differ."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    backend = Backend.cpu().replace(native_step_max_tokens=64)
+    half = load_tiny_model(arch, tmp_path / "a", backend=backend, dtype=dtype)
+    full = load_tiny_model(
+        arch, tmp_path / "b", backend=backend.replace(native_half_formats=()), dtype=dtype
+    )
+    assert half._native.half_format == dtype and full._native.half_format is None
+    prompt = np.random.default_rng(2).integers(3, 300, size=90).tolist()
+    results = []
+    for model in (half, full):
+        caches = model.make_caches()
+        logits = [forward(model, caches, prompt[a:b]) for a, b in ((0, 60), (60, 80))]
+        logits += [forward(model, caches, [t]) for t in prompt[80:90]]  # decode steps
+        batch = broadcast([kind_of(c) for c in caches], caches, 3)
+        rows = np.array(forward_suffixes(model, batch, [[4, 5], [6], [7, 8, 9]]))
+        keys = [np.array(c.keys[..., :90, :]) for c in caches]
+        results.append((logits, rows, keys))
+    (got_logits, got_rows, got_keys), (want_logits, want_rows, want_keys) = results
+    for got, want in zip(got_logits, want_logits, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    for got, want in zip(got_keys, want_keys, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    # and it is the copies that short forwards and the head read: changed, they change them
+    def hidden() -> np.ndarray:
+        return np.array(half.hidden(mx.array([prompt[:5]], dtype=mx.int32), half.make_caches()))
+
+    before = hidden()
+    *layers, head = half._native.half_copies
+    for copy in layers:
+        copy[...] = copy[::-1]  # another matrix of the same values
+    assert not np.array_equal(hidden(), before)
+    head[...] = 0
+    assert not forward(half, half.make_caches(), prompt[:5]).any()
+
+
+def test_half_copies_only_where_every_value_is_exact():
+    """runner_narrow: a copy in a half format only when it holds every value bit for bit (in
+    the vector body and in the tail); the products read both formats as float32 weights."""
+    from runner.backend import native_step
+
+    functions = native_step._library()
+    assert functions is not None and functions.half_weights  # AVX2 + F16C, as here
+
+    def narrow(values: list[float], fmt: str) -> bool:
+        src = np.array(values, np.float32)
+        out = np.empty(src.shape, np.uint16)
+        return bool(
+            functions.narrow(
+                native_step._pointer(src), src.size, out.ctypes.data, native_step.HALF_FORMATS[fmt]
+            )
+        )
+
+    def replaced(values: list[float], at: int, value: float) -> list[float]:
+        return [*values[:at], value, *values[at + 1 :]]
+
+    exact16 = [0.5, -0.0, 65504.0, 2.0**-24, float("inf"), 1 + 2.0**-10, -3.0, 7.0, 0.25, 1.5, 2.0]
+    assert narrow(exact16, "float16")
+    for at in (3, 10):  # in the first eight (vectors) and in the tail (one at a time)
+        for bad in (1 + 2.0**-11, 70000.0, 2.0**-25):
+            assert not narrow(replaced(exact16, at, bad), "float16")
+    exact_bf16 = [1.0, -(2.0**100), 65536.0, 1 + 2.0**-7, 3.0, 0.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    assert narrow(exact_bf16, "bfloat16")
+    assert not narrow(exact_bf16, "float16")  # 2^100 is past float16's range
+    for at in (3, 10):
+        assert not narrow(replaced(exact_bf16, at, 1 + 2.0**-8), "bfloat16")
+
+    # products against each format, shapes with tails (k % 8, n % 8) and 1-3 rows
+    rng = np.random.default_rng(3)
+    for fmt, dtype in (("float16", mx.float16), ("bfloat16", mx.bfloat16)):
+        for m, n, k in ((1, 19, 13), (3, 17, 29), (2, 64, 64)):
+            w = np.array(
+                mx.array(rng.normal(size=(n, k)).astype(np.float32))
+                .astype(dtype)
+                .astype(mx.float32)
+            )
+            a = rng.normal(size=(m, k)).astype(np.float32)
+            copy = np.empty(w.shape, np.uint16)
+            assert functions.narrow(
+                native_step._pointer(w), w.size, copy.ctypes.data, native_step.HALF_FORMATS[fmt]
+            )
+            c = np.empty((m, n), np.float32)
+            code = functions.weight_product(
+                m,
+                n,
+                k,
+                native_step._pointer(a),
+                copy.ctypes.data,
+                native_step.HALF_FORMATS[fmt],
+                native_step._pointer(c),
+            )
+            assert code == 0
+            np.testing.assert_allclose(
+                c, a.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5
+            )

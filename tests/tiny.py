@@ -231,19 +231,25 @@ def write_tiny_model(
     tie_word_embeddings: bool | None = None,
     config: dict[str, Any] | None = None,
     specs: Spec | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a tiny `arch` model directory at `path` (config.json from tests/data/configs
-    unless `config` is given; weights as `specs` says, else as the config's) and return
-    `path`."""
+    unless `config` is given; weights as `specs` says, else as the config's, stored in
+    `dtype`: float32, float16 or bfloat16) and return `path`."""
     config = dict(config or tiny_config(arch))
     if tie_word_embeddings is not None:
         config["tie_word_embeddings"] = tie_word_embeddings
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(
-        random_weights(config, seed, specs), str(path / "model.safetensors"), {"format": "pt"}
-    )
+    weights = random_weights(config, seed, specs)
+    if dtype == "float32":
+        save_file(weights, str(path / "model.safetensors"), {"format": "pt"})
+    else:  # numpy has no bfloat16: MLX writes both half formats
+        import mlx.core as mx
+
+        half = {k: mx.array(v).astype(getattr(mx, dtype)) for k, v in weights.items()}
+        mx.save_safetensors(str(path / "model.safetensors"), half, {"format": "pt"})
     (path / "tokenizer.json").write_text(tokenizer_json())
     (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     return path

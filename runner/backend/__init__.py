@@ -61,6 +61,11 @@ class Backend:
     # prompts) of Llama-shaped models run their decoder layers in one native call; None:
     # never (no dispatch library, or not the CPU).
     native_step_max_tokens: int | None
+    # backend.native_step: the half-precision formats tried, in order, for exact copies of
+    # the float32 weights (a checkpoint stored in float16 or bfloat16), which the step's
+    # products of up to 128 rows and a decode step's head read instead: half the bytes for
+    # the same sums, at half again the weights' memory. Empty: float32 only.
+    native_half_formats: tuple[str, ...]
     # cache.session: suffix tokens per batched scoring forward.
     batch_tokens: int
     # cache.session: prompt tokens per prefill forward, and so the work between two checks
@@ -85,6 +90,8 @@ class Backend:
             # token 38/54 ms, 16: 68/87, 64: 178/251, 128: 364/455, 512 (a prompt chunk, its
             # products in OpenBLAS): 1590/2138; Qwen3-0.6B shape: 1: 157/199, 128: 1535/1942.
             native_step_max_tokens=512 if blas.dispatch_active() else None,
+            # SmolLM2 (float16 checkpoint) decode: XX against XX tok/s in float32.
+            native_half_formats=("float16", "bfloat16"),
             # 64 rows x 16 tokens over a 512-token prefix: 6.5 s in batches of 256 suffix
             # tokens, 5.9 s in batches of 512 (Qwen3-0.6B shape).
             batch_tokens=512,
@@ -105,6 +112,7 @@ class Backend:
             table_rope=False,  # Metal and CUDA have a fast.rope kernel
             gemv=False,
             native_step_max_tokens=None,
+            native_half_formats=(),
             batch_tokens=8192,  # GPUs want wide batches
             prefill_chunk_tokens=2048,
         )

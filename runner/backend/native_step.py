@@ -50,16 +50,30 @@ from runner.cache.batch import SharedPrefixKV
 log = logging.getLogger(__name__)
 
 _P = ctypes.POINTER(ctypes.c_float)
+# The head through its half copy for at most this many rows (a decode step is one; scoring
+# takes candidates' rows, prefill only its last position's).
+HEAD_ROWS = 40
+
+
+_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
-            "q_norm", "k_norm", "post_norm", "gate", "up", "down",
-        )
+        *(
+            (name, _P)
+            for name in (
+                "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
+                "q_norm", "k_norm", "post_norm", "gate", "up", "down",
+            )
+        ),
+        *((f"{name}_half", ctypes.c_void_p) for name in _PRODUCTS),
     ]  # fmt: skip
+
+
+# The native products' weight formats (W_F16, W_BF16 in runner/native/sgemm_dispatch.c): the
+# half-precision formats tried, in order, for exact copies of the float32 weights.
+HALF_FORMATS = {"float16": 1, "bfloat16": 2}
 
 
 class _Cache(ctypes.Structure):
@@ -94,7 +108,7 @@ class _Args(ctypes.Structure):
             (name, ctypes.c_int)
             for name in (
                 "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                "layers", "offset", "rope_dims",
+                "layers", "offset", "rope_dims", "half_format",
             )
         ),
         ("eps", ctypes.c_float),
@@ -111,16 +125,61 @@ class _Args(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _library() -> Any | None:
-    """The preloaded dispatch library's step function, or None (no dispatch, or an older one)."""
+@dataclasses.dataclass(frozen=True)
+class _Functions:
+    """The preloaded dispatch library's entry points."""
+
+    step: Any
+    scratch: Any
+    half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
+    narrow: Any
+    weight_product: Any
+
+
+def _library() -> _Functions | None:
+    """The preloaded dispatch library's functions, or None (no dispatch, or an older one)."""
     try:
         process = ctypes.CDLL(None)
         step, scratch = process.runner_decoder_step, process.runner_step_scratch_floats
+        half, narrow = process.runner_half_weights, process.runner_narrow
+        weight_product = process.runner_weight_product
     except (OSError, AttributeError):
         return None
     step.argtypes = scratch.argtypes = [ctypes.POINTER(_Args)]
     step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
-    return step, scratch
+    half.restype = ctypes.c_int
+    narrow.argtypes = [_P, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    narrow.restype = ctypes.c_int
+    weight_product.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        _P,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        _P,
+    ]
+    weight_product.restype = ctypes.c_int
+    return _Functions(step, scratch, bool(half()), narrow, weight_product)
+
+
+def _half_copies(
+    narrow: Any, weights: list[np.ndarray], formats: tuple[str, ...]
+) -> tuple[str, list[np.ndarray]] | None:
+    """Copies of every float32 weight in the first of `formats` that holds all of their
+    values exactly, with its name; None when none does. A checkpoint stored in float16 or
+    bfloat16 (most are) and computed in float32 on the CPU passes; one stored in float32
+    fails at its first inexact value."""
+    for name in formats:
+        copies = []
+        for w in weights:
+            copy = np.empty(w.shape, np.uint16)
+            if not narrow(_pointer(w), w.size, copy.ctypes.data, HALF_FORMATS[name]):
+                break
+            copies.append(copy)
+        else:
+            return name, copies
+    return None
 
 
 def _pointer(view: np.ndarray) -> Any:
@@ -160,10 +219,19 @@ def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
 class NativeStep:
     """Runs a Llama-shaped module's decoder layers for a few tokens in one native call."""
 
-    def __init__(self, module: nn.Module, kernels: Kernels, max_tokens: int, functions: Any):
+    def __init__(
+        self,
+        module: nn.Module,
+        kernels: Kernels,
+        max_tokens: int,
+        functions: _Functions,
+        half_formats: tuple[str, ...] = (),
+    ):
         """`kernels`: the family's declared mlx-lm classes (runner/backend/install.py); every
-        layer's attention and SwiGLU MLP must be of them."""
-        self._step, self._scratch = functions
+        layer's attention and SwiGLU MLP must be of them. `half_formats`: the formats tried
+        for exact half-precision copies of the weights (`_half_copies`); none: float32 only."""
+        self._step, self._scratch = functions.step, functions.scratch
+        self._weight_product = functions.weight_product
         self.max_tokens = max_tokens
         inner = module.model
         if type(inner.embed_tokens) is not nn.Embedding:
@@ -173,6 +241,7 @@ class NativeStep:
         layers = list(inner.layers)
         self._keep: list[np.ndarray] = [self._embed, self._final_norm]  # the views' lifetimes
         structs = (_Layer * len(layers))()
+        matrices: list[np.ndarray] = []  # every layer's product weights, in _PRODUCTS order
         first = layers[0].self_attn
         self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
         self.scale = float(first.scale)
@@ -222,6 +291,33 @@ class NativeStep:
                 if view is not None:
                     self._keep.append(view)
                     setattr(structs[i], name, _pointer(view))
+            matrices += [fields[name] for name in _PRODUCTS]  # type: ignore[misc]
+        # Exact half-precision copies of the products' weights and of the head, when the
+        # checkpoint's values allow: decode steps and short forwards read half the bytes.
+        self.half_format: str | None = None
+        self._head_half: np.ndarray | None = None
+        self._head_bias: np.ndarray | None = None
+        head: np.ndarray | None = self._embed
+        if "lm_head" in module:
+            try:
+                head, self._head_bias = _linear(module, "lm_head")
+            except _Unsupported:  # e.g. quantized: the layers' copies without the head's
+                head = None
+        half = None
+        if functions.half_weights and half_formats:
+            half = _half_copies(
+                functions.narrow, [*matrices, *([head] if head is not None else [])], half_formats
+            )
+        # the copies, layer by layer in _PRODUCTS order, then the head's when it has one
+        self.half_copies: list[np.ndarray] = []
+        if half is not None:
+            self.half_format, copies = half
+            self.half_copies = copies
+            if head is not None:
+                self._head_half = copies[-1]
+            for i, struct in enumerate(structs):
+                for j, name in enumerate(_PRODUCTS):
+                    setattr(struct, f"{name}_half", copies[i * len(_PRODUCTS) + j].ctypes.data)
         self.intermediate = int(fields["gate"].shape[0])  # type: ignore[union-attr]
         self.eps = eps
         self.layers = len(layers)
@@ -294,7 +390,8 @@ class NativeStep:
         args = _Args(
             batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-            layers=self.layers, offset=offset, rope_dims=self._rope.dims, eps=self.eps,
+            layers=self.layers, offset=offset, rope_dims=self._rope.dims,
+            half_format=HALF_FORMATS.get(self.half_format or "", 0), eps=self.eps,
             scale=self.scale, cos=_pointer(cos_view), sin=_pointer(sin_view),
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
@@ -310,6 +407,28 @@ class NativeStep:
             else:
                 c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
         return mx.array(x).reshape(batch, t, self.hidden)
+
+    def unembed(self, hidden: mx.array) -> mx.array | None:
+        """The head's logits of `hidden` [..., H] from its half-precision copy (the same sums
+        as MLX's product, from half the bytes), for up to `HEAD_ROWS` rows; None without a
+        copy or for more rows (MLX's product then)."""
+        if self._head_half is None or hidden.dtype != mx.float32 or hidden.shape[-1] != self.hidden:
+            return None
+        rows = hidden.size // self.hidden
+        if not 0 < rows <= HEAD_ROWS:
+            return None
+        x = np.ascontiguousarray(np.asarray(hidden), dtype=np.float32).reshape(rows, self.hidden)
+        vocab = self._head_half.shape[0]
+        out = np.empty((rows, vocab), np.float32)
+        code = self._weight_product(
+            rows, vocab, self.hidden, _pointer(x), self._head_half.ctypes.data,
+            HALF_FORMATS[self.half_format or ""], _pointer(out),
+        )  # fmt: skip
+        if code != 0:
+            return None
+        if self._head_bias is not None:
+            out += self._head_bias
+        return mx.array(out).reshape(*hidden.shape[:-1], vocab)
 
     def _room(self, cache: KVCache, positions: int) -> _Owned | None:
         """The buffers this step allocated for `cache` when it still holds them and they
@@ -383,15 +502,21 @@ class NativeStep:
         return view
 
 
-def build(module: nn.Module, kernels: Kernels, max_tokens: int | None) -> NativeStep | None:
-    """The native step for `module`, or None (not a module it serves, no library, or off)."""
+def build(
+    module: nn.Module,
+    kernels: Kernels,
+    max_tokens: int | None,
+    half_formats: tuple[str, ...] = (),
+) -> NativeStep | None:
+    """The native step for `module`, or None (not a module it serves, no library, or off);
+    `half_formats`: see `NativeStep`."""
     if not max_tokens:
         return None
     functions = _library()
     if functions is None:
         return None
     try:
-        return NativeStep(module, kernels, max_tokens, functions)
+        return NativeStep(module, kernels, max_tokens, functions, half_formats)
     except _Unsupported as e:
         log.debug("no native step: %s", e)
         return None

@@ -170,7 +170,12 @@ class DecoderModel:
         self.context_length = int(config.get("max_position_embeddings") or self.DEFAULT_CONTEXT)
         self.vocab_size = int(self._head["weight"].shape[0])
         self._native = (
-            native_step.build(module, self.KERNELS, backend.native_step_max_tokens)
+            native_step.build(
+                module,
+                self.KERNELS,
+                backend.native_step_max_tokens,
+                backend.native_half_formats,
+            )
             if self.NATIVE_STEP
             else None
         )
@@ -200,6 +205,10 @@ class DecoderModel:
         return logits
 
     def unembed(self, hidden: mx.array) -> mx.array:
+        if self._native is not None:  # the head's half-precision copy, where it has one
+            logits = self._native.unembed(hidden)
+            if logits is not None:
+                return self.postprocess(logits)
         head = self._head
         if not self._tied:
             logits = head(hidden)  # a GemvLinear where the backend asks for gemv

@@ -26,6 +26,9 @@ struct step_layer {
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
     const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
     const float *post_norm, *gate, *up, *down;
+    /* NULL, or the same weights in the step's `half_format` (exact copies: runner_narrow),
+     * which products of up to BLAS_ROWS rows read instead: half the bytes */
+    const void *q_half, *k_half, *v_half, *o_half, *gate_half, *up_half, *down_half;
 };
 
 struct step_cache {
@@ -39,6 +42,7 @@ struct step_cache {
 
 struct step_args {
     int batch, tokens, hidden, heads, kv_heads, head_dim, intermediate, layers, offset, rope_dims;
+    int half_format; /* W_F16 or W_BF16: the format of the layers' `*_half` weights */
     float eps, scale;
     const float *cos, *sin; /* [tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half) */
     const struct step_layer *layer;
@@ -101,17 +105,32 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows, the BLAS (which packs) above:
- * SmolLM2 forwards after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens
- * 209 against 178-197 ms, 128: 407 against 364. */
+/* A weight in float32 and, where the step has one, its exact half-precision copy. */
+struct weight {
+    const float *f32;
+    const void *half; /* NULL: none */
+    int format;       /* the copy's */
+};
+
+/* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half copy where there is
+ * one: the same sums from half the bytes), the BLAS (which packs) above: SmolLM2 forwards
+ * after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens 209 against
+ * 178-197 ms, 128: 407 against 364. */
 enum { BLAS_ROWS = 128 };
-static void product(int m, int n, int k, const float *a, int lda, const float *w, int ldw,
+static struct product tiles_product(int m, int n, int k, const float *a, int lda,
+                                    struct weight w, int ldw, float *c, int ldc) {
+    const int half = w.half != NULL;
+    return (struct product){m, n, k, lda, ldw, ldc, 1.0f, 0.0f, a,
+                            half ? w.half : (const void *)w.f32, c, half ? w.format : W_F32};
+}
+
+static void product(int m, int n, int k, const float *a, int lda, struct weight w, int ldw,
                     float *c, int ldc) {
     if (m > BLAS_ROWS && next_blas()) {
-        next_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, w, ldw, 0.0f, c, ldc);
+        next_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, w.f32, ldw, 0.0f, c, ldc);
         return;
     }
-    const struct product p = {m, n, k, lda, ldw, ldc, 1.0f, 0.0f, a, w, c};
+    const struct product p = tiles_product(m, n, k, a, lda, w, ldw, c, ldc);
     small_product(&p);
 }
 
@@ -127,14 +146,13 @@ static void products_share(const void *arg, int index, int count) {
 
 /* Products with the same rows of A, one job on the pool: no barrier between them. */
 static void products_of(int m, int k, const float *a, int n_products, const int *n,
-                        const float *const *w, float *const *c) {
+                        const struct weight *w, float *const *c) {
     if (m > BLAS_ROWS && next_blas()) {
         for (int i = 0; i < n_products; i++) product(m, n[i], k, a, k, w[i], k, c[i], n[i]);
         return;
     }
     struct product p[3];
-    for (int i = 0; i < n_products; i++)
-        p[i] = (struct product){m, n[i], k, k, k, n[i], 1.0f, 0.0f, a, w[i], c[i]};
+    for (int i = 0; i < n_products; i++) p[i] = tiles_product(m, n[i], k, a, k, w[i], k, c[i], n[i]);
     const struct products ps = {p, n_products};
     if ((long)m * k * n[0] < (1L << 18))
         products_share(&ps, 0, 1);
@@ -513,8 +531,9 @@ long runner_step_scratch_floats(const struct step_args *a) {
 int runner_decoder_step(const struct step_args *a) {
     const int T = a->batch * a->tokens, W = a->tokens, H = a->hidden, D = a->head_dim;
     const int I = a->intermediate;
-    const int qd = a->heads * D, kd = a->kv_heads * D;
+    const int qd = a->heads * D, kd = a->kv_heads * D, f = a->half_format;
     if (a->rope_dims > 1024 || a->rope_dims > D || a->heads % a->kv_heads || D % VL) return -1;
+    if (!HALF_WEIGHTS && a->layers && a->layer[0].q_half) return -1;
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
     float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I, *scores = up + (size_t)T * I;
@@ -524,7 +543,7 @@ int runner_decoder_step(const struct step_args *a) {
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->input_norm, a->eps, H, h + (size_t)t * H);
         {
             const int n[3] = {qd, kd, kd};
-            const float *ws[3] = {w->q, w->k, w->v};
+            const struct weight ws[3] = {{w->q, w->q_half, f}, {w->k, w->k_half, f}, {w->v, w->v_half, f}};
             float *cs[3] = {q, k, v};
             products_of(T, H, h, 3, n, ws, cs);
         }
@@ -556,13 +575,13 @@ int runner_decoder_step(const struct step_args *a) {
                     memcpy(c->append_values + to, nv + ((size_t)g * W + t) * D, sizeof(float) * D);
                 }
         attention(a, &a->cache[l], q, nk, nv, o, scores);
-        product(T, H, qd, o, qd, w->o, qd, tmp, H);
+        product(T, H, qd, o, qd, (struct weight){w->o, w->o_half, f}, qd, tmp, H);
         add_bias(tmp, w->o_bias, T, H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
         {
             const int n[2] = {I, I};
-            const float *ws[2] = {w->gate, w->up};
+            const struct weight ws[2] = {{w->gate, w->gate_half, f}, {w->up, w->up_half, f}};
             float *cs[2] = {gate, up};
             products_of(T, H, h, 2, n, ws, cs);
         }
@@ -572,9 +591,54 @@ int runner_decoder_step(const struct step_args *a) {
             store_vec(gate + i, g / (vexp(-g) + 1.0f) * load(up + i));
         }
         for (size_t i = nv8; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        product(T, H, I, gate, I, w->down, I, tmp, H);
+        product(T, H, I, gate, I, (struct weight){w->down, w->down_half, f}, I, tmp, H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     }
     for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, a->final_norm, a->eps, H, x + (size_t)t * H);
     return 0;
+}
+
+/* C[m, n] = A[m, k] W[n, k]^T with W in `format` (a head: W_F32, or an exact half copy). */
+int runner_weight_product(int m, int n, int k, const float *a, const void *w, int format,
+                          float *c) {
+    if (m < 1 || n < 1 || k < 1 || (format != W_F32 && !HALF_WEIGHTS)) return -1;
+    const struct product p = {m, n, k, k, k, n, 1.0f, 0.0f, a, w, c, format};
+    small_product(&p);
+    return 0;
+}
+
+/* dst = src in `format` (W_F16 or W_BF16) when that holds every one of the n values exactly
+ * (bit for bit back in float32): returns 1; else 0, dst undefined. */
+int runner_narrow(const float *src, long n, unsigned short *dst, int format) {
+    if (format == W_BF16) {
+        const unsigned *bits = (const unsigned *)src;
+        unsigned low = 0;
+        for (long i = 0; i < n; i++) {
+            low |= bits[i] & 0xffffu;
+            dst[i] = (unsigned short)(bits[i] >> 16);
+        }
+        return low == 0;
+    }
+#if HALF_WEIGHTS
+    if (format != W_F16) return 0;
+    long i = 0;
+    __m256i differ = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(dst + i), h);
+        differ = _mm256_or_si256(differ, _mm256_xor_si256(_mm256_castps_si256(v),
+                                                          _mm256_castps_si256(_mm256_cvtph_ps(h))));
+    }
+    int same = _mm256_testz_si256(differ, differ);
+    for (; i < n; i++) {
+        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const float back = _cvtsh_ss(dst[i]);
+        same &= memcmp(&back, src + i, 4) == 0;
+    }
+    return same;
+#else
+    (void)src; (void)n; (void)dst;
+    return 0;
+#endif
 }

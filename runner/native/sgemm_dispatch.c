@@ -52,9 +52,47 @@ static sgemm_fn next_sgemm;
 static sgemv_fn next_sgemv;
 
 /* Exported so the runner can tell that this dispatch is in the process. */
-int runner_sgemm_dispatch_version(void) { return 4; }
+int runner_sgemm_dispatch_version(void) { return 5; }
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+
+/* How a product's W is stored. The half formats hold float16 / bfloat16 copies of float32
+ * weights whose every value they represent exactly (made and checked by runner_narrow), so
+ * a product reads half the bytes and computes the same float32 sums in the same order: a
+ * checkpoint stored in half precision, which the runner computes in float32 on the CPU. */
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+#if defined(__AVX2__) && defined(__F16C__) && VBYTES == 32
+#define HALF_WEIGHTS 1
+#include <immintrin.h>
+static inline vf load_f16(const unsigned short *p) {
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vf load_bf16(const unsigned short *p) { /* a bfloat16 is a float's high half */
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+#else
+#define HALF_WEIGHTS 0
+#endif
+
+/* Element t of a row of W stored in `format`. */
+static inline float weight_at(int format, const void *w, int t) {
+    if (format == W_F32) return ((const float *)w)[t];
+    const unsigned short h = ((const unsigned short *)w)[t];
+    if (format == W_BF16) {
+        const unsigned bits = (unsigned)h << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+#if HALF_WEIGHTS
+    return _cvtsh_ss(h);
+#else
+    return 0.0f; /* not reached: runner_half_weights() is 0, so no product has this format */
+#endif
+}
+
+/* Which half formats products can read here: 1 when they can, else 0. */
+int runner_half_weights(void) { return HALF_WEIGHTS; }
 
 static inline float hsum(vf v) {
     float s = 0.0f;
@@ -66,8 +104,10 @@ static inline float hsum(vf v) {
 struct product {
     int m, n, k, lda, ldw, ldc;
     float alpha, beta;
-    const float *a, *w;
+    const float *a;
+    const void *w; /* stored in `format` */
     float *c;
+    int format;
 };
 
 static void store(const struct product *p, int i, int j, float dot) {
@@ -103,8 +143,8 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
  * registers: 8 loads per 12 FMAs); for one row (1x8) W's 8 vectors are loaded against it.
  * Measured here on hot weights, one core (peak 96 GFLOP/s): this 2x6 84 GFLOP/s, 2x6 with
  * W held 71, 3x4 84, 4x3 41 (17 registers: spilled). */
-#define TILE(NAME, RA, RW, A_HELD)                                                         \
-    static void NAME(const float *const *a, const float *const *w, int kv, float *dot) {   \
+#define TILE(NAME, RA, RW, A_HELD, WT, LOADW)                                              \
+    static void NAME(const float *const *a, const WT *const *w, int kv, float *dot) {      \
         _Static_assert((RA * RW) % 4 == 0, "sums are taken 4 at a time");                  \
         vf acc[RA * RW], zero = {0};                                                       \
         PIN(zero); /* else the zeroing is a call to memset and a trip through the stack */ \
@@ -117,13 +157,13 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
                     PIN(x[r]);                                                             \
                 }                                                                          \
                 _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) {                     \
-                    vf y = load(w[b] + t);                                                 \
+                    vf y = LOADW(w[b] + t);                                                \
                     PIN(y);                                                                \
                     _Pragma("GCC unroll 8") for (int r = 0; r < RA; r++) acc[r * RW + b] += x[r] * y; \
                 }                                                                          \
             } else {                                                                       \
                 vf y[RW];                                                                  \
-                _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) y[b] = load(w[b] + t); \
+                _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) y[b] = LOADW(w[b] + t); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < RA; r++) {                     \
                     const vf x = load(a[r] + t);                                           \
                     _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) acc[r * RW + b] += x * y[b]; \
@@ -133,8 +173,31 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
         for (int q = 0; q < RA * RW; q += 4)                                               \
             sum4(dot + q, acc[q], acc[q + 1], acc[q + 2], acc[q + 3]);                     \
     }
-TILE(tile_2x6, 2, 6, 1)
-TILE(tile_1x8, 1, 8, 0)
+TILE(tile_2x6, 2, 6, 1, float, load)
+TILE(tile_1x8, 1, 8, 0, float, load)
+#if HALF_WEIGHTS
+TILE(tile_2x6_f16, 2, 6, 1, unsigned short, load_f16)
+TILE(tile_1x8_f16, 1, 8, 0, unsigned short, load_f16)
+TILE(tile_2x6_bf16, 2, 6, 1, unsigned short, load_bf16)
+TILE(tile_1x8_bf16, 1, 8, 0, unsigned short, load_bf16)
+#endif
+
+/* The tile for W's format: 1x8 for one row of A, else 2x6. */
+static void tile(int format, int one, const float *const *a, const void *const *w, int kv,
+                 float *dot) {
+#if HALF_WEIGHTS
+    typedef const unsigned short *const *halves;
+    if (format == W_F16) {
+        (one ? tile_1x8_f16 : tile_2x6_f16)(a, (halves)w, kv, dot);
+        return;
+    }
+    if (format == W_BF16) {
+        (one ? tile_1x8_bf16 : tile_2x6_bf16)(a, (halves)w, kv, dot);
+        return;
+    }
+#endif
+    (one ? tile_1x8 : tile_2x6)(a, (const float *const *)w, kv, dot);
+}
 
 /* Columns [j0, j1) of C: RW rows of W at a time (streamed from memory once, the next block
  * fetched while this one is computed from the cache), each against every row of A (from the
@@ -143,31 +206,30 @@ enum { PREFETCH_BLOCKS = 2 }; /* how far ahead the next weights are fetched, in 
 static void columns(const struct product *p, int j0, int j1) {
     const int one = p->m == 1, RA = one ? 1 : 2, RW = one ? 8 : 6;
     const int k = p->k, kv = k - k % VL, groups = (p->m + RA - 1) / RA;
+    const size_t size = p->format == W_F32 ? 4 : 2, row_bytes = (size_t)p->ldw * size;
+    const char *base = p->w;
     for (int j = j0; j < j1; j += RW) {
         const int nj = j1 - j < RW ? j1 - j : RW;
-        const float *w[8];
-        for (int jj = 0; jj < RW; jj++) w[jj] = p->w + (size_t)(j + (jj < nj ? jj : 0)) * p->ldw;
+        const void *w[8];
+        for (int jj = 0; jj < RW; jj++) w[jj] = base + (size_t)(j + (jj < nj ? jj : 0)) * row_bytes;
         for (int i = 0, g = 0; i < p->m; i += RA, g++) {
             const int ni = p->m - i < RA ? p->m - i : RA;
-            const int t0 = (int)((long)k * g / groups), t1 = (int)((long)k * (g + 1) / groups);
+            const size_t t0 = (size_t)k * g / groups * size, t1 = (size_t)k * (g + 1) / groups * size;
             for (int jj = 0; jj < RW; jj++) {
                 const int row = j + PREFETCH_BLOCKS * RW + jj;
                 if (row >= j1) break;
-                const float *next = p->w + (size_t)row * p->ldw;
-                for (int t = t0; t < t1; t += 16) __builtin_prefetch(next + t, 0, 3);
+                const char *next = base + (size_t)row * row_bytes;
+                for (size_t t = t0; t < t1; t += 64) __builtin_prefetch(next + t, 0, 3);
             }
             const float *a[2];
             for (int ii = 0; ii < RA; ii++)
                 a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
             float dot[12];
-            if (one)
-                tile_1x8(a, w, kv, dot);
-            else
-                tile_2x6(a, w, kv, dot);
+            tile(p->format, one, a, w, kv, dot);
             for (int ii = 0; ii < ni; ii++)
                 for (int jj = 0; jj < nj; jj++) {
                     float d = dot[ii * RW + jj];
-                    for (int t = kv; t < k; t++) d += a[ii][t] * w[jj][t];
+                    for (int t = kv; t < k; t++) d += a[ii][t] * weight_at(p->format, w[jj], t);
                     store(p, i + ii, j + jj, d);
                 }
         }
@@ -303,7 +365,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     }
     if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && m <= SMALL_ROWS && m > 0 &&
         n > 0 && k > 0) {
-        const struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
+        const struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, W_F32};
         small_product(&p);
         return;
     }
