@@ -366,7 +366,7 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
                     const float *w6[6];
                     for (int b = 0; b < 6; b++) w6[b] = keys + (size_t)(c0 + (i + b < nc ? i + b : nc - 1)) * D;
                     float dot[12];
-                    tile_2x6(a2, w6, D, dot);
+                    tile_2x6(a2, w6, D, dot, NULL, 0);
                     for (int rr = 0; rr < 2 && r + rr < n; rr++)
                         for (int b = 0; b < 6 && i + b < nc; b++) srow[r + rr][i + b] = dot[rr * 6 + b];
                 }
