@@ -324,6 +324,7 @@ class NativeStep:
         self._structs = structs
         # single-row caches -> the buffers this step allocated for them (`_grow`)
         self._owned: weakref.WeakKeyDictionary[KVCache, _Owned] = weakref.WeakKeyDictionary()
+        self._buffers: dict[str, np.ndarray] = {}  # `_workspace`
         if self.heads % self.kv_heads or rope.dims > min(self.head_dim, 1024):
             raise _Unsupported("head layout")
 
@@ -386,7 +387,9 @@ class NativeStep:
         cos, sin = self._rope.table(offset, t)
         cos_view, sin_view = np.asarray(cos), np.asarray(sin)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
-        new_keys, new_values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        size = int(np.prod(shape))
+        new_keys = self._workspace("keys", size).reshape(shape)
+        new_values = self._workspace("values", size).reshape(shape)
         args = _Args(
             batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
@@ -396,8 +399,7 @@ class NativeStep:
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
         )  # fmt: skip
-        scratch = np.empty(self._scratch(ctypes.byref(args)), np.float32)
-        args.scratch = _pointer(scratch)
+        args.scratch = _pointer(self._workspace("scratch", self._scratch(ctypes.byref(args))))
         if self._step(ctypes.byref(args)) != 0:
             return None
         del keep
@@ -429,6 +431,16 @@ class NativeStep:
         if self._head_bias is not None:
             out += self._head_bias
         return mx.array(out).reshape(*hidden.shape[:-1], vocab)
+
+    def _workspace(self, name: str, floats: int) -> np.ndarray:
+        """`floats` floats of the step's buffer `name`, kept between calls (grown when too
+        small): a decode step's ~1 MB of scratch allocated afresh was mapped and zeroed by
+        the kernel at every call (~3% of a SmolLM2 step). Its contents last until the next
+        call: MLX copies what it takes from them (`mx.array`)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.size < floats:
+            buffer = self._buffers[name] = np.empty(floats, np.float32)
+        return buffer[:floats]
 
     def _room(self, cache: KVCache, positions: int) -> _Owned | None:
         """The buffers this step allocated for `cache` when it still holds them and they
