@@ -10,6 +10,7 @@ within float32 rounding, and the step must actually have run (counted).
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -366,6 +367,24 @@ def test_half_copies_compute_what_float32_weights_compute_bit_for_bit(arch, dtyp
     assert not np.array_equal(hidden(), before)
     head[...] = 0
     assert not forward(half, half.make_caches(), prompt[:5]).any()
+
+
+def test_no_half_copies_where_memory_is_short(tmp_path, monkeypatch):
+    """The copies add half again the weights' size: not made when that is more than half of
+    the memory still available (the float32 step runs instead)."""
+    from runner.backend import native_step
+
+    backend = Backend.cpu().replace(native_step_max_tokens=8)
+    monkeypatch.setattr(native_step, "available_memory", lambda: 10_000)  # bytes
+    short = load_tiny_model("Qwen3ForCausalLM", tmp_path / "a", backend=backend, dtype="float16")
+    assert short._native is not None and short._native.half_format is None
+    assert short._native.half_copies == []
+    monkeypatch.setattr(native_step, "available_memory", lambda: 1 << 40)
+    ample = load_tiny_model("Qwen3ForCausalLM", tmp_path / "b", backend=backend, dtype="float16")
+    assert ample._native.half_format == "float16"
+    monkeypatch.undo()
+    room = native_step.available_memory()  # Linux's MemAvailable; None elsewhere
+    assert room > 0 if sys.platform == "linux" else room is None
 
 
 def test_half_copies_only_where_every_value_is_exact():

@@ -11,7 +11,9 @@ measured (docs/DESIGN.md §4 has the figures), and the runner computes them anot
 - causal attention in query blocks that skip the keys the mask hides (`backend.attention`);
 - one-row products (decode) through a gemv: the runner's sgemm dispatch under MLX
   (runner/blas.py) where it could be built, else numpy's gemv (`backend.gemv`);
-- narrower batches of scoring rows (wide ones fall out of the CPU's caches).
+- narrower batches of scoring rows (wide ones fall out of the CPU's caches);
+- short forwards of Llama-shaped models in one native call (`backend.native_step`), reading
+  exact half-precision copies of a half-precision checkpoint's weights.
 
 A `Backend` is a frozen value: the policy for one backend, with every threshold. The runner
 builds one at load (`Backend.for_device`) and installs the kernels it asks for on the model

@@ -11,6 +11,15 @@ It also runs rows batched over one shared prefix (runner/cache/batch.py): every 
 tokens attend to the prefix's cached keys and to their own, as the runner's batched
 attention computes them.
 
+Half-precision copies: a checkpoint stored in float16 or bfloat16 (most are) is computed in
+float32 on the CPU, so its float32 weights hold values that two bytes hold exactly. The step
+keeps copies of its products' weights and of the head in that format when every value
+survives the narrowing bit for bit (`runner_narrow` checks), and products of up to 128 rows
+(and a decode step's head, `unembed`) read them, widening to float32 in registers: the same
+sums in the same order from half the bytes, where a decode step is bound by streaming the
+weights. They cost half again the weights' memory, so they are not made when that would be
+more than half of the memory available.
+
 It serves Llama and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`, `Qwen3ForCausalLM`):
 RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
 from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
@@ -27,7 +36,8 @@ Invariants:
   prefix trie see the same caches on both paths.
 - Numbers: float32 throughout, the same operations as MLX's path in another summation
   order; tests/test_native_step.py compares the two, and every golden test of the two
-  families runs through it.
+  families runs through it. Half copies change no number: with and without them the step's
+  results are equal bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -161,6 +171,24 @@ def _library() -> _Functions | None:
     ]
     weight_product.restype = ctypes.c_int
     return _Functions(step, scratch, bool(half()), narrow, weight_product)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system could still give this process (Linux's MemAvailable), or
+    None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# Half copies are made only while they take at most this share of the available memory: they
+# add half again the weights' size, which must not be what pushes a large model out of memory.
+HALF_COPIES_MEMORY_SHARE = 0.5
 
 
 def _half_copies(
@@ -304,15 +332,27 @@ class NativeStep:
             except _Unsupported:  # e.g. quantized: the layers' copies without the head's
                 head = None
         half = None
-        if functions.half_weights and half_formats:
-            half = _half_copies(
-                functions.narrow, [*matrices, *([head] if head is not None else [])], half_formats
-            )
+        weights = [*matrices, *([head] if head is not None else [])]
+        copies_bytes = sum(w.size for w in weights) * 2
+        room = available_memory()
+        if not (functions.half_weights and half_formats):
+            pass
+        elif room is not None and copies_bytes > room * HALF_COPIES_MEMORY_SHARE:
+            log.info(
+                "no half-precision copies of the weights: %d MB would be more than half of "
+                "the %d MB available", copies_bytes >> 20, room >> 20,
+            )  # fmt: skip
+        else:
+            half = _half_copies(functions.narrow, weights, half_formats)
         # the copies, layer by layer in _PRODUCTS order, then the head's when it has one
         self.half_copies: list[np.ndarray] = []
         if half is not None:
             self.half_format, copies = half
             self.half_copies = copies
+            log.info(
+                "short forwards read %s copies of the weights (%d MB more memory)",
+                self.half_format, copies_bytes >> 20,
+            )  # fmt: skip
             if head is not None:
                 self._head_half = copies[-1]
             for i, struct in enumerate(structs):
