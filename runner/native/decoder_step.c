@@ -12,6 +12,10 @@
  *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
  *   then the final rms_norm.
  *
+ * Weights: float32, and where the caller made them, exact half-precision copies
+ * (`*_half`, runner_narrow) that the products of up to BLAS_ROWS rows read instead: the same
+ * sums from half the bytes.
+ *
  * The step's keys and values are returned in `new_keys` / `new_values`, and also written
  * into the cache where the caller says (`append_keys`: a buffer only the caller holds,
  * runner/backend/native_step.py); cached positions are only read.
