@@ -25,6 +25,20 @@ pytestmark = pytest.mark.skipif(
     not blas.dispatch_active(), reason="needs the runner's dispatch library preloaded"
 )
 
+
+def half_weights() -> bool:
+    """Whether the dispatch's products read half-precision weights on this CPU (AVX2 + F16C:
+    every x86-64 machine this project runs on; elsewhere the step keeps float32 only)."""
+    from runner.backend import native_step
+
+    functions = native_step._library()
+    return functions is not None and functions.half_weights
+
+
+needs_half = pytest.mark.skipif(
+    blas.dispatch_active() and not half_weights(), reason="no AVX2 + F16C on this CPU"
+)
+
 ARCHES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
 # (family, checkpoint dtype): half-precision checkpoints get the step's exact half copies
 # (Llama's untied head in bfloat16, Qwen3's tied one in float16)
@@ -71,7 +85,8 @@ def pair(request, tmp_path):
         dtype=dtype,
     )
     assert native._native is not None and plain._native is None
-    assert native._native.half_format == (None if dtype == "float32" else dtype)
+    half = dtype != "float32" and half_weights()
+    assert native._native.half_format == (dtype if half else None)
     native._native = Counting(native._native)
     return native, plain
 
@@ -325,6 +340,7 @@ def test_batched_rows_equal_each_row_alone(pair):
         np.testing.assert_allclose(hidden[i, : len(suffix)], row[0], atol=1e-4, rtol=1e-4)
 
 
+@needs_half
 @pytest.mark.parametrize("arch, dtype", CHECKPOINTS[2:])
 def test_half_copies_compute_what_float32_weights_compute_bit_for_bit(arch, dtype, tmp_path):
     """A half-precision checkpoint's weights read from their exact half copies (half the
@@ -369,6 +385,7 @@ def test_half_copies_compute_what_float32_weights_compute_bit_for_bit(arch, dtyp
     assert not forward(half, half.make_caches(), prompt[:5]).any()
 
 
+@needs_half
 def test_no_half_copies_where_memory_is_short(tmp_path, monkeypatch):
     """The copies add half again the weights' size: not made when that is more than half of
     the memory still available (the float32 step runs instead)."""
@@ -387,13 +404,14 @@ def test_no_half_copies_where_memory_is_short(tmp_path, monkeypatch):
     assert room > 0 if sys.platform == "linux" else room is None
 
 
+@needs_half
 def test_half_copies_only_where_every_value_is_exact():
     """runner_narrow: a copy in a half format only when it holds every value bit for bit (in
     the vector body and in the tail); the products read both formats as float32 weights."""
     from runner.backend import native_step
 
     functions = native_step._library()
-    assert functions is not None and functions.half_weights  # AVX2 + F16C, as here
+    assert functions is not None
 
     def narrow(values: list[float], fmt: str) -> bool:
         src = np.array(values, np.float32)
