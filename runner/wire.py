@@ -25,7 +25,7 @@ import codecs
 import decimal
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -162,6 +162,31 @@ _ESCAPE = re.compile(
 )
 
 
+# Bytes one search of `_SCAN` may cover: the GIL is held through a search, and a 45 MB run
+# of numbers without a bracket or a string was one search (~1 s: /v1/status waited).
+SCAN_WINDOW = 1 << 20
+
+
+def _tokens(body: bytes, start: int, window: int = SCAN_WINDOW) -> Iterator[tuple[int, int]]:
+    """The spans of `_SCAN.finditer(body, start)`, found by searches of at most `window`
+    bytes (a string that starts in one and ends past it is matched whole, unbounded)."""
+    pos, n = start, len(body)
+    while pos < n:
+        stop = min(pos + window, n)
+        found = _SCAN.search(body, pos, stop)
+        quote = body.find(b'"', pos, found.start() if found else stop)
+        if quote >= 0:  # a string from here did not end in the window: try it unbounded
+            found = _SCAN.match(body, quote)
+            if found is None:  # never ends: finditer goes on from the next byte
+                pos = quote + 1
+                continue
+        elif found is None:
+            pos = stop
+            continue
+        yield found.start(), found.end()
+        pos = found.end()
+
+
 def _keep_or_replace(match: re.Match[str]) -> str:
     escape = match.group(1)
     if len(escape) == 5 and escape[0] == "u":  # a surrogate escape standing alone
@@ -172,6 +197,22 @@ def _keep_or_replace(match: re.Match[str]) -> str:
 def go_document(body: bytes, kind_name: str) -> Any:
     """The first JSON value of `body`, as Go's json.Decoder reads it (see the module
     docstring); raises DecodeError with a Go-like message."""
+    text = _first_value(body, kind_name)
+    return None if text is None else _full(text)
+
+
+def _full(text: bytes) -> Any:
+    """Every value of the document `text` decoded (numbers as Decimal)."""
+    try:
+        return _DOCUMENT.decode(text)
+    except msgspec.DecodeError as e:
+        raise DecodeError(str(e)) from None
+
+
+def _first_value(body: bytes, kind_name: str) -> bytes | None:
+    """The text of `body`'s first JSON value as Go's json.Decoder reads it (invalid UTF-8
+    and lone surrogate escapes replaced), an object or an array; None for `null`. Raises
+    DecodeError with a Go-like message for anything else."""
     start = len(body) - len(body.lstrip(b" \t\n\r"))  # JSON's whitespace, as Go's
     if start == len(body):
         raise DecodeError("EOF")
@@ -185,8 +226,8 @@ def go_document(body: bytes, kind_name: str) -> Any:
             _syntax(body[start:])
         raise DecodeError(f"json: cannot unmarshal {what} into Go value of type {kind_name}")
     depth, end = 0, None
-    for token in _SCAN.finditer(body, start):
-        bracket = token.group()
+    for at, token_end in _tokens(body, start):
+        bracket = body[at : at + 1]
         if bracket in (b"{", b"["):
             depth += 1
             if depth > MAX_DEPTH:
@@ -194,7 +235,7 @@ def go_document(body: bytes, kind_name: str) -> Any:
         elif bracket in (b"}", b"]"):
             depth -= 1
             if depth == 0:
-                end = token.end()
+                end = token_end
                 break
     if end is None:  # no end: a syntax error before it, or a body cut short
         _syntax(body[start:])
@@ -202,13 +243,48 @@ def go_document(body: bytes, kind_name: str) -> Any:
     text = body[start:end].decode("utf-8", "runner-go-replace")
     if "\\u" in text:
         text = _ESCAPE.sub(_keep_or_replace, text)
-    try:
-        return _DOCUMENT.decode(text.encode())
-    except msgspec.DecodeError as e:
-        raise DecodeError(str(e)) from None
+    return text.encode()
 
 
 _DOCUMENT = msgspec.json.Decoder(float_hook=decimal.Decimal)
+_MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ELEMENTS = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class _Irregular(Exception):
+    """A value `_known` does not follow (not the shape its place wants): the document is
+    decoded whole instead, so that the error or the result is the full decode's."""
+
+
+def _known(raw: Any, info: msgspec.inspect.Type, key: Callable[[str], str]) -> Any:
+    """What `_normalise_keys(_full(raw), key)` gives, less the members no field of `info`
+    takes: those values are only checked for syntax (as msgspec skips them), never built.
+    A 45 MB array under an unknown key took 7-8 s to build as Python objects with the GIL
+    held, during which the event loop could not answer /v1/status; skipped, ~0.1 s."""
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    head = bytes(memoryview(raw)[:1])
+    if isinstance(info, msgspec.inspect.StructType):
+        if head != b"{":
+            raise _Irregular
+        fields = {f.encode_name: f.type for f in info.fields}
+        out = {}
+        for name, value in _MEMBERS.decode(raw).items():
+            folded = key(name)
+            if folded in fields and not _is_null(value):  # null: the zero value, as Go
+                out[folded] = _known(value, fields[folded], key)
+        return out
+    if isinstance(info, msgspec.inspect.ListType):
+        if head != b"[":
+            raise _Irregular
+        return [
+            ZERO if _is_null(v) else _known(v, info.item_type, key) for v in _ELEMENTS.decode(raw)
+        ]
+    return _normalise_keys(_DOCUMENT.decode(raw), key)  # a scalar place, or any other type
+
+
+def _is_null(raw: msgspec.Raw) -> bool:
+    return len(raw) == 4 and bytes(raw) == b"null"
 
 
 def _syntax(text: bytes) -> None:
@@ -223,12 +299,20 @@ def _syntax(text: bytes) -> None:
 
 def _decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
     """Go's json.Decoder into a zero-valued struct: keys matched through `key`."""
-    document = go_document(body, kind.__name__)
-    if document is None:  # Go decodes `null` into a struct as a no-op
+    text = _first_value(body, kind.__name__)
+    if text is None:  # Go decodes `null` into a struct as a no-op
         return kind()
-    if not isinstance(document, dict):
-        raise DecodeError(f"json: cannot unmarshal array into Go value of type {kind.__name__}")
-    filled = _zero_fill(_normalise_keys(document, key), _type_info(kind))
+    info = _type_info(kind)
+    try:  # only the fields `kind` has (unknown members' values are only syntax-checked)
+        normalised = _known(text, info, key)
+    except (_Irregular, msgspec.DecodeError, msgspec.ValidationError):
+        document = _full(text)  # the whole document: its own error, or the same result
+        if not isinstance(document, dict):
+            raise DecodeError(
+                f"json: cannot unmarshal array into Go value of type {kind.__name__}"
+            ) from None
+        normalised = _normalise_keys(document, key)
+    filled = _zero_fill(normalised, info)
     try:
         return msgspec.convert(filled, kind, strict=True)
     except (msgspec.ValidationError, ValueError) as e:  # ValueError: bad base64 (MediaItem)
