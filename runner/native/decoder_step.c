@@ -281,8 +281,6 @@ struct attention_job {
     atomic_int next;            /* the next item to take */
 };
 
-static int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
-
 /* How many ranges the cached positions are split into: enough items for the pool, each
  * range at least MIN_SPLIT_KEYS keys. */
 static int attention_splits(const struct step_args *a, int prefix_blocks) {

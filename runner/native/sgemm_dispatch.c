@@ -74,7 +74,7 @@ static inline vf load_bf16(const unsigned short *p) { /* a bfloat16 is a float's
 #define HALF_WEIGHTS 0
 #endif
 
-static inline int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
+static int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
 
 /* Element t of a row of W stored in `format`. */
 static inline float weight_at(int format, const void *w, int t) {
@@ -226,7 +226,7 @@ static void columns(const struct product *p, int j0, int j1) {
     const size_t size = p->format == W_F32 ? 4 : 2, row_bytes = (size_t)p->ldw * size;
     const char *base = p->w;
     const int spread = one && p->ldw == k && kv >= VL;
-    const int spread_lines = spread ? ceil_div_int((int)((RW * row_bytes + 63) / 64), kv / VL) : 0;
+    const int spread_lines = spread ? ceil_div((long)((RW * row_bytes + 63) / 64), kv / VL) : 0;
     for (int j = j0; j < j1; j += RW) {
         const int nj = j1 - j < RW ? j1 - j : RW;
         const void *w[8];
