@@ -34,7 +34,7 @@ from .media.prepare import Placed, PreparedPrompt, prepare_prompt, split_prompt
 from .media.request import RequestMedia
 from .models import CandidateUnembedder, ImageModel, Model
 from .tokenizer import Tokenizer
-from .wire import ScoreRequest
+from .wire import ScoreRequest, ScoreRow
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +77,12 @@ def prepare_rows(
     if request.media:
         prompts = _image_prompts(request, tokenizer, model)
     else:
-        prompts = _text_prompts(request, tokenizer)
+        prompts = _text_prompts(request, tokenizer, max_tokens)
     rows: list[Row] = []
     for i, (row, (prompt, tail, joined)) in enumerate(zip(request.rows, prompts, strict=True)):
-        tokens = prompt.tokens
-        if not 1 <= len(tokens) <= max_tokens:
-            raise BadRequest(
-                f"prompt {i} has {len(tokens)} tokens; expected 1–{max_tokens} "
-                "(input is never truncated)"
-            )
-        if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
-            raise BadRequest(f"prompt {i} requires 1–{MAX_CANDIDATES} candidates")
+        refused = _row_refusal(i, row, len(prompt.tokens), max_tokens)
+        if refused is not None:
+            raise BadRequest(refused)
         candidates: list[int] = []
         for candidate, ids in zip(row.candidates, joined(), strict=True):
             if tokenizer.is_special(candidate) or len(ids) != len(tail) + 1 or ids[:-1] != tail:
@@ -108,20 +103,47 @@ def prepare_rows(
 Prompts = Iterator[tuple[PreparedPrompt, list[int], Callable[[], list[list[int]]]]]
 
 
-def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer) -> Prompts:
-    """Every prompt and prompt + candidate tokenized in one parallel batch (a row with too
-    many candidates fails before any of them is read: they are not tokenized)."""
-    texts = []
-    for row in request.rows:
-        texts.append(row.prompt)
-        if len(row.candidates) <= MAX_CANDIDATES:
-            texts += [row.prompt + c for c in row.candidates]
-    encoded = iter(tokenizer.encode_batch(texts))
-    for row in request.rows:
-        tokens = next(encoded)
-        many = len(row.candidates) > MAX_CANDIDATES
-        joined = [] if many else [next(encoded) for _ in row.candidates]
-        yield PreparedPrompt(tokens), tokens, functools.partial(list, joined)
+def _row_refusal(i: int, row: ScoreRow, tokens: int, max_tokens: int) -> str | None:
+    """Go's checks of row `i` before its candidates are read: its prompt's length, then how
+    many candidates it has."""
+    if not 1 <= tokens <= max_tokens:
+        return f"prompt {i} has {tokens} tokens; expected 1–{max_tokens} (input is never truncated)"
+    if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
+        return f"prompt {i} requires 1–{MAX_CANDIDATES} candidates"
+    return None
+
+
+# A prompt of more characters than this many a token of `max_tokens` is tokenized before its
+# candidates are: it may well be refused for its length, and then they are never read.
+LONG_PROMPT_CHARS_PER_TOKEN = 8
+
+
+def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer, max_tokens: int) -> Prompts:
+    """Every prompt and prompt + candidate tokenized in one parallel batch, except the
+    candidates of long prompts (`LONG_PROMPT_CHARS_PER_TOKEN`): those are tokenized in a
+    second batch, and only for rows before the first that `_row_refusal` refuses (the checks
+    stop there). A million-token prompt is tokenized once, not once more per candidate (~1 s
+    of a core each, and its ids built and freed with the GIL held)."""
+    long = LONG_PROMPT_CHARS_PER_TOKEN * max_tokens
+    later = [len(row.prompt) > long or len(row.candidates) > MAX_CANDIDATES for row in request.rows]
+    texts = [row.prompt for row in request.rows]
+    for row, wait in zip(request.rows, later, strict=True):
+        texts += [] if wait else [row.prompt + c for c in row.candidates]
+    encoded = tokenizer.encode_batch(texts)
+    prompts, joined = encoded[: len(request.rows)], iter(encoded[len(request.rows) :])
+    read = len(request.rows)  # rows whose candidates the checks reach
+    for i, (row, tokens) in enumerate(zip(request.rows, prompts, strict=True)):
+        if _row_refusal(i, row, len(tokens), max_tokens) is not None:
+            read = i
+            break
+    waited = [row for row, wait in zip(request.rows[:read], later, strict=False) if wait]
+    second = iter(
+        tokenizer.encode_batch([row.prompt + c for row in waited for c in row.candidates])
+    )
+    for i, (row, tokens, wait) in enumerate(zip(request.rows, prompts, later, strict=True)):
+        source = None if wait and i >= read else second if wait else joined
+        mine = [] if source is None else [next(source) for _ in row.candidates]
+        yield PreparedPrompt(tokens), tokens, functools.partial(list, mine)
 
 
 def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:

@@ -151,40 +151,63 @@ def _replace_byte(error: UnicodeError) -> tuple[str, int]:
 
 codecs.register_error("runner-go-replace", _replace_byte)
 
-# A string literal, or one bracket outside strings.
-# Strings as one token (unrolled: runs of plain characters in one step, so a long string is
-# scanned at C speed, ~1 ms a MB, instead of one alternation per character, ~200 ms a MB with
-# the GIL held), and brackets.
-_SCAN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 # In a string: an escaped surrogate pair (kept), a lone surrogate (replaced), or any escape.
 _ESCAPE = re.compile(
     r"\\(u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[dD][89a-fA-F][0-9a-fA-F]{2}|.)"
 )
 
-
-# Bytes one search of `_SCAN` may cover: the GIL is held through a search, and a 45 MB run
-# of numbers without a bracket or a string was one search (~1 s: /v1/status waited).
+# Bytes one regex call may cover: the GIL is held through a call, and a 45 MB run of numbers
+# was one search (~1 s: /v1/status waited), a 3 MB string one match (111 ms).
 SCAN_WINDOW = 1 << 20
+
+# Where a token may start: a string's opening quote, or a bracket. A plain search, ~10 ms a
+# MB; a search for whole tokens tried the string pattern at every byte (33-96 ms a MB).
+_TOKEN_START = re.compile(rb'[\[\]{}"]')
+# A string's plain characters and whole escapes (unrolled: runs of plain characters in one
+# step, ~10 ms a MB; one alternation per character took ~200 ms), stopping before its
+# closing quote, at a backslash whose escaped byte is past the call's end, or at that end.
+# It cannot fail, so it never backtracks over a long string as `"..."` does when the closing
+# quote is missing.
+_STRING_PART = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
 
 
 def _tokens(body: bytes, start: int, window: int = SCAN_WINDOW) -> Iterator[tuple[int, int]]:
-    """The spans of `_SCAN.finditer(body, start)`, found by searches of at most `window`
-    bytes (a string that starts in one and ends past it is matched whole, unbounded)."""
+    """The spans that `finditer` of the per-character pattern `"(?:[^"\\]|\\.)*"|[][{}]`
+    (DOTALL) finds from `start`: string literals, and brackets outside them; a quote that
+    never closes is passed over as finditer passes it. No regex call covers more than
+    `window` bytes, so a long run lets the GIL go between calls."""
     pos, n = start, len(body)
     while pos < n:
         stop = min(pos + window, n)
-        found = _SCAN.search(body, pos, stop)
-        quote = body.find(b'"', pos, found.start() if found else stop)
-        if quote >= 0:  # a string from here did not end in the window: try it unbounded
-            found = _SCAN.match(body, quote)
-            if found is None:  # never ends: finditer goes on from the next byte
-                pos = quote + 1
-                continue
-        elif found is None:
+        found = _TOKEN_START.search(body, pos, stop)
+        if found is None:
             pos = stop
             continue
-        yield found.start(), found.end()
-        pos = found.end()
+        at = found.start()
+        if body[at] != 0x22:  # a bracket
+            yield at, at + 1
+            pos = at + 1
+            continue
+        end = _string_end(body, at, window)
+        if end is None:  # never closes: finditer goes on from the next byte
+            pos = at + 1
+            continue
+        yield at, end
+        pos = end
+
+
+def _string_end(body: bytes, quote: int, window: int) -> int | None:
+    """Where the string literal opening at `body[quote]` ends (None: it never does)."""
+    pos, n = quote + 1, len(body)
+    while pos < n:
+        pos = _STRING_PART.match(body, pos, min(pos + window, n)).end()  # type: ignore[union-attr]
+        if pos >= n:
+            break
+        if body[pos] == 0x22:  # '"'
+            return pos + 1
+        if body[pos] == 0x5C:  # a backslash the window cut from the byte it escapes
+            pos += 2
+    return None
 
 
 def _keep_or_replace(match: re.Match[str]) -> str:

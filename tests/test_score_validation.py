@@ -188,6 +188,70 @@ async def test_rules_apply_in_order(client, llama_runner):
     await expect_400(client, body, "prompt 0 requires 1–26 candidates")
 
 
+async def test_a_candidate_before_an_overlong_prompt_is_still_checked_first(client, llama_runner):
+    long_prompt = "Is the sky blue? " * 20
+    k = len(llama_runner.tokenizer.encode(long_prompt))
+    body = {
+        "rows": [
+            {"prompt": "Is the sky blue?", "candidates": [" Yes", " zqxv jkwp"]},
+            {"prompt": long_prompt, "candidates": [" Yes"]},
+        ],
+        "max_tokens": k - 1,
+    }
+    await expect_400(
+        client, body, 'candidate " zqxv jkwp" must append exactly one ordinary token to prompt 0'
+    )
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting the texts it is asked to encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts = tokenizer, []
+
+    def encode_batch(self, texts):
+        self.texts += texts
+        return self.tokenizer.encode_batch(texts)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
+    llama_runner, monkeypatch
+):
+    """A prompt of more than LONG_PROMPT_CHARS_PER_TOKEN characters a token of max_tokens is
+    tokenized before its candidates, which are never tokenized when a row up to it is refused:
+    a prompt of a million tokens is tokenized once, not once more per candidate. Whichever
+    batch a row's candidates go in, the rows are the same."""
+    from runner import score
+    from runner.errors import BadRequest
+
+    long_prompt = "Is the sky blue? " * 60
+    k = len(llama_runner.tokenizer.encode(long_prompt))
+    rows = [
+        ScoreRow("Is it", [" Yes", " No"]),
+        ScoreRow(long_prompt, [" Yes", " No", " A"]),
+        ScoreRow("Is that", [" Yes"]),
+    ]
+    counting = _CountingTokenizer(llama_runner.tokenizer)
+    with pytest.raises(BadRequest, match=f"prompt 1 has {k} tokens; expected 1–16"):
+        prepare_rows(ScoreRequest(rows=rows, maxtokens=16), counting, 4096, 1 << 20)
+    short = ["Is it", "Is it Yes", "Is it No", "Is that", "Is that Yes"]
+    assert sorted(counting.texts) == sorted([*short, long_prompt])
+    # Within the limit: one batch for all; the long prompt's candidates in a second batch.
+    request = ScoreRequest(rows=rows, maxtokens=k)
+    counting.texts.clear()
+    together = prepare_rows(request, counting, 4096, 1 << 20)
+    assert len(counting.texts) == 9
+    monkeypatch.setattr(score, "LONG_PROMPT_CHARS_PER_TOKEN", 1)
+    counting.texts.clear()
+    apart = prepare_rows(request, counting, 4096, 1 << 20)
+    assert len(counting.texts) == 9
+    assert [(r.tokens, r.candidates) for r in apart] == [(r.tokens, r.candidates) for r in together]
+    assert [len(r.candidates) for r in apart] == [2, 3, 1]
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [

@@ -143,3 +143,19 @@ def test_regex_split_pretokenizer_round_trips():
     )
     ours = Tokenizer(tok.to_str())
     assert text_of(ours, ours.encode("A 12 B")) == "A 12 B"
+
+
+@pytest.mark.parametrize("spec", [byte_level_json, sentencepiece_json], ids=["bytes", "pieces"])
+def test_encode_gives_the_ids_of_the_tokenizers_own_encode(spec):
+    """The runner encodes without character offsets (`encode_batch_fast`, faster, and the
+    GIL is released): the ids are those of `tokenizers`' own `encode`, one text or many."""
+    import random
+
+    text = spec()
+    hf, ours = HFTokenizer.from_str(text), Tokenizer(text)
+    rng = random.Random(0)
+    pieces = ["Is", " the", " sky", "?", " Yes", "\n", "  ", "日本", "é", "<s>", "ab", " a", "😀"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 30))) for _ in range(300)]
+    expected = [hf.encode(t, add_special_tokens=False).ids for t in texts]
+    assert ours.encode_batch(texts) == expected
+    assert [ours.encode(t) for t in texts[:50]] == expected[:50]

@@ -119,9 +119,9 @@ def test_null_body_is_the_zero_request_as_go_decodes_it():
 
 
 def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
-    """wire._SCAN is the unrolled form of `"(?:[^"\\\\]|\\\\.)*"|[\\[\\]{}]` (one alternation per
-    character held the GIL ~200 ms on a 1 MB string); on random bodies of quotes, backslashes,
-    brackets and other bytes both find the same tokens."""
+    """wire._tokens finds the tokens of `"(?:[^"\\\\]|\\\\.)*"|[\\[\\]{}]` (one alternation per
+    character, which held the GIL ~200 ms on a 1 MB string) on random bodies of quotes,
+    backslashes, brackets and other bytes, whatever the window its regex calls cover."""
     import random
     import re
 
@@ -132,11 +132,53 @@ def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
     alphabet = [b'"', b"\\", b"[", b"]", b"{", b"}", b"a", b"\n", b"\xff", b"u"]
     for _ in range(5000):
         body = b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-        found = [m.span() for m in wire._SCAN.finditer(body)]
-        assert found == [m.span() for m in plain.finditer(body)], body
-        # searched a window at a time (so that a long run lets the GIL go between searches)
-        for window in (1, 2, 3, 7):
+        found = [m.span() for m in plain.finditer(body)]
+        for window in (1, 2, 3, 7, wire.SCAN_WINDOW):
             assert list(wire._tokens(body, 0, window)) == found, (body, window)
+
+
+class _Spans:
+    """A compiled pattern that records the span each call may cover."""
+
+    def __init__(self, pattern: Any, spans: list[int]):
+        self.pattern, self.spans = pattern, spans
+
+    def search(self, body: bytes, pos: int, endpos: int) -> Any:
+        self.spans.append(endpos - pos)
+        return self.pattern.search(body, pos, endpos)
+
+    def match(self, body: bytes, pos: int, endpos: int) -> Any:
+        self.spans.append(endpos - pos)
+        return self.pattern.match(body, pos, endpos)
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        b'"' + "\U0001f600".encode() * 300_000 + b'"',  # one long string (held the GIL 111 ms)
+        b'"' + "\U0001f600".encode() * 300_000,  # one that never closes (backtracked 96 ms)
+        b'"' + b'a\\"' * 200_000 + b'"',  # escaped quotes all along
+        b"[" + b"1.5, " * 300_000 + b"1]",  # numbers, no string or bracket inside
+    ],
+    ids=["string", "unclosed", "escapes", "numbers"],
+)
+def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, member):
+    """The scanner holds the GIL one regex call at a time: a body of megabytes is covered in
+    calls of at most SCAN_WINDOW bytes (here 64 KiB), and its tokens are still the ones the
+    per-character pattern finds."""
+    import re
+
+    from runner import wire
+
+    spans: list[int] = []
+    monkeypatch.setattr(wire, "_TOKEN_START", _Spans(wire._TOKEN_START, spans))
+    monkeypatch.setattr(wire, "_STRING_PART", _Spans(wire._STRING_PART, spans))
+    body = b'{"x":' + member + b"}"
+    window = 1 << 16
+    found = list(wire._tokens(body, 0, window))
+    assert max(spans) <= window and sum(spans) >= len(body) - 2 * window
+    plain = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+    assert found == [m.span() for m in plain.finditer(body)]
 
 
 def _decoded_whole(body: bytes, kind: type, key: Any) -> Any:
