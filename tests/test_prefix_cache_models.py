@@ -96,6 +96,31 @@ def test_batched_suffixes_equal_rows_one_by_one(
         assert got == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_rows_sharing_more_than_the_batch_prefix_store_whole_nodes(engine, loaded_models, arch):
+    """Rows of one batch that share more with each other than with every row: the second
+    row's path cuts the node the first row's suffix was just stored in. Both parts must hold
+    that row's segments (the front part once held none, and the next restore through it
+    failed with a 500: found by the fuzz)."""
+    model = loaded_models(arch).model
+    rng = random.Random(5)
+    shared = rng.choices(range(3, 300), k=40)
+    a, b, c = rng.sample(range(3, 300), 3)
+    rows = [
+        Row([*shared, a, b, c, a, b, c], [3, 7, 11]),
+        Row([*shared, a, b, b], [3, 7, 11]),  # cuts the first row's node after [a, b]
+        Row([*shared, c], [3, 7, 11]),
+    ]
+    cache = engine.call(lambda job: PrefixCache(model, name="cut", keep_hidden=True))
+    engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
+    later = [Row([*shared, a, b, a], [3, 7, 11]), Row([*shared, a, c], [3, 7, 11])]
+    for row in [*later, *rows]:
+        warm = engine.call(lambda job, r=row: Scorer(model, cache).score([r], job.check))
+        cold = engine.call(lambda job, r=row: score_uncached(model, [r], job.check))
+        assert warm.logits[0] == pytest.approx(cold.logits[0], abs=1e-4)
+    assert warm.cached_tokens == len(rows[-1].tokens)  # stored whole, restored whole
+
+
 def test_memory_held_is_the_memory_counted(engine, loaded_models):
     """Snapshots are materialised when stored: a lazy copy would keep its whole source
     buffer alive while the budget counts only the copy (the byte budget would then never

@@ -168,22 +168,31 @@ class PrefixCache:
         `hidden` [B, L, H]. Edge kinds get their segments; point kinds none (the padded
         batch ran past shorter rows' ends), so these nodes serve full hits and KV restores."""
         assert self.live.hidden is not None, "only a cache that keeps hidden rows stores batches"
-        entries: list[tuple[Node, int, Snap | None]] = []
+        # Nodes first, then their segments: a later row may cut the node an earlier row's
+        # suffix was stored in (rows sharing more with each other than with the batch), and
+        # both parts then take their span from the row that made the node.
+        made: dict[int, tuple[Node, int]] = {}  # id -> (a node made here, the row it is in)
         for i, tokens in enumerate(rows):
             path, matched = trie.match(self.root, tokens)
             if matched >= len(tokens) or matched < start:
                 continue
             node = path[-1]
             if node.end > matched:
+                cut = node
                 node = self._split(node, matched)
+                if id(cut) in made:
+                    made[id(node)] = (node, made[id(cut)][1])
             child = trie.add_child(node, tokens[matched:], self.clock())
+            made[id(child)] = (child, i)
+        entries: list[tuple[Node, int, Snap | None]] = []
+        for node, i in made.values():
             for slot, kind in enumerate(self.kinds):
                 if kind is HIDDEN:
-                    rows_i = hidden[i : i + 1, matched - start : len(tokens) - start, :]
-                    entries.append((child, slot, Snap(matched, len(tokens), (mx.array(rows_i),))))
+                    rows_i = hidden[i : i + 1, node.start - start : node.end - start, :]
+                    entries.append((node, slot, Snap(node.start, node.end, (mx.array(rows_i),))))
                 elif not kind.point:
-                    segment = kind.row_segment(batch[slot], i, matched, len(tokens))
-                    entries.append((child, slot, segment))
+                    segment = kind.row_segment(batch[slot], i, node.start, node.end)
+                    entries.append((node, slot, segment))
         self._set_all(entries)
         self.evict()
 
