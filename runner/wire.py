@@ -22,13 +22,16 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import contextlib
 import decimal
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 import msgspec
+import numpy as np
 
 T = TypeVar("T")
 MAX_DEPTH = 500
@@ -160,43 +163,38 @@ _ESCAPE = re.compile(
 # was one search (~1 s: /v1/status waited), a 3 MB string one match (111 ms).
 SCAN_WINDOW = 1 << 20
 
-# Where a token may start: a string's opening quote, or a bracket. A plain search, ~10 ms a
-# MB; a search for whole tokens tried the string pattern at every byte (33-96 ms a MB).
-_TOKEN_START = re.compile(rb'[\[\]{}"]')
+# Text up to the next bracket outside strings: runs of other bytes, and whole strings. A
+# lookahead takes a string's body at once (lookaheads do not backtrack), so a string whose
+# closing quote is missing is given up after one pass instead of backtracked over byte by
+# byte (~100 ms a MB). In C the whole way: a request's strings are not a Python step each.
+_TO_BRACKET = re.compile(rb'(?:[^"\[\]{}]+|"(?=([^"\\]*(?:\\.[^"\\]*)*))\1")*', re.DOTALL)
 # A string's plain characters and whole escapes (unrolled: runs of plain characters in one
-# step, ~10 ms a MB; one alternation per character took ~200 ms), stopping before its
-# closing quote, at a backslash whose escaped byte is past the call's end, or at that end.
-# It cannot fail, so it never backtracks over a long string as `"..."` does when the closing
-# quote is missing.
+# step; one alternation per character took ~200 ms a MB), stopping before its closing quote,
+# at a backslash whose escaped byte is past the call's end, or at that end.
 _STRING_PART = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
 
 
-def _tokens(body: bytes, start: int, window: int = SCAN_WINDOW) -> Iterator[tuple[int, int]]:
-    """The spans that `finditer` of the per-character pattern `"(?:[^"\\]|\\.)*"|[][{}]`
-    (DOTALL) finds from `start`: string literals, and brackets outside them; a quote that
-    never closes is passed over as finditer passes it. No regex call covers more than
-    `window` bytes, so a long run lets the GIL go between calls."""
+def _brackets(body: bytes, start: int, window: int = SCAN_WINDOW) -> Iterator[int]:
+    """Where the brackets outside strings are, from `start`, until a string that never
+    closes (all that follows is inside it). No regex call covers more than `window` bytes,
+    so a long run lets the GIL go between calls."""
     pos, n = start, len(body)
     while pos < n:
         stop = min(pos + window, n)
-        found = _TOKEN_START.search(body, pos, stop)
-        if found is None:
-            pos = stop
-            continue
-        at = found.start()
-        if body[at] != 0x22:  # a bracket
-            yield at, at + 1
-            pos = at + 1
-            continue
-        end = _string_end(body, at, window)
-        if end is None:  # never closes: finditer goes on from the next byte
-            pos = at + 1
-            continue
-        yield at, end
-        pos = end
+        pos = _TO_BRACKET.match(body, pos, stop).end()  # type: ignore[union-attr]
+        if pos >= n:
+            return
+        if body[pos] == 0x22:  # a string longer than the window's rest
+            end = _string_end(body, pos, window)
+            if end is None:
+                return
+            pos = end
+        elif pos < stop:
+            yield pos
+            pos += 1
 
 
-def _string_end(body: bytes, quote: int, window: int) -> int | None:
+def _string_end(body: bytes, quote: int, window: int = SCAN_WINDOW) -> int | None:
     """Where the string literal opening at `body[quote]` ends (None: it never does)."""
     pos, n = quote + 1, len(body)
     while pos < n:
@@ -207,6 +205,22 @@ def _string_end(body: bytes, quote: int, window: int) -> int | None:
             return pos + 1
         if body[pos] == 0x5C:  # a backslash the window cut from the byte it escapes
             pos += 2
+    return None
+
+
+def _close(body: bytes, start: int) -> int | None:
+    """The end of the object or array opening at `body[start]`, None if it has none;
+    DecodeError where it nests deeper than MAX_DEPTH."""
+    depth = 0
+    for at in _brackets(body, start):
+        if body[at] in b"[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise DecodeError(f"exceeded max depth ({MAX_DEPTH})")
+        else:
+            depth -= 1
+            if depth == 0:
+                return at + 1
     return None
 
 
@@ -248,18 +262,7 @@ def _first_value(body: bytes, kind_name: str) -> bytes | None:
             what = "a value"  # not JSON at all: msgspec's message below says why
             _syntax(body[start:])
         raise DecodeError(f"json: cannot unmarshal {what} into Go value of type {kind_name}")
-    depth, end = 0, None
-    for at, token_end in _tokens(body, start):
-        bracket = body[at : at + 1]
-        if bracket in (b"{", b"["):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise DecodeError(f"exceeded max depth ({MAX_DEPTH})")
-        elif bracket in (b"}", b"]"):
-            depth -= 1
-            if depth == 0:
-                end = token_end
-                break
+    end = _close(body, start)
     if end is None:  # no end: a syntax error before it, or a body cut short
         _syntax(body[start:])
         raise DecodeError("unexpected EOF")
@@ -275,35 +278,241 @@ _ELEMENTS = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 class _Irregular(Exception):
-    """A value `_known` does not follow (not the shape its place wants): the document is
-    decoded whole instead, so that the error or the result is the full decode's."""
+    """An occurrence Go cannot decode into its place (not the shape the place wants, or a
+    value of the wrong type). Once, it leads to the whole document decoded instead, for that
+    decode's error; `message` is said where the whole decode does not fail (a duplicate key
+    later in the document hid the occurrence, which Go still refuses)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
-def _known(raw: Any, info: msgspec.inspect.Type, key: Callable[[str], str]) -> Any:
-    """What `_normalise_keys(_full(raw), key)` gives, less the members no field of `info`
-    takes: those values are only checked for syntax (as msgspec skips them), never built.
-    A 45 MB array under an unknown key took 7-8 s to build as Python objects with the GIL
-    held, during which the event loop could not answer /v1/status; skipped, ~0.1 s."""
-    while isinstance(info, msgspec.inspect.Metadata):
-        info = info.type
-    head = bytes(memoryview(raw)[:1])
-    if isinstance(info, msgspec.inspect.StructType):
-        if head != b"{":
-            raise _Irregular
-        fields = {f.encode_name: f.type for f in info.fields}
-        out = {}
-        for name, value in _MEMBERS.decode(raw).items():
-            folded = key(name)
-            if folded in fields and not _is_null(value):  # null: the zero value, as Go
-                out[folded] = _known(value, fields[folded], key)
+class _Duplicated(Exception):
+    """A field met twice in one object (the same key, or two that fold to one field)."""
+
+
+_ABSENT: Any = object()  # no value yet: the place keeps its zero value
+
+
+def _at(path: tuple[str | int, ...]) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def _mismatch(raw: Any, kind: Any, path: tuple[str | int, ...]) -> str:
+    """msgspec's message for `raw` decoded as `kind`, at `path`."""
+    try:
+        msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        return f"{e} - at `{_at(path)}`" if path else str(e)
+    name = getattr(kind, "__name__", "int")  # `_Byte`, whose `-0` msgspec reads as 0
+    return f"Expected `{name}`, got `{bytes(raw[:40]).decode()}` - at `{_at(path)}`"
+
+
+class _Walk:
+    """The members of `body` that fields of the request type take, decoded as Go's
+    json.Decoder fills a zero-valued struct, into what `_normalise_keys` gives for a
+    document (folded keys, ZERO for null elements); the values of other members are only
+    checked for syntax (msgspec skips them), never built: a 45 MB array under an unknown key
+    took 7-8 s to build with the GIL held, during which /v1/status could not answer.
+
+    Go decodes each member in order into the field's current value: a duplicate (the same
+    key, or one that folds to the same field) merges into an object's fields, decodes an
+    array's elements into the slice's elements (also those past its length that an earlier,
+    longer array left), and `null` is a no-op except that it empties a slice; an occurrence
+    of the wrong type fails the decode even when a later one is right. Without duplicates
+    that is what decoding the whole document gives, and `strict=False` walks it fast, raising
+    `_Duplicated` at the first duplicate; `strict=True` follows Go member by member, every
+    value checked against its field's type where it occurs."""
+
+    def __init__(self, key: Callable[[str], str], strict: bool):
+        self.key, self.strict = key, strict
+        # id of a slice -> (the slice, its elements past its length)
+        self.past_length: dict[int, tuple[list[Any], list[Any]]] = {}
+
+    def value(self, raw: Any, place: _Place, existing: Any, path: tuple[str | int, ...]) -> Any:
+        info = place.info
+        past: list[Any] = []
+        if isinstance(info, msgspec.inspect.ListType) and isinstance(existing, list):
+            past = self.past_length.pop(id(existing), (None, []))[1]
+        if _is_null(raw):  # Go: nil for a slice, otherwise nothing changes
+            if place.go_bytes:
+                return ""
+            return [] if isinstance(info, msgspec.inspect.ListType) else existing
+        head = bytes(memoryview(raw)[:1])
+        if place.go_bytes and head == b"[":
+            return self.byte_array(raw, existing, path)
+        if isinstance(info, msgspec.inspect.StructType):
+            if head != b"{":
+                raise _Irregular(_mismatch(raw, place.kind, path))
+            return self.members(raw, _fields(info.cls), existing, path)
+        if isinstance(info, msgspec.inspect.ListType):
+            if head != b"[":
+                raise _Irregular(_mismatch(raw, list, path))
+            return self.elements(raw, place.item, existing, past, path)
+        value = _normalise_keys(_DOCUMENT.decode(raw), self.key)  # a scalar place
+        if self.strict:
+            place.check(value, path)
+        return value
+
+    def members(self, raw: Any, fields: dict[str, _Place], existing: Any, path: tuple) -> Any:
+        out = existing if isinstance(existing, dict) else {}
+        members = _MEMBERS.decode(raw)  # the last of each key, syntax checked
+        pairs: Any = members.items()
+        if _dropped(raw, members):
+            if not self.strict:
+                raise _Duplicated
+            pairs = _member_pairs(raw)
+        for name, value in pairs:
+            folded = self.key(name)
+            place = fields.get(folded)
+            if place is None:
+                continue
+            if folded in out and not self.strict:
+                raise _Duplicated
+            found = self.value(value, place, out.get(folded, _ABSENT), (*path, folded))
+            if found is not _ABSENT:
+                out[folded] = found
         return out
-    if isinstance(info, msgspec.inspect.ListType):
-        if head != b"[":
-            raise _Irregular
-        return [
-            ZERO if _is_null(v) else _known(v, info.item_type, key) for v in _ELEMENTS.decode(raw)
-        ]
-    return _normalise_keys(_DOCUMENT.decode(raw), key)  # a scalar place, or any other type
+
+    def byte_array(self, raw: Any, existing: Any, path: tuple) -> str:
+        """A Go []byte written as an array of numbers, as base64 (the field's type here);
+        a null element keeps the byte the slice held there."""
+        held = b""
+        if isinstance(existing, str):
+            with contextlib.suppress(ValueError):
+                held = media_bytes(existing)
+        out = bytearray()
+        for i, element in enumerate(_ELEMENTS.decode(raw)):
+            if _is_null(element):
+                out.append(held[i] if i < len(held) else 0)
+            elif _UINT8.fullmatch(bytes(element)) and int(bytes(element)) <= 255:
+                out.append(int(bytes(element)))
+            else:
+                raise _Irregular(_mismatch(element, _Byte, (*path, i)))
+        return base64.b64encode(bytes(out)).decode()
+
+    def elements(
+        self, raw: Any, item: _Place, existing: Any, past: list[Any], path: tuple
+    ) -> list[Any]:
+        elements = _ELEMENTS.decode(raw)
+        if not elements:  # Go makes a new empty slice
+            return []
+        backing = [*existing, *past] if isinstance(existing, list) else []
+        for i, element in enumerate(elements):
+            old = backing[i] if i < len(backing) else _ABSENT
+            found = self.value(element, item, old, (*path, i))
+            found = ZERO if found is _ABSENT else found
+            if i < len(backing):
+                backing[i] = found
+            else:
+                backing.append(found)
+        visible = backing[: len(elements)]
+        if len(backing) > len(elements):  # kept with the list, so that its id stays its own
+            self.past_length[id(visible)] = (visible, backing[len(elements) :])
+        return visible
+
+
+# Go's uint8 from a number: strconv.ParseUint's digits (no sign, fraction or exponent).
+_UINT8 = re.compile(rb"0|[1-9][0-9]{0,2}")
+_Byte = Annotated[int, msgspec.Meta(ge=0, le=255)]
+
+
+class _Place:
+    """A field's or an element's type: msgspec's description, and the annotation to check
+    a value with. `go_bytes`: a string field that is a []byte in Go (base64, or an array of
+    numbers, which is written here as base64; null empties it)."""
+
+    def __init__(self, kind: Any, go_bytes: bool = False):
+        self.kind, self.go_bytes = kind, go_bytes
+        self.info = msgspec.inspect.type_info(kind)
+        while isinstance(self.info, msgspec.inspect.Metadata):
+            self.info = self.info.type
+        item = self.info.item_type if isinstance(self.info, msgspec.inspect.ListType) else None
+        self._item_kind = None if item is None else kind.__args__[0]
+
+    @functools.cached_property
+    def item(self) -> _Place:
+        return _Place(self._item_kind)
+
+    def check(self, value: Any, path: tuple[str | int, ...]) -> None:
+        try:
+            msgspec.convert(value, self.kind, strict=True)
+            if self.go_bytes:
+                media_bytes(value)
+        except (msgspec.ValidationError, ValueError) as e:
+            raise _Irregular(f"{e} - at `{_at(path)}`") from None
+
+
+_PLACES: dict[type, _Place] = {}
+_FIELDS: dict[type, dict[str, _Place]] = {}
+
+
+def _place(kind: type) -> _Place:
+    """A request type as a place, computed once."""
+    if kind not in _PLACES:
+        _PLACES[kind] = _Place(kind)
+    return _PLACES[kind]
+
+
+# Fields that are Go []byte (MediaItem.data: base64 on the wire, `media_bytes` decodes it).
+_GO_BYTES = {("MediaItem", "data")}
+
+
+def _fields(cls: type) -> dict[str, _Place]:
+    """A struct's fields by encoded name, computed once."""
+    if cls not in _FIELDS:
+        _FIELDS[cls] = {
+            f.encode_name: _Place(f.type, (cls.__name__, f.name) in _GO_BYTES)
+            for f in msgspec.structs.fields(cls)
+        }
+    return _FIELDS[cls]
+
+
+def _address(buffer: Any) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+_WS = rb"[ \t\n\r]*"
+# A member's key and its punctuation: the text between two members' values.
+_KEY = re.compile(_WS + rb",?" + _WS + rb'("[^"\\]*(?:\\.[^"\\]*)*")' + _WS + b":" + _WS)
+_OBJECT_END = re.compile(_WS + rb"}")
+
+
+def _dropped(raw: Any, members: dict[str, msgspec.Raw]) -> bool:
+    """Whether the object `raw` has members msgspec's dict does not hold (it keeps the last
+    of a key): its kept values are views of `raw`, and between them must be only keys."""
+    if not members:
+        return False
+    base = _address(raw)
+    spans = sorted((_address(v) - base, len(v)) for v in members.values())
+    end = 1  # after the opening brace
+    for start, length in spans:
+        if not _KEY.fullmatch(raw, end, start):  # a key, and no other member
+            return True
+        end = start + length
+    return not _OBJECT_END.fullmatch(raw, end)
+
+
+_LITERAL = re.compile(rb"[^,\]} \t\n\r]+")  # a number, true, false or null
+
+
+def _member_pairs(raw: Any) -> list[tuple[str, bytes]]:
+    """The members of the (well-formed) object `raw` in order, duplicates kept."""
+    text, pos = bytes(raw), 1
+    pairs: list[tuple[str, bytes]] = []
+    while (key := _KEY.match(text, pos)) is not None:
+        start = key.end()
+        if text[start] in b"[{":
+            end = _close(text, start)
+        elif text[start] == 0x22:
+            end = _string_end(text, start)
+        else:
+            end = _LITERAL.match(text, start).end()  # type: ignore[union-attr]
+        assert end is not None  # the text is well-formed
+        pairs.append((msgspec.json.decode(key.group(1)), text[start:end]))
+        pos = end
+    return pairs
 
 
 def _is_null(raw: msgspec.Raw) -> bool:
@@ -326,14 +535,20 @@ def _decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
     if text is None:  # Go decodes `null` into a struct as a no-op
         return kind()
     info = _type_info(kind)
+    place = _place(kind)
     try:  # only the fields `kind` has (unknown members' values are only syntax-checked)
-        normalised = _known(text, info, key)
-    except (_Irregular, msgspec.DecodeError, msgspec.ValidationError):
+        try:
+            normalised = _Walk(key, strict=False).value(text, place, _ABSENT, ())
+        except _Duplicated:  # Go's order of members matters: follow it
+            normalised = _Walk(key, strict=True).value(text, place, _ABSENT, ())
+    except (_Irregular, msgspec.DecodeError, msgspec.ValidationError) as e:
         document = _full(text)  # the whole document: its own error, or the same result
         if not isinstance(document, dict):
             raise DecodeError(
                 f"json: cannot unmarshal array into Go value of type {kind.__name__}"
             ) from None
+        if isinstance(e, _Irregular):  # hidden by a later duplicate: Go refuses it still
+            raise DecodeError(e.message) from None
         normalised = _normalise_keys(document, key)
     filled = _zero_fill(normalised, info)
     try:

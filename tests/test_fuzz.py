@@ -436,11 +436,8 @@ def test_fuzz_covers_the_surface(fuzz_report):
 # took 2.3 s; a shared 2-core CI machine has added ~0.2-1 s to a single poll under load.
 STATUS_WAIT_S = 1.0
 
-KNOWN_FUZZ_FAILURES = {
-    # check -> why it fails today; the reproducers below isolate each cause
-    "go-status": "a body whose duplicate key fixes an earlier type error is accepted "
-    "(test_reproducer[duplicate-key-wrong-type-first])",
-}
+# check -> why it fails today (a strict xfail); the reproducers below isolate each cause
+KNOWN_FUZZ_FAILURES: dict[str, str] = {}
 
 
 @pytest.mark.slow
@@ -471,10 +468,6 @@ def test_fuzz_check(fuzz_report, check):
 
 SCORE = b'{"rows":[' + ROW + b'],"max_tokens":8'
 COMPLETION = b'{"Prompt":"Is it","Options":{"num_predict":2'
-
-
-def _known(id: str, endpoint: str, body: bytes, reason: str):
-    return pytest.param(endpoint, body, id=id, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
 REPRODUCERS = [
@@ -550,28 +543,19 @@ REPRODUCERS = [
         '{"Prompt":"Is it","Optionſ":{"num_predict":"x"}}'.encode(),
         id="key-fold-long-s",
     ),
-    # Failing: Go's duplicate-key semantics (docs/PROTOCOL.md lists them as a known difference).
-    _known(
-        "duplicate-key-wrong-type-first",
+    # Failing until the runner decoded members as Go does, in order (docs/PROTOCOL.md §3.1):
+    # a type error in an occurrence a later duplicate overwrites, null emptying a slice, a
+    # duplicate array decoded into the same elements.
+    pytest.param(
         "score",
         b'{"rows":[{"prompt":"Is it","candidates":true,"candidates":[" the"]}],"max_tokens":8}',
-        "Go keeps the first type error even when a later duplicate key is valid: 400; the "
-        "runner keeps only the last value: 200",
+        id="duplicate-key-wrong-type-first",
     ),
-    _known(
-        "duplicate-key-null-slice",
-        "score",
-        SCORE + b',"ROWS":null}',
-        "Go's null empties a slice, so the second (case-folded) key leaves no rows: 400 "
-        "scoring requires 1–64 prompts; the runner drops null members: 200",
-    ),
-    _known(
-        "duplicate-key-merges",
+    pytest.param("score", SCORE + b',"ROWS":null}', id="duplicate-key-null-slice"),
+    pytest.param(
         "score",
         b'{"rows":[' + ROW + b'],"rows":[{"prompt":"Is it"}],"max_tokens":8}',
-        "Go decodes a duplicate array into the same elements, so candidates from the first "
-        "survive: 200; the runner takes the last value whole: 400 prompt 0 requires 1–26 "
-        "candidates",
+        id="duplicate-key-merges",
     ),
 ]
 

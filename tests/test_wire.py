@@ -4,6 +4,7 @@ unknown keys ignored, null as the zero value; Go's %q for messages."""
 import base64
 from typing import Any
 
+import msgspec
 import pytest
 
 from runner.errors import go_quote
@@ -118,23 +119,41 @@ def test_null_body_is_the_zero_request_as_go_decodes_it():
     assert request.rows == [] and request.maxtokens == 0
 
 
-def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
-    """wire._tokens finds the tokens of `"(?:[^"\\\\]|\\\\.)*"|[\\[\\]{}]` (one alternation per
-    character, which held the GIL ~200 ms on a 1 MB string) on random bodies of quotes,
-    backslashes, brackets and other bytes, whatever the window its regex calls cover."""
-    import random
+PER_CHARACTER = rb'"(?:[^"\\]|\\.)*"|[\[\]{}]'  # a string, or a bracket
+
+
+def _brackets_by_finditer(body: bytes) -> list[int]:
+    """The brackets outside strings as one alternation per character finds them (which held
+    the GIL ~200 ms on a 1 MB string), up to a quote it passes over: a string that never
+    closes, which all the rest is inside."""
     import re
+
+    found, pos = [], 0
+    for m in re.finditer(PER_CHARACTER, body, re.DOTALL):
+        if b'"' in body[pos : m.start()]:
+            break
+        if body[m.start()] != 0x22:
+            found.append(m.start())
+        pos = m.end()
+    return found
+
+
+def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
+    """wire._brackets finds the brackets outside strings that the per-character pattern
+    finds, on random bodies of quotes, backslashes, brackets and other bytes, whatever the
+    window its regex calls cover; where a string never closes, it stops (Go reads the rest
+    as inside that string)."""
+    import random
 
     from runner import wire
 
-    plain = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
     rng = random.Random(0)
     alphabet = [b'"', b"\\", b"[", b"]", b"{", b"}", b"a", b"\n", b"\xff", b"u"]
     for _ in range(5000):
         body = b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-        found = [m.span() for m in plain.finditer(body)]
+        found = _brackets_by_finditer(body)
         for window in (1, 2, 3, 7, wire.SCAN_WINDOW):
-            assert list(wire._tokens(body, 0, window)) == found, (body, window)
+            assert list(wire._brackets(body, 0, window)) == found, (body, window)
 
 
 class _Spans:
@@ -143,42 +162,42 @@ class _Spans:
     def __init__(self, pattern: Any, spans: list[int]):
         self.pattern, self.spans = pattern, spans
 
-    def search(self, body: bytes, pos: int, endpos: int) -> Any:
-        self.spans.append(endpos - pos)
-        return self.pattern.search(body, pos, endpos)
-
     def match(self, body: bytes, pos: int, endpos: int) -> Any:
         self.spans.append(endpos - pos)
         return self.pattern.match(body, pos, endpos)
 
 
 @pytest.mark.parametrize(
-    "member",
+    ("member", "closed"),
     [
-        b'"' + "\U0001f600".encode() * 300_000 + b'"',  # one long string (held the GIL 111 ms)
-        b'"' + "\U0001f600".encode() * 300_000,  # one that never closes (backtracked 96 ms)
-        b'"' + b'a\\"' * 200_000 + b'"',  # escaped quotes all along
-        b"[" + b"1.5, " * 300_000 + b"1]",  # numbers, no string or bracket inside
+        (b'"' + "\U0001f600".encode() * 300_000 + b'"', True),  # a long string: 111 ms
+        (b'"' + "\U0001f600".encode() * 300_000, False),  # never closed: backtracked 96 ms
+        (b'"' + b'a\\"' * 200_000 + b'"', True),  # escaped quotes all along
+        (b'"' + b'a\\"' * 200_000, False),  # never closed: no escaped quote opens one
+        (b"[" + b"1.5, " * 300_000 + b"1]", True),  # numbers, no string or bracket inside
+        (b"[" + b'"ab", ' * 200_000 + b"1]", True),  # many short strings
     ],
-    ids=["string", "unclosed", "escapes", "numbers"],
+    ids=["string", "unclosed", "escapes", "escapes-unclosed", "numbers", "strings"],
 )
-def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, member):
+def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, member, closed):
     """The scanner holds the GIL one regex call at a time: a body of megabytes is covered in
-    calls of at most SCAN_WINDOW bytes (here 64 KiB), and its tokens are still the ones the
-    per-character pattern finds."""
-    import re
-
+    calls of at most SCAN_WINDOW bytes (here 64 KiB), in a number of calls that grows with
+    the body, not with its strings; its brackets are the ones the per-character pattern
+    finds."""
     from runner import wire
 
     spans: list[int] = []
-    monkeypatch.setattr(wire, "_TOKEN_START", _Spans(wire._TOKEN_START, spans))
+    monkeypatch.setattr(wire, "_TO_BRACKET", _Spans(wire._TO_BRACKET, spans))
     monkeypatch.setattr(wire, "_STRING_PART", _Spans(wire._STRING_PART, spans))
     body = b'{"x":' + member + b"}"
     window = 1 << 16
-    found = list(wire._tokens(body, 0, window))
-    assert max(spans) <= window and sum(spans) >= len(body) - 2 * window
-    plain = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
-    assert found == [m.span() for m in plain.finditer(body)]
+    found = list(wire._brackets(body, 0, window))
+    assert max(spans) <= window and len(spans) <= 4 * len(body) // window + 8
+    n = len(body)
+    if closed:  # the member's own brackets, and the body's
+        assert found == [0, *([5, n - 2] if member.startswith(b"[") else []), n - 1]
+    else:  # a string that never closes: the closing brace is inside it
+        assert found == [0]
 
 
 def _decoded_whole(body: bytes, kind: type, key: Any) -> Any:
@@ -267,3 +286,165 @@ def test_a_huge_unknown_member_is_never_built():
         tracemalloc.stop()
     assert request.maxtokens == 8 and request.rows[0].candidates == [" Yes", " No"]
     assert peak < 4 * len(body), peak  # the document's text, decoded once, and little else
+
+
+# --- duplicate keys, as Go's json.Decoder decodes them ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "rows"),
+    [
+        # a later array decodes into the earlier one's elements: members merge
+        (b'{"rows":[{"prompt":"a","candidates":[" x"]}],"rows":[{"prompt":"b"}]}', [("b", [" x"])]),
+        # the same key spelled twice, one of them escaped
+        (b'{"rows":[{"prompt":"a"}],"\\u0072ows":[{"candidates":[" y"]}]}', [("a", [" y"])]),
+        # a null member empties a slice; a null element keeps the element it lands on
+        (b'{"rows":[{"prompt":"a"}],"ROWS":null}', []),
+        (
+            b'{"rows":[{"prompt":"a"},{"prompt":"b"}],"rows":[null,{"candidates":[" z"]}]}',
+            [("a", []), ("b", [" z"])],
+        ),
+        # elements past a shorter array's length are still there for a longer one
+        (
+            b'{"rows":[{"prompt":"a"},{"prompt":"b"}],"rows":[{"prompt":"c"}],"rows":[{},{}]}',
+            [("c", []), ("b", [])],
+        ),
+        # an empty array is a new slice: nothing earlier survives it
+        (
+            b'{"rows":[{"prompt":"a"},{"prompt":"b"}],"rows":[],"rows":[{},{}]}',
+            [("", []), ("", [])],
+        ),
+        # a member of an object in two spellings: the last one's value, the first one's place
+        (b'{"rows":[{"prompt":"a","PROMPT":"b","Prompt":null}]}', [("b", [])]),
+    ],
+)
+def test_a_key_given_twice_decodes_into_the_same_value_as_in_go(body, rows):
+    request = decode_score_request(body)
+    assert [(r.prompt, r.candidates) for r in request.rows] == rows
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # a type error in an occurrence that a later one overwrites still fails, as in Go
+        b'{"rows":[{"prompt":"a","candidates":true,"candidates":[" x"]}]}',
+        b'{"max_tokens":"5","max_tokens":5}',
+        b'{"rows":[{"prompt":5}],"rows":[]}',
+        b'{"media":[{"data":"aGk"}],"media":[{"data":"aGk="}]}',
+        b'{"media":[{"data":[256]}]}',
+    ],
+)
+def test_an_occurrence_go_cannot_decode_fails_the_body_whatever_follows(body):
+    with pytest.raises(DecodeError):
+        decode_score_request(body)
+
+
+def test_media_data_is_a_go_byte_slice():
+    """Go's []byte: base64, or an array of numbers 0-255; null is none."""
+    (item,) = decode_score_request(b'{"media":[{"data":[104,105],"id":1}]}').media
+    assert item.raw == b"hi" and item.id == 1
+    (item,) = decode_score_request(b'{"media":[{"data":"aGk=","DATA":null}]}').media
+    assert item.raw == b""
+
+
+def _duplicate_heavy_body(rng: Any, endpoint: str) -> bytes:
+    """A body of keys given in several spellings and twice, with values of right and wrong
+    types, nulls and empty arrays, at every level of the request."""
+
+    def pick(*options: str) -> str:
+        return rng.choice(options)
+
+    def obj(members: list[tuple[str, str]]) -> str:
+        space = pick("", " ", "\n ")
+        return "{" + ("," + space).join(f'"{k}":{space}{v}' for k, v in members) + "}"
+
+    def text() -> str:
+        return pick('"Is it"', '"x"', "null", "5", "true", '""', '"a\\u0041"', "[]")
+
+    def texts() -> str:
+        items = [pick('" the"', '" a"', "null", text()) for _ in range(rng.randint(0, 3))]
+        return pick("[" + ",".join(items) + "]", "null", '"x"', "{}", "[]")
+
+    def number() -> str:
+        return pick("5", "8", "0", "null", '"5"', "1.5", "9223372036854775808", "-1", "true")
+
+    def media() -> str:
+        keys = ("data", "DATA", "id", "ID", "kind")
+        values = ('"aGk="', '"aGk"', "null", "5", '"image"', "[104,105]", "[]", "[300]")
+        items = [
+            obj([(pick(*keys), pick(*values)) for _ in range(rng.randint(0, 4))]),
+            "null",
+        ]
+        return pick("[" + ",".join(rng.choice(items) for _ in range(3)) + "]", "null", "{}")
+
+    if endpoint == "score":
+        row_keys = ("prompt", "PROMPT", "candidates", "CANDIDATES", "cand_idates", "x")
+
+        def row() -> str:
+            keys = [pick(*row_keys) for _ in range(rng.randint(0, 5))]
+            return obj([(k, text() if "rom" in k.lower() else texts()) for k in keys])
+
+        def rows() -> str:
+            items = [pick(row(), row(), "null", "5") for _ in range(rng.randint(0, 4))]
+            return pick("[" + ",".join(items) + "]", "null", "{}", "[]")
+
+        top = ("rows", "ROWS", "\\u0072ows", "max_tokens", "MaxTokens", "media", "Media", "x")
+        keys = [pick(*top) for _ in range(rng.randint(0, 6))]
+        values = {"r": rows, "m": media, "x": lambda: pick("1", '[1,{"rows":2}]', "null")}
+        return obj([(k, values.get(k.lower()[-4:-3], number)()) for k in keys]).encode()
+    option_keys = ("top_k", "TOP_K", "seed", "stop", "STOP", "temperature", "num_predict", "zz")
+
+    def options() -> str:
+        keys = [pick(*option_keys) for _ in range(rng.randint(0, 5))]
+        floats = ("0.5", "1", "null", '"x"', "1e39")
+        members = [
+            (
+                k,
+                texts()
+                if "stop" in k.lower()
+                else pick(*floats)
+                if k[0] == "t" and k[1] == "e"
+                else number(),
+            )
+            for k in keys
+        ]
+        return pick(obj(members), "null", "[0]", "5")
+
+    top = ("prompt", "PROMPT", "options", "OPTIONS", "logprobs", "toplogprobs", "media", "x")
+    values = {
+        "prompt": text,
+        "options": options,
+        "media": media,
+        "x": lambda: "1",
+        "logprobs": lambda: pick("true", "false", "null", "1"),
+        "toplogprobs": number,
+    }
+    keys = [pick(*top) for _ in range(rng.randint(0, 6))]
+    return obj([(k, values[k.lower()]()) for k in keys]).encode()
+
+
+def test_duplicate_heavy_bodies_decode_as_the_go_model_decodes_them():
+    """bench/fuzz.py's model of Go's json.Decoder (an independent decoder, node by node) says
+    whether Go accepts each body and what it decodes to, written plainly: the runner refuses
+    what Go refuses and decodes the rest to what it decodes the plain form to."""
+    import random
+
+    from bench.fuzz import go_verdict
+    from runner.wire import decode_completion_request
+
+    rng = random.Random(7)
+    accepted = 0
+    for _ in range(1500):
+        endpoint = rng.choice(["score", "completions"])
+        body = _duplicate_heavy_body(rng, endpoint)
+        decode = decode_score_request if endpoint == "score" else decode_completion_request
+        verdict = go_verdict(endpoint, body)
+        try:
+            ours = msgspec.to_builtins(decode(body))
+        except DecodeError as e:
+            assert not verdict.ok, (body, str(e))
+            continue
+        assert verdict.ok, (body, verdict.error)
+        assert ours == msgspec.to_builtins(decode(verdict.canonical)), (body, verdict.canonical)
+        accepted += 1
+    assert 300 < accepted < 1200  # both outcomes are exercised
