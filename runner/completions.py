@@ -9,7 +9,7 @@ the rest of the context.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import BadRequest
 from .generate import GenerateOptions
@@ -29,18 +29,26 @@ def prepare_completion(
         raise BadRequest(f"this model does not support {kind} input")
     if request.media:
         prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
-    else:
-        prompt = PreparedPrompt(tokenizer.encode(request.prompt, tokenizer.add_bos))
+    else:  # past the context, only the count: a prompt of millions of tokens is not listed
+        (ids,) = tokenizer.encode_within([request.prompt], context_length)
+        bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        if isinstance(ids, int):
+            _too_long(ids + len(bos), context_length)
+        prompt = PreparedPrompt([*bos, *ids])
     tokens = prompt.tokens
     if not tokens:
         raise BadRequest("empty prompt")
     if len(tokens) >= context_length:
-        raise BadRequest(
-            f"input length ({len(tokens)} tokens) exceeds the model's maximum context length "
-            f"({context_length} tokens)"
-        )
+        _too_long(len(tokens), context_length)
     room = context_length - len(tokens)
     num_predict = request.options.num_predict
     num_predict = room if num_predict <= 0 else min(num_predict, room)
     sampler = SamplerOptions.from_options(request.options, request.logprobs, request.toplogprobs)
     return prompt, GenerateOptions(num_predict=num_predict, sampler=sampler)
+
+
+def _too_long(count: int, context_length: int) -> NoReturn:
+    raise BadRequest(
+        f"input length ({count} tokens) exceeds the model's maximum context length "
+        f"({context_length} tokens)"
+    )

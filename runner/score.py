@@ -79,13 +79,20 @@ def prepare_rows(
     else:
         prompts = _text_prompts(request, tokenizer, max_tokens)
     rows: list[Row] = []
-    for i, (row, (prompt, tail, joined)) in enumerate(zip(request.rows, prompts, strict=True)):
-        refused = _row_refusal(i, row, len(prompt.tokens), max_tokens)
+    for i, (row, (prompt, count, tail, joined)) in enumerate(
+        zip(request.rows, prompts, strict=True)
+    ):
+        refused = _row_refusal(i, row, count, max_tokens)
         if refused is not None:
             raise BadRequest(refused)
         candidates: list[int] = []
         for candidate, ids in zip(row.candidates, joined(), strict=True):
-            if tokenizer.is_special(candidate) or len(ids) != len(tail) + 1 or ids[:-1] != tail:
+            if (
+                not isinstance(ids, list)  # longer than any token, or than the limit
+                or tokenizer.is_special(candidate)
+                or len(ids) != len(tail) + 1
+                or ids[:-1] != tail
+            ):
                 raise BadRequest(
                     f"candidate {go_quote(candidate)} must append exactly one ordinary token "
                     f"to prompt {i}"
@@ -98,9 +105,12 @@ def prepare_rows(
     return rows
 
 
-# Per row, lazily in Go's order of checks: the prepared prompt, the tokens a candidate must
-# extend (the prompt's, or its text after the last tag), and the candidates' tokenizations.
-Prompts = Iterator[tuple[PreparedPrompt, list[int], Callable[[], list[list[int]]]]]
+# Per row, lazily in Go's order of checks: the prepared prompt, its length in tokens, the tokens
+# a candidate must extend (the prompt's, or its text after the last tag), and the candidates'
+# tokenizations (a count only past the limit, None where a candidate is longer than any token).
+Prompts = Iterator[
+    tuple[PreparedPrompt, int, list[int], Callable[[], list[list[int] | int | None]]]
+]
 
 
 def _row_refusal(i: int, row: ScoreRow, tokens: int, max_tokens: int) -> str | None:
@@ -126,24 +136,47 @@ def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer, max_tokens: int) 
     of a core each, and its ids built and freed with the GIL held)."""
     long = LONG_PROMPT_CHARS_PER_TOKEN * max_tokens
     later = [len(row.prompt) > long or len(row.candidates) > MAX_CANDIDATES for row in request.rows]
-    texts = [row.prompt for row in request.rows]
+    texts: list[str | None] = [row.prompt for row in request.rows]
     for row, wait in zip(request.rows, later, strict=True):
-        texts += [] if wait else [row.prompt + c for c in row.candidates]
-    encoded = tokenizer.encode_batch(texts)
-    prompts, joined = encoded[: len(request.rows)], iter(encoded[len(request.rows) :])
+        texts += [] if wait else _joined_texts(tokenizer, row.prompt, row.candidates)
+    # Past max_tokens + 1 a text can be neither an accepted prompt nor a prompt + one token.
+    encoded = _encode_some(tokenizer, texts, max_tokens + 1)
+    prompts = [ids if isinstance(ids, list) else [] for ids in encoded[: len(request.rows)]]
+    counts = [len(ids) if isinstance(ids, list) else ids or 0 for ids in encoded[: len(prompts)]]
+    joined = iter(encoded[len(request.rows) :])
     read = len(request.rows)  # rows whose candidates the checks reach
-    for i, (row, tokens) in enumerate(zip(request.rows, prompts, strict=True)):
-        if _row_refusal(i, row, len(tokens), max_tokens) is not None:
+    for i, (row, count) in enumerate(zip(request.rows, counts, strict=True)):
+        if _row_refusal(i, row, count, max_tokens) is not None:
             read = i
             break
     waited = [row for row, wait in zip(request.rows[:read], later, strict=False) if wait]
     second = iter(
-        tokenizer.encode_batch([row.prompt + c for row in waited for c in row.candidates])
+        _encode_some(
+            tokenizer,
+            [t for row in waited for t in _joined_texts(tokenizer, row.prompt, row.candidates)],
+            max_tokens + 1,
+        )
     )
-    for i, (row, tokens, wait) in enumerate(zip(request.rows, prompts, later, strict=True)):
+    rows = zip(request.rows, prompts, counts, later, strict=True)
+    for i, (row, tokens, count, wait) in enumerate(rows):
         source = None if wait and i >= read else second if wait else joined
         mine = [] if source is None else [next(source) for _ in row.candidates]
-        yield PreparedPrompt(tokens), tokens, functools.partial(list, mine)
+        yield PreparedPrompt(tokens), count, tokens, functools.partial(list, mine)
+
+
+def _joined_texts(tokenizer: Tokenizer, text: str, candidates: list[str]) -> list[str | None]:
+    """`text` + each candidate to tokenize; None for a candidate longer than any token (it
+    cannot append one, and a candidate of megabytes took seconds to tokenize)."""
+    return [text + c if tokenizer.may_be_one_token(c) else None for c in candidates]
+
+
+def _encode_some(
+    tokenizer: Tokenizer, texts: list[str | None], limit: int | None
+) -> list[list[int] | int | None]:
+    """Each text tokenized (`Tokenizer.encode_within`), in one parallel batch; None where
+    there is no text."""
+    encoded = iter(tokenizer.encode_within([t for t in texts if t is not None], limit))
+    return [None if t is None else next(encoded) for t in texts]
 
 
 def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:
@@ -154,10 +187,11 @@ def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageMode
         prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
         tail_text = str(split_prompt(row.prompt)[-1])
 
-        def joined(row=row, tail_text=tail_text) -> list[list[int]]:
-            return tokenizer.encode_batch([tail_text + c for c in row.candidates])
+        def joined(row=row, tail_text=tail_text) -> list[list[int] | int | None]:
+            texts = _joined_texts(tokenizer, tail_text, row.candidates)
+            return _encode_some(tokenizer, texts, None)
 
-        yield prompt, prompt.tokens[prompt.tail_start :], joined
+        yield prompt, len(prompt.tokens), prompt.tokens[prompt.tail_start :], joined
 
 
 def shared_prefix_length(rows: Sequence[Row]) -> int:

@@ -209,9 +209,9 @@ class _CountingTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer, self.texts = tokenizer, []
 
-    def encode_batch(self, texts):
+    def encode_within(self, texts, limit):
         self.texts += texts
-        return self.tokenizer.encode_batch(texts)
+        return self.tokenizer.encode_within(texts, limit)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -252,6 +252,17 @@ def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
     assert [len(r.candidates) for r in apart] == [2, 3, 1]
 
 
+def test_a_candidate_longer_than_any_token_is_refused_without_tokenizing_it(llama_runner):
+    from runner.errors import BadRequest
+
+    huge = " the" * 250_000
+    rows = [ScoreRow("Is it", [" Yes", huge])]
+    counting = _CountingTokenizer(llama_runner.tokenizer)
+    with pytest.raises(BadRequest, match="must append exactly one ordinary token to prompt 0"):
+        prepare_rows(ScoreRequest(rows=rows, maxtokens=64), counting, 4096, 1 << 20)
+    assert sorted(counting.texts) == ["Is it", "Is it Yes"]
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -277,3 +288,18 @@ async def test_huge_body_is_400_and_runner_keeps_serving(make_client, llama_runn
     assert response.status == 400
     assert "request body too large" in await response.text()
     assert (await client.post("/v1/score", json=GOOD)).status == 200
+
+
+def test_a_prompt_past_the_limit_is_counted_not_listed(llama_runner):
+    """What the length check needs of a prompt past max_tokens is its count: the message
+    says it exactly (as Go's does), though its ids are never listed."""
+    from runner.errors import BadRequest
+
+    prompt = "Is the sky blue? " * 50
+    k = len(llama_runner.tokenizer.encode(prompt))
+    (within,) = llama_runner.tokenizer.encode_within([prompt], k)
+    (past,) = llama_runner.tokenizer.encode_within([prompt], k - 1)
+    assert within == llama_runner.tokenizer.encode(prompt) and past == k
+    rows = [ScoreRow(prompt, [" Yes"])]
+    with pytest.raises(BadRequest, match=f"prompt 0 has {k} tokens; expected 1–8 "):
+        prepare_rows(ScoreRequest(rows=rows, maxtokens=8), llama_runner.tokenizer, 4096, 1 << 20)

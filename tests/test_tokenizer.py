@@ -159,3 +159,39 @@ def test_encode_gives_the_ids_of_the_tokenizers_own_encode(spec):
     expected = [hf.encode(t, add_special_tokens=False).ids for t in texts]
     assert ours.encode_batch(texts) == expected
     assert [ours.encode(t) for t in texts[:50]] == expected[:50]
+
+
+@pytest.mark.parametrize("spec", [byte_level_json, sentencepiece_json], ids=["bytes", "pieces"])
+def test_no_token_is_longer_than_max_token_bytes(spec):
+    """`may_be_one_token` is False only for texts no token can stand for: every token's
+    bytes fit `max_token_bytes`, and a text past it never appends exactly one token."""
+    import random
+
+    tok = Tokenizer(spec())
+    assert tok.max_token_bytes is not None
+    assert max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)) <= tok.max_token_bytes
+    rng = random.Random(1)
+    pieces = ["a", "b", " ", "ab", "Is", " the", "é", "日本", "<s>", "😀", "sky"]
+    prompt = tok.encode("Is the")
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        if not tok.may_be_one_token(text):
+            joined = tok.encode("Is the" + text)
+            assert not (len(joined) == len(prompt) + 1 and joined[:-1] == prompt), text
+    assert not tok.may_be_one_token("x" * (tok.max_token_bytes + 1))
+    assert tok.may_be_one_token("x" * tok.max_token_bytes)
+
+
+def test_a_normalizer_that_may_shorten_text_disables_the_length_bound():
+    spec = json.loads(byte_level_json())
+    spec["normalizer"] = {"type": "NFKC"}
+    tok = Tokenizer(json.dumps(spec))
+    assert tok.max_token_bytes is None and tok.may_be_one_token("x" * 10_000)
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    assert Tokenizer(json.dumps(spec)).max_token_bytes is not None
