@@ -7,11 +7,15 @@ Decoding follows Go's `json.Decoder.Decode` into a zero-valued struct (`go_docum
   is fine); `null` leaves the zero value, also as an element of an array;
   `/v1/score` goes further: its keys also match with underscores left out (`max_tokens`,
   `MaxTokens`, `maxtokens` are one key);
+- a key given twice (or in two spellings that fold to one field) decodes into the same value
+  in turn, as Go's does (`_Walk`): objects merge, an array decodes into the earlier one's
+  elements, `null` empties a slice, a type error in any occurrence fails the body;
 - a byte of invalid UTF-8 inside a string, and a `\\u` escape of a lone surrogate, become
   U+FFFD, one per byte (Go's `utf8.DecodeRune`);
 - integers must fit Go's int (int64), and numbers for Go's float32 fields must round to a
   finite float32 (`3.4028235e38`, Go's own spelling of the largest, is fine);
-- base64 (`[]byte` fields) may hold CR and LF, which Go's decoder skips;
+- base64 (`[]byte` fields) may hold CR and LF, which Go's decoder skips, and a `[]byte` may
+  also be an array of numbers 0-255;
 - nesting deeper than `MAX_DEPTH` is refused (Go allows 10,000; msgspec's recursion stops
   near 1,000, so the runner draws its own line well below).
 Encoding follows Go's `json.Encoder`: a non-finite float cannot be written (`go_encodable`).
