@@ -91,3 +91,18 @@ def test_repeated_branching_stays_consistent():
     for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [1, 2, 7], [1, 8], [1, 2, 3, 4, 5, 0]):
         assert trie.match(root, tokens)[1] == len(tokens)
     assert sorted(n.end for n in trie.walk(root)) == [1, 2, 2, 3, 3, 4, 5, 6, 6]
+
+
+def test_common_prefix_is_the_first_difference():
+    import random
+
+    from runner.cache.trie import common_prefix
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = rng.choices([1, 2], k=rng.randint(0, 80))
+        b = a[: rng.randint(0, len(a))] + rng.choices([1, 2, 3], k=rng.randint(0, 80))
+        pairs = enumerate(zip(a, b, strict=False))
+        expected = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == common_prefix(b, a) == expected
+        assert common_prefix(tuple(a), b) == expected

@@ -46,12 +46,23 @@ class Node:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading items `a` and `b` share. Slices are compared in C, halving the
+    range where they differ (a Python step per token was ~0.4 ms a request over a 500-token
+    prompt), down to a short run compared item by item."""
+    if type(a) is not type(b):  # a list never equals a tuple
+        a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 16:  # a[:lo] == b[:lo], and they differ before hi
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 def match(root: Node, tokens: Sequence[int]) -> tuple[list[Node], int]:
