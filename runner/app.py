@@ -24,10 +24,10 @@ from aiohttp import web
 from .endpoints import CompletionEndpoint, ScoreEndpoint
 from .engine import EngineStopped, Job
 from .errors import BadRequest, Cancelled, RequestError
+from .go_json import DecodeError
 from .service import Runner
 from .wire import (
     CompletionResponse,
-    DecodeError,
     StatusError,
     StatusResponse,
     decode_completion_request,

@@ -21,8 +21,9 @@ import mlx.core as mx
 import pytest
 
 from runner.app import build_app
+from runner.go_json import DecodeError
 from runner.service import Runner
-from runner.wire import CompletionResponse, DecodeError, decode_completion_request, encode_json
+from runner.wire import CompletionResponse, decode_completion_request, encode_json
 
 KEYS = [
     "Content",

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from runner.errors import go_quote
-from runner.wire import DecodeError, decode_score_request
+from runner.go_json import DecodeError
+from runner.wire import decode_score_request
 
 
 def test_score_keys_match_any_case_and_underscores():
@@ -139,21 +140,21 @@ def _brackets_by_finditer(body: bytes) -> list[int]:
 
 
 def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
-    """wire._brackets finds the brackets outside strings that the per-character pattern
+    """go_json._brackets finds the brackets outside strings that the per-character pattern
     finds, on random bodies of quotes, backslashes, brackets and other bytes, whatever the
     window its regex calls cover; where a string never closes, it stops (Go reads the rest
     as inside that string)."""
     import random
 
-    from runner import wire
+    from runner import go_json
 
     rng = random.Random(0)
     alphabet = [b'"', b"\\", b"[", b"]", b"{", b"}", b"a", b"\n", b"\xff", b"u"]
     for _ in range(5000):
         body = b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         found = _brackets_by_finditer(body)
-        for window in (1, 2, 3, 7, wire.SCAN_WINDOW):
-            assert list(wire._brackets(body, 0, window)) == found, (body, window)
+        for window in (1, 2, 3, 7, go_json.SCAN_WINDOW):
+            assert list(go_json._brackets(body, 0, window)) == found, (body, window)
 
 
 class _Spans:
@@ -184,14 +185,14 @@ def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, m
     calls of at most SCAN_WINDOW bytes (here 64 KiB), in a number of calls that grows with
     the body, not with its strings; its brackets are the ones the per-character pattern
     finds."""
-    from runner import wire
+    from runner import go_json
 
     spans: list[int] = []
-    monkeypatch.setattr(wire, "_TO_BRACKET", _Spans(wire._TO_BRACKET, spans))
-    monkeypatch.setattr(wire, "_STRING_PART", _Spans(wire._STRING_PART, spans))
+    monkeypatch.setattr(go_json, "_TO_BRACKET", _Spans(go_json._TO_BRACKET, spans))
+    monkeypatch.setattr(go_json, "_STRING_PART", _Spans(go_json._STRING_PART, spans))
     body = b'{"x":' + member + b"}"
     window = 1 << 16
-    found = list(wire._brackets(body, 0, window))
+    found = list(go_json._brackets(body, 0, window))
     assert max(spans) <= window and len(spans) <= 4 * len(body) // window + 8
     n = len(body)
     if closed:  # the member's own brackets, and the body's
@@ -202,18 +203,18 @@ def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, m
 
 def _decoded_whole(body: bytes, kind: type, key: Any) -> Any:
     """What decoding gave before members were skipped: the whole document built, then
-    normalised and converted (the reference for `_known`)."""
+    normalised and converted (the reference for the walk over known members)."""
     import msgspec
 
-    from runner import wire
+    from runner import go_json
 
-    document = wire.go_document(body, kind.__name__)
+    document = go_json.document(body, kind.__name__)
     if document is None:
         return kind()
     if not isinstance(document, dict):
         raise DecodeError(f"json: cannot unmarshal array into Go value of type {kind.__name__}")
-    info = wire._type_info(kind)
-    filled = wire._zero_fill(wire._normalise_keys(document, key), info)
+    info = go_json._type_info(kind)
+    filled = go_json._zero_fill(go_json._normalise_keys(document, key), info)
     try:
         return msgspec.convert(filled, kind, strict=True)
     except (msgspec.ValidationError, ValueError) as e:
