@@ -31,7 +31,7 @@ def prepare_completion(
         prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
     else:  # past the context, only the count: a prompt of millions of tokens is not listed
         (ids,) = tokenizer.encode_within([request.prompt], context_length)
-        bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        bos = tokenizer.bos(tokenizer.add_bos)
         if isinstance(ids, int):
             _too_long(ids + len(bos), context_length)
         prompt = PreparedPrompt([*bos, *ids])

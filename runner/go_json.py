@@ -491,7 +491,6 @@ def decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
     text = _first_value(body, kind.__name__)
     if text is None:  # Go decodes `null` into a struct as a no-op
         return kind()
-    info = _type_info(kind)
     place = _place(kind)
     try:  # only the fields `kind` has (unknown members' values are only syntax-checked)
         try:
@@ -507,18 +506,8 @@ def decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
         if isinstance(e, _Irregular):  # hidden by a later duplicate: Go refuses it still
             raise DecodeError(e.message) from None
         normalised = _normalise_keys(document, key)
-    filled = _zero_fill(normalised, info)
+    filled = _zero_fill(normalised, place.info)
     try:
         return msgspec.convert(filled, kind, strict=True)
     except (msgspec.ValidationError, ValueError) as e:  # ValueError: bad base64 (MediaItem)
         raise DecodeError(str(e)) from None
-
-
-_TYPE_INFO: dict[type, msgspec.inspect.Type] = {}
-
-
-def _type_info(kind: type) -> msgspec.inspect.Type:
-    """msgspec's description of `kind`, computed once (it walks every field)."""
-    if kind not in _TYPE_INFO:
-        _TYPE_INFO[kind] = msgspec.inspect.type_info(kind)
-    return _TYPE_INFO[kind]

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -106,14 +106,15 @@ class Tokenizer:
         self.add_bos: bool = tokenizer_config.get("add_bos_token") is True
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.encode_batch([text])[0]
-        if add_bos and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
+        return [*self.bos(add_bos), *self.encode_batch([text])[0]]
+
+    def bos(self, add_bos: bool) -> list[int]:
+        """The tokens a text starts with: BOS when asked for and the tokenizer has one."""
+        return [self.bos_id] if add_bos and self.bos_id is not None else []
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text (no BOS), in parallel across the machine's cores."""
-        return self.encode_within(texts, None)  # type: ignore[return-value]
+        return cast(list[list[int]], self.encode_within(texts, None))  # no limit: all lists
 
     def encode_within(self, texts: list[str], limit: int | None) -> list[list[int] | int]:
         """`encode_batch`, except that a text of more than `limit` tokens comes back as its

@@ -213,7 +213,7 @@ def _decoded_whole(body: bytes, kind: type, key: Any) -> Any:
         return kind()
     if not isinstance(document, dict):
         raise DecodeError(f"json: cannot unmarshal array into Go value of type {kind.__name__}")
-    info = go_json._type_info(kind)
+    info = go_json._place(kind).info
     filled = go_json._zero_fill(go_json._normalise_keys(document, key), info)
     try:
         return msgspec.convert(filled, kind, strict=True)

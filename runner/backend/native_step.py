@@ -334,16 +334,15 @@ class NativeStep:
         half = None
         weights = [*matrices, *([head] if head is not None else [])]
         copies_bytes = sum(w.size for w in weights) * 2
-        room = available_memory()
-        if not (functions.half_weights and half_formats):
-            pass
-        elif room is not None and copies_bytes > room * HALF_COPIES_MEMORY_SHARE:
-            log.info(
-                "no half-precision copies of the weights: %d MB would be more than half of "
-                "the %d MB available", copies_bytes >> 20, room >> 20,
-            )  # fmt: skip
-        else:
-            half = _half_copies(functions.narrow, weights, half_formats)
+        if functions.half_weights and half_formats:
+            room = available_memory()
+            if room is not None and copies_bytes > room * HALF_COPIES_MEMORY_SHARE:
+                log.info(
+                    "no half-precision copies of the weights: %d MB would be more than half "
+                    "of the %d MB available", copies_bytes >> 20, room >> 20,
+                )  # fmt: skip
+            else:
+                half = _half_copies(functions.narrow, weights, half_formats)
         # the copies, layer by layer in _PRODUCTS order, then the head's when it has one
         self.half_copies: list[np.ndarray] = []
         if half is not None:

@@ -170,8 +170,8 @@ def prepare_prompt(
         if isinstance(part, str):
             tail_start = len(tokens)
             ids = next(encoded)
-            if index == 0 and add_bos and tokenizer.bos_id is not None:
-                ids = [tokenizer.bos_id, *ids]
+            if index == 0:
+                ids = [*tokenizer.bos(add_bos), *ids]
             tokens += ids
             continue
         source = by_id.get(part)
