@@ -65,8 +65,8 @@ class Backend:
     native_step_max_tokens: int | None
     # backend.native_step: the half-precision formats tried, in order, for exact copies of
     # the float32 weights (a checkpoint stored in float16 or bfloat16), which the step's
-    # products of up to 128 rows and a decode step's head read instead: half the bytes for
-    # the same sums, at half again the weights' memory. Empty: float32 only.
+    # products of up to 128 rows and a decode step's head read instead (as panels): half
+    # the bytes, at half again the weights' memory. Empty: float32 only.
     native_half_formats: tuple[str, ...]
     # cache.session: suffix tokens per batched scoring forward.
     batch_tokens: int

@@ -14,11 +14,14 @@ attention computes them.
 Half-precision copies: a checkpoint stored in float16 or bfloat16 (most are) is computed in
 float32 on the CPU, so its float32 weights hold values that two bytes hold exactly. The step
 keeps copies of its products' weights and of the head in that format when every value
-survives the narrowing bit for bit (`runner_narrow` checks), and products of up to 128 rows
-(and a decode step's head, `unembed`) read them, widening to float32 in registers: the same
-sums in the same order from half the bytes, where a decode step is bound by streaming the
-weights. They cost half again the weights' memory, so they are not made when that would be
-more than half of the memory available.
+survives the narrowing bit for bit (`runner_narrow_panels` checks), and products of up to
+128 rows (and a decode step's head, `unembed`) read them, widening to float32 in registers:
+half the bytes, where a decode step is bound by streaming the weights. The copies are stored
+as panels (16 rows of a weight interleaved) that the products read as sums of outer
+products, with no horizontal sums: a 15-token forward of SmolLM2 0.85x the time of the dot
+products on row-major copies, a decode step 0.75x (docs/DESIGN.md §4). They cost half again
+the weights' memory, so they are not made when that would be more than half of the memory
+available.
 
 It serves Llama and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`, `Qwen3ForCausalLM`):
 RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
@@ -36,8 +39,9 @@ Invariants:
   prefix trie see the same caches on both paths.
 - Numbers: float32 throughout, the same operations as MLX's path in another summation
   order; tests/test_native_step.py compares the two, and every golden test of the two
-  families runs through it. Half copies change no number: with and without them the step's
-  results are equal bit for bit (tested).
+  families runs through it. Half copies change no weight: the step's results with and
+  without them agree to float32 rounding (the panels sum each value in order of k, the same
+  bits for any number of rows; tested).
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class _Functions:
     step: Any
     scratch: Any
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
-    narrow: Any
+    narrow_panels: Any
+    panel_halves: Any
     weight_product: Any
 
 
@@ -151,15 +156,18 @@ def _library() -> _Functions | None:
     try:
         process = ctypes.CDLL(None)
         step, scratch = process.runner_decoder_step, process.runner_step_scratch_floats
-        half, narrow = process.runner_half_weights, process.runner_narrow
+        half, narrow_panels = process.runner_half_weights, process.runner_narrow_panels
+        panel_halves = process.runner_panel_halves
         weight_product = process.runner_weight_product
     except (OSError, AttributeError):
         return None
     step.argtypes = scratch.argtypes = [ctypes.POINTER(_Args)]
     step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
     half.restype = ctypes.c_int
-    narrow.argtypes = [_P, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    narrow.restype = ctypes.c_int
+    narrow_panels.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    narrow_panels.restype = ctypes.c_int
+    panel_halves.argtypes = [ctypes.c_int, ctypes.c_int]
+    panel_halves.restype = ctypes.c_long
     weight_product.argtypes = [
         ctypes.c_int,
         ctypes.c_int,
@@ -170,7 +178,7 @@ def _library() -> _Functions | None:
         _P,
     ]
     weight_product.restype = ctypes.c_int
-    return _Functions(step, scratch, bool(half()), narrow, weight_product)
+    return _Functions(step, scratch, bool(half()), narrow_panels, panel_halves, weight_product)
 
 
 def available_memory() -> int | None:
@@ -192,17 +200,20 @@ HALF_COPIES_MEMORY_SHARE = 0.5
 
 
 def _half_copies(
-    narrow: Any, weights: list[np.ndarray], formats: tuple[str, ...]
+    functions: _Functions, weights: list[np.ndarray], formats: tuple[str, ...]
 ) -> tuple[str, list[np.ndarray]] | None:
-    """Copies of every float32 weight in the first of `formats` that holds all of their
-    values exactly, with its name; None when none does. A checkpoint stored in float16 or
-    bfloat16 (most are) and computed in float32 on the CPU passes; one stored in float32
-    fails at its first inexact value."""
+    """Copies of every float32 weight [n, k] in the first of `formats` that holds all of
+    their values exactly, with its name; None when none does. A checkpoint stored in float16
+    or bfloat16 (most are) and computed in float32 on the CPU passes; one stored in float32
+    fails at its first inexact value. The copies are the dispatch's panels (16 rows of W
+    interleaved, runner/native/sgemm_dispatch.c), which its products read as sums of outer
+    products."""
     for name in formats:
         copies = []
         for w in weights:
-            copy = np.empty(w.shape, np.uint16)
-            if not narrow(_pointer(w), w.size, copy.ctypes.data, HALF_FORMATS[name]):
+            n, k = w.shape
+            copy = np.empty(functions.panel_halves(n, k), np.uint16)
+            if not functions.narrow_panels(_pointer(w), n, k, copy.ctypes.data, HALF_FORMATS[name]):
                 break
             copies.append(copy)
         else:
@@ -323,7 +334,8 @@ class NativeStep:
         # Exact half-precision copies of the products' weights and of the head, when the
         # checkpoint's values allow: decode steps and short forwards read half the bytes.
         self.half_format: str | None = None
-        self._head_half: np.ndarray | None = None
+        self._head_half: np.ndarray | None = None  # panels (`_half_copies`)
+        self._head_vocab = 0
         self._head_bias: np.ndarray | None = None
         head: np.ndarray | None = self._embed
         if "lm_head" in module:
@@ -342,7 +354,7 @@ class NativeStep:
                     "of the %d MB available", copies_bytes >> 20, room >> 20,
                 )  # fmt: skip
             else:
-                half = _half_copies(functions.narrow, weights, half_formats)
+                half = _half_copies(functions, weights, half_formats)
         # the copies, layer by layer in _PRODUCTS order, then the head's when it has one
         self.half_copies: list[np.ndarray] = []
         if half is not None:
@@ -353,7 +365,7 @@ class NativeStep:
                 self.half_format, copies_bytes >> 20,
             )  # fmt: skip
             if head is not None:
-                self._head_half = copies[-1]
+                self._head_half, self._head_vocab = copies[-1], head.shape[0]
             for i, struct in enumerate(structs):
                 for j, name in enumerate(_PRODUCTS):
                     setattr(struct, f"{name}_half", copies[i * len(_PRODUCTS) + j].ctypes.data)
@@ -450,16 +462,16 @@ class NativeStep:
         return mx.array(x).reshape(batch, t, self.hidden)
 
     def unembed(self, hidden: mx.array) -> mx.array | None:
-        """The head's logits of `hidden` [..., H] from its half-precision copy (the same sums
-        as MLX's product, from half the bytes), for up to `HEAD_ROWS` rows; None without a
-        copy or for more rows (MLX's product then)."""
+        """The head's logits of `hidden` [..., H] from its half-precision panels (MLX's
+        product up to float32 rounding, from half the bytes), for up to `HEAD_ROWS` rows;
+        None without a copy or for more rows (MLX's product then)."""
         if self._head_half is None or hidden.dtype != mx.float32 or hidden.shape[-1] != self.hidden:
             return None
         rows = hidden.size // self.hidden
         if not 0 < rows <= HEAD_ROWS:
             return None
         x = np.ascontiguousarray(np.asarray(hidden), dtype=np.float32).reshape(rows, self.hidden)
-        vocab = self._head_half.shape[0]
+        vocab = self._head_vocab
         out = np.empty((rows, vocab), np.float32)
         code = self._weight_product(
             rows, vocab, self.hidden, _pointer(x), self._head_half.ctypes.data,

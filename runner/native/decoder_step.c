@@ -12,9 +12,9 @@
  *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
  *   then the final rms_norm.
  *
- * Weights: float32, and where the caller made them, exact half-precision copies
- * (`*_half`, runner_narrow) that the products of up to BLAS_ROWS rows read instead: the same
- * sums from half the bytes.
+ * Weights: float32, and where the caller made them, exact half-precision copies in panels
+ * (`*_half`, runner_narrow_panels) that the products of up to BLAS_ROWS rows read instead:
+ * float32 sums of the same values, from half the bytes.
  *
  * The step's keys and values are returned in `new_keys` / `new_values`, and also written
  * into the cache where the caller says (`append_keys`: a buffer only the caller holds,
@@ -30,8 +30,8 @@ struct step_layer {
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
     const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
     const float *post_norm, *gate, *up, *down;
-    /* NULL, or the same weights in the step's `half_format` (exact copies: runner_narrow),
-     * which products of up to BLAS_ROWS rows read instead: half the bytes */
+    /* NULL, or the same weights in the step's `half_format` (exact copies in panels:
+     * runner_narrow_panels), which products of up to BLAS_ROWS rows read instead */
     const void *q_half, *k_half, *v_half, *o_half, *gate_half, *up_half, *down_half;
 };
 
@@ -59,15 +59,6 @@ struct step_args {
 
 typedef int vi __attribute__((vector_size(VBYTES)));
 
-/* f in every lane: one broadcast (a loop over the lanes compiles to a chain of inserts). */
-static inline vf splat(float f) { return (vf){0} + f; }
-
-/* *p in every lane, loaded as a broadcast (no register for the zero `splat` adds to). */
-#if defined(__AVX__) && VBYTES == 32
-static inline vf splat_at(const float *p) { return (vf)_mm256_broadcast_ss(p); }
-#else
-static inline vf splat_at(const float *p) { return splat(*p); }
-#endif
 
 static inline vf select_(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
@@ -90,8 +81,6 @@ static inline vf vexp(vf x) {
     const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return y * (vf)e;
 }
-
-static inline void store_vec(float *p, vf v) { *(vf_unaligned *)p = v; }
 
 /* out[n] = x[n] / sqrt(mean(x^2) + eps) * w[n] */
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
@@ -116,8 +105,8 @@ struct weight {
     int format;       /* the copy's */
 };
 
-/* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half copy where there is
- * one: the same sums from half the bytes), the BLAS (which packs) above: SmolLM2 forwards
+/* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half panels where there
+ * are: half the bytes), the BLAS (which packs) above: SmolLM2 forwards
  * after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens 209 against
  * 178-197 ms, 128: 407 against 364. */
 enum { BLAS_ROWS = 128 };
@@ -607,40 +596,4 @@ int runner_weight_product(int m, int n, int k, const float *a, const void *w, in
     const struct product p = {m, n, k, k, k, n, 1.0f, 0.0f, a, w, c, format};
     small_product(&p);
     return 0;
-}
-
-/* dst = src in `format` (W_F16 or W_BF16) when that holds every one of the n values exactly
- * (bit for bit back in float32): returns 1; else 0, dst undefined. */
-int runner_narrow(const float *src, long n, unsigned short *dst, int format) {
-    if (format == W_BF16) {
-        const unsigned *bits = (const unsigned *)src;
-        unsigned low = 0;
-        for (long i = 0; i < n; i++) {
-            low |= bits[i] & 0xffffu;
-            dst[i] = (unsigned short)(bits[i] >> 16);
-        }
-        return low == 0;
-    }
-#if HALF_WEIGHTS
-    if (format != W_F16) return 0;
-    long i = 0;
-    __m256i differ = _mm256_setzero_si256();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(src + i);
-        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128((__m128i *)(dst + i), h);
-        differ = _mm256_or_si256(differ, _mm256_xor_si256(_mm256_castps_si256(v),
-                                                          _mm256_castps_si256(_mm256_cvtph_ps(h))));
-    }
-    int same = _mm256_testz_si256(differ, differ);
-    for (; i < n; i++) {
-        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const float back = _cvtsh_ss(dst[i]);
-        same &= memcmp(&back, src + i, 4) == 0;
-    }
-    return same;
-#else
-    (void)src; (void)n; (void)dst;
-    return 0;
-#endif
 }
