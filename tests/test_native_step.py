@@ -497,3 +497,42 @@ def test_half_panels_products_sum_in_order():
             for i in range(m):  # each row alone: the same bits
                 alone = _panel_product(functions, a[i : i + 1], w, fmt)
                 np.testing.assert_array_equal(alone, c[i : i + 1])
+
+
+def test_trie_restores_write_into_the_steps_own_buffers(pair):
+    """A prefix paged in from the trie (the live state holds another prompt) is copied into
+    the buffers the native step already owns for each live cache (`restore_kv`), not
+    installed as new arrays: the caches keep their buffers, and what the forwards after it
+    compute equals MLX's path over the same requests. Without owned buffers (a model with no
+    native step, or a fresh cache) the install runs as before."""
+    from runner.cache.prefix_cache import PrefixCache
+
+    native, plain = pair
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 300, size=20).tolist()
+    a, b = [*shared, 5, 6, 7], [*shared, 8, 9]
+    results = []
+    restored = []
+    real = native.restore_kv
+    native.restore_kv = lambda *args: restored.append(real(*args)) or restored[-1]
+    for model in (native, plain):
+        cache = PrefixCache(model, name="t")
+        rows = []
+        for prompt in (a, b, [*a, 10], [*b, 11, 12]):  # each after the other: restores
+            with cache.begin(prompt) as session:
+                if prompt == [*a, 10]:  # the live caches hold b: [0, 23) comes from the trie
+                    assert session.offset == len(a)
+                rows.append(np.array(session.last_hidden(lambda: None)))
+            if model is native and prompt == b:  # a short forward: the step's own buffers
+                buffers = [c.keys for c in cache.live.caches]
+        results.append(rows)
+        if model is native:  # the step's buffers survived every restore
+            assert all(c.keys is k for c, k in zip(cache.live.caches, buffers, strict=True))
+    # every layer's cache restored in place, twice (a + [10], then b + [11, 12])
+    assert restored.count(True) == 2 * len(buffers)
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    # a cache the step holds no buffers for is left to the install
+    caches = native.make_caches()
+    assert not real(caches[0], [], 3)

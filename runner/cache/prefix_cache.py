@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from runner.models.base import KVRestorer
+
 from . import trie
 from .budget import ByteBudget
-from .kinds import HIDDEN, Kind, Snap
+from .kinds import HIDDEN, Kind, KVKind, Snap
 from .live import LiveState
 from .session import PREFILL_CHUNK_TOKENS, PrefixSession
 from .trie import Node
@@ -217,6 +219,8 @@ class PrefixCache:
         page snapshots in where it does not."""
         live = len(self.live.tokens)
         shared = trie.common_prefix(self.live.tokens, tokens[:offset]) >= offset
+        # a model that can write KV segments into buffers it owns (the native step's)
+        restore = self.model.restore_kv if isinstance(self.model, KVRestorer) else None
         for slot, (kind, cache) in enumerate(zip(self.kinds, self.live.slots, strict=True)):
             if shared and kind.can_rewind(cache, live, offset):
                 kind.rewind(cache, live, offset)
@@ -225,7 +229,8 @@ class PrefixCache:
                 kind.install(cache, snaps[-1:] if offset else [], offset)
             else:
                 segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
-                kind.install(cache, segments, offset)
+                if not (restore and isinstance(kind, KVKind) and restore(cache, segments, offset)):
+                    kind.install(cache, segments, offset)
         self.live.tokens = list(tokens[:offset])
         mx.eval(*self.live.arrays())
 

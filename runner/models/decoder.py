@@ -200,6 +200,10 @@ class DecoderModel:
                 return hidden
         return self.module.model(tokens, cache=caches)
 
+    def restore_kv(self, cache: Any, segments: list[Any], target: int) -> bool:
+        """`KVRestorer`: into the native step's own buffers for `cache`, where it has them."""
+        return self._native is not None and self._native.restore(cache, segments, target)
+
     def postprocess(self, logits: mx.array) -> mx.array:
         """Element-wise logit post-processing (soft-capping, ...); identity here."""
         return logits
