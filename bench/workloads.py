@@ -47,8 +47,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "small": {"prompt": 48, "new_tokens": 8},
     },
     "requests": {
-        "default": {"rows": 32, "system": 480, "question": 18},
-        "small": {"rows": 6, "system": 64, "question": 12},
+        "default": {"rows": 32, "system": 480, "question": 18, "systems": 1},
+        "small": {"rows": 6, "system": 64, "question": 12, "systems": 1},
     },
 }
 
@@ -163,13 +163,19 @@ def generate(maker: TextMaker, prompt: int, new_tokens: int) -> GenerateWorkload
     return GenerateWorkload("generate", params, text, prompt, new_tokens)
 
 
-def decision_requests(maker: TextMaker, rows: int, system: int, question: int) -> ScoreWorkload:
-    shared = maker.exact(system, head="System:")
+def decision_requests(
+    maker: TextMaker, rows: int, system: int, question: int, systems: int = 1
+) -> ScoreWorkload:
+    """Decision rows sent one request at a time, over `systems` system prompts in turn (row i
+    under prompt i % systems): with more than one, each request's prompt is paged in from a
+    prefix cache rather than continued from the one before."""
+    shared = [maker.exact(system, head="System:") for _ in range(systems)]
     answers = maker.single_tokens(DECISION_ANSWERS[:2])
     one_each = [
-        [Row(shared + _question(maker, question), answers, system + question)] for _ in range(rows)
+        [Row(shared[i % systems] + _question(maker, question), answers, system + question)]
+        for i in range(rows)
     ]
-    params = {"rows": rows, "system": system, "question": question}
+    params = {"rows": rows, "system": system, "question": question, "systems": systems}
     return ScoreWorkload("requests", params, one_each, latency=True)
 
 

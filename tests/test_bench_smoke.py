@@ -336,3 +336,21 @@ def test_vision_decisions_agree_with_transformers(capsys):
     assert "vision decisions: 3 rows, one image" in out
     diff = float(out.split("max|Δlogit|")[1].split()[0])
     assert diff <= 1e-4
+
+
+def test_requests_over_several_system_prompts(model_dir):
+    """`requests.systems=N`: rows under N different system prompts in turn, the same shape
+    otherwise (one row a request, exact token counts); one system prompt by default."""
+    from bench.workloads import QUESTION_HEAD
+
+    encode = load_tokenizer(model_dir).encode
+    overrides = {"requests": {"systems": 3}}
+    (turns,) = build_workloads(["requests"], "small", encode, overrides=overrides)
+    (one,) = build_workloads(["requests"], "small", encode)
+    for variants, n in ((turns, 3), (one, 1)):
+        workload = variants.get(1)
+        systems = [request[0].prompt.split(QUESTION_HEAD)[0] for request in workload.requests]
+        assert len(set(systems)) == n
+        assert all(system == systems[i % n] for i, system in enumerate(systems))
+        size = workload.params["system"] + workload.params["question"]
+        assert all(len(r) == 1 and r[0].tokens == size for r in workload.requests)
