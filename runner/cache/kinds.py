@@ -266,10 +266,11 @@ class HiddenKind(Kind):
         return True
 
     def rewind(self, cache: HiddenRows, offset: int, target: int) -> None:
-        if cache.rows is not None and cache.base <= target <= cache.offset:
-            cache.rows = cache.rows[:, : target - cache.base, :]
-        else:
-            cache.reset(target)
+        # The rows before `target` are dropped, not kept: the prefix cache rewinds only to a
+        # restore point, whose tokens are all in the trie, so its captures start at or past
+        # it (and keeping them cost a copy of every kept row at the next append: ~0.3 ms a
+        # decision request over a 483-token prompt).
+        cache.reset(target)
 
     def install(self, cache: HiddenRows, snaps: list[Snap], target: int) -> None:
         cache.reset(target)  # rows before the restore point are read from the trie, not paged in
