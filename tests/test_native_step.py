@@ -536,3 +536,38 @@ def test_trie_restores_write_into_the_steps_own_buffers(pair):
     # a cache the step holds no buffers for is left to the install
     caches = native.make_caches()
     assert not real(caches[0], [], 3)
+
+
+def test_a_restore_that_fails_halfway_leaves_nothing_half_switched(pair):
+    """A restore from the trie that fails after some layers were switched (here the second
+    layer's copy raises) resets the live state: the request fails, and the next ones compute
+    what a fresh cache computes."""
+    from runner.cache.prefix_cache import PrefixCache
+
+    native, _ = pair
+    rng = np.random.default_rng(8)
+    shared = rng.integers(3, 300, size=20).tolist()
+    a, b = [*shared, 5, 6, 7], [*shared, 8, 9]
+    cache = PrefixCache(native, name="t")
+    for prompt in (a, b):
+        with cache.begin(prompt) as session:
+            session.last_hidden(lambda: None)
+    real, calls = native.restore_kv, []
+
+    def failing(*args: Any) -> bool:
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError("no room")
+        return real(*args)
+
+    native.restore_kv = failing
+    with pytest.raises(MemoryError):
+        cache.begin([*a, 10])  # [0, 23) from the trie: the live state holds b
+    native.restore_kv = real
+    assert cache.live.tokens == []
+    for prompt in ([*a, 10], [*b, 11]):
+        with cache.begin(prompt) as session:
+            got = np.array(session.last_hidden(lambda: None))
+        with PrefixCache(native, name="fresh").begin(prompt) as session:
+            want = np.array(session.last_hidden(lambda: None))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

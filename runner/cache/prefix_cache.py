@@ -221,18 +221,25 @@ class PrefixCache:
         shared = trie.common_prefix(self.live.tokens, tokens[:offset]) >= offset
         # a model that can write KV segments into buffers it owns (the native step's)
         restore = self.model.restore_kv if isinstance(self.model, KVRestorer) else None
-        for slot, (kind, cache) in enumerate(zip(self.kinds, self.live.slots, strict=True)):
-            if shared and kind.can_rewind(cache, live, offset):
-                kind.rewind(cache, live, offset)
-            elif kind.point:
-                snaps = [n.snapshots[slot] for n in path[1:] if n.end == offset]
-                kind.install(cache, snaps[-1:] if offset else [], offset)
-            else:
-                segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
-                if not (restore and isinstance(kind, KVKind) and restore(cache, segments, offset)):
-                    kind.install(cache, segments, offset)
-        self.live.tokens = list(tokens[:offset])
-        mx.eval(*self.live.arrays())
+        try:
+            for slot, (kind, cache) in enumerate(zip(self.kinds, self.live.slots, strict=True)):
+                if shared and kind.can_rewind(cache, live, offset):
+                    kind.rewind(cache, live, offset)
+                elif kind.point:
+                    snaps = [n.snapshots[slot] for n in path[1:] if n.end == offset]
+                    kind.install(cache, snaps[-1:] if offset else [], offset)
+                else:
+                    segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
+                    if not (
+                        restore and isinstance(kind, KVKind) and restore(cache, segments, offset)
+                    ):
+                        kind.install(cache, segments, offset)
+            self.live.tokens = list(tokens[:offset])
+            mx.eval(*self.live.arrays())
+        except BaseException:
+            # some caches switched and others not: `tokens` would describe none of them
+            self.live.reset()
+            raise
 
     def _touch_landing(self, path: list[Node], offset: int) -> None:
         """LRU: only the node the restore landed in counts as used."""
