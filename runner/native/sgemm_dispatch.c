@@ -189,9 +189,9 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
 TILE(tile_2x6, 2, 6, 1, float, load)
 TILE(tile_1x8, 1, 8, 0, float, load)
 
-/* Columns [j0, j1) of C, W in float32 (half formats: panel_columns): RW rows of W at a time (streamed from memory once, the next block
- * fetched while this one is computed from the cache), each against every row of A (from the
- * cache), RA rows at a time.
+/* Columns [j0, j1) of C, W in float32 (the half formats: panel_columns): RW rows of W at a
+ * time (streamed from memory once, the next block fetched while this one is computed from the
+ * cache), each against every row of A (from the cache), RA rows at a time.
  *
  * The block PREFETCH_BLOCKS ahead is prefetched while this one is computed: spread over the
  * row groups of A (several rows), or for one row, where a block is one contiguous run of
@@ -208,7 +208,7 @@ static void columns(const struct product *p, int j0, int j1) {
     }
     const int one = p->m == 1, RA = one ? 1 : 2, RW = one ? 8 : 6;
     const int k = p->k, kv = k - k % VL, groups = (p->m + RA - 1) / RA;
-    const size_t size = p->format == W_F32 ? 4 : 2, row_bytes = (size_t)p->ldw * size;
+    const size_t row_bytes = (size_t)p->ldw * 4;
     const char *base = p->w;
     const int spread = one && p->ldw == k && kv >= VL;
     const int spread_lines = spread ? ceil_div((long)((RW * row_bytes + 63) / 64), kv / VL) : 0;
@@ -220,7 +220,7 @@ static void columns(const struct product *p, int j0, int j1) {
         const char *spread_at = spread && ahead + RW <= j1 ? base + (size_t)ahead * row_bytes : NULL;
         for (int i = 0, g = 0; i < p->m; i += RA, g++) {
             const int ni = p->m - i < RA ? p->m - i : RA;
-            const size_t t0 = (size_t)k * g / groups * size, t1 = (size_t)k * (g + 1) / groups * size;
+            const size_t t0 = (size_t)k * g / groups * 4, t1 = (size_t)k * (g + 1) / groups * 4;
             for (int jj = 0; jj < RW && !spread_at; jj++) {
                 const int row = ahead + jj;
                 if (row >= j1) break;
@@ -277,7 +277,9 @@ static inline void load_panel(int format, const unsigned short *p, vf *lo, vf *h
  * prefetched, spread evenly over the k steps: every step prefetches P lines from the one its
  * share has reached (a 16.16 fixed-point position), so no branch decides when; a line asked
  * for again is already on its way. (Deciding with a branch every few steps measured 48
- * against 87 GFLOP/s without prefetches, one core, 15 rows, hot weights.) */
+ * against 87 GFLOP/s without prefetches, one core, 15 rows, hot weights; even a branch on
+ * whether to prefetch at all, the same at every step, made a 15-token forward 1.15x slower:
+ * GCC then compiles the loop worse.) */
 #define PANEL_TILE(NAME, R, P, FORMAT)                                                           \
     static void NAME(const float *a, long lda, const unsigned short *w, long panel_step, int k, \
                      float *out, long ldo, const char *ahead, int lines) {                     \
