@@ -13,7 +13,12 @@ OpenBLAS alone in the same run.
 
 Settings: `openblas` (OpenBLAS alone, what a runner without a C compiler uses), `dispatch`
 (runner/native/sgemm_dispatch.c ahead of OpenBLAS, as the runner runs), `dispatch-1t` (the
-same on one thread: the kernel's efficiency, less sensitive to a busy second core).
+same on one thread: the kernel's efficiency, less sensitive to a busy second core), `panels`
+and `panels-1t` (the native step's products on exact float16 copies stored as panels,
+`runner_weight_product`: what a checkpoint stored in half precision gets; half the bytes, so
+their GB/s column counts two bytes a weight).
+
+    python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ SHAPES = {
                       (1536, 576), (1536, 576), (576, 1536)], 30),
     "qwen3-0.6b": ([(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048),
                     (3072, 1024), (3072, 1024), (1024, 3072)], 28),
+    "tiny": ([(48, 32), (16, 32), (16, 32), (32, 48), (72, 32), (72, 32), (32, 72)], 2),  # tests
 }  # fmt: skip
-SETTINGS = ("openblas", "dispatch", "dispatch-1t")
+SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
+FLOAT16 = 1  # W_F16 in runner/native/sgemm_dispatch.c
 
 
-def child(shape: str, rows: list[int]) -> dict[str, float]:
+def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]:
     """In a process with the BLAS preloaded: best GFLOP/s per row count."""
     import numpy as np
 
-    sgemm = ctypes.CDLL(None).cblas_sgemm
+    process = ctypes.CDLL(None)
+    sgemm = process.cblas_sgemm
     p = ctypes.c_void_p
     sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, p, ctypes.c_int, p, ctypes.c_int]
     sgemm.argtypes += [ctypes.c_float, p, ctypes.c_int]
@@ -49,6 +57,31 @@ def child(shape: str, rows: list[int]) -> dict[str, float]:
     weights = [
         [rng.standard_normal((n, k), dtype=np.float32) for n, k in products] for _ in range(layers)
     ]
+    if panels:  # float16 values, so their copies are exact; the float32 ones are dropped
+        narrow, product = process.runner_narrow_panels, process.runner_weight_product
+        narrow.argtypes = [p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int]
+        product.argtypes = [ctypes.c_int] * 3 + [p, p, ctypes.c_int, p]
+        process.runner_panel_halves.restype = ctypes.c_long
+        for layer in weights:
+            for i, w in enumerate(layer):
+                w = w.astype(np.float16).astype(np.float32)
+                n, k = w.shape
+                halves = np.empty(process.runner_panel_halves(n, k), np.uint16)
+                if not narrow(w.ctypes.data, n, k, halves.ctypes.data, FLOAT16):
+                    raise SystemExit("a float16 value did not survive the narrowing")
+                layer[i] = (n, k, halves)
+
+        def multiply(m: int, w: object, a: np.ndarray, c: np.ndarray) -> None:
+            n, k, halves = w  # type: ignore[misc]
+            product(m, n, k, a.ctypes.data, halves.ctypes.data, FLOAT16, c.ctypes.data)
+    else:
+
+        def multiply(m: int, w: object, a: np.ndarray, c: np.ndarray) -> None:
+            assert isinstance(w, np.ndarray)
+            n, k = w.shape
+            sgemm(101, 111, 112, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k,
+                  0.0, c.ctypes.data, n)  # fmt: skip
+
     result = {}
     for m in rows:
         a = {k: rng.standard_normal((m, k), dtype=np.float32) for _, k in products}
@@ -57,10 +90,8 @@ def child(shape: str, rows: list[int]) -> dict[str, float]:
         for _ in range(3):
             flops, started = 0.0, time.perf_counter()
             for layer in weights:
-                for w in layer:
-                    n, k = w.shape
-                    sgemm(101, 111, 112, m, n, k, 1.0, a[k].ctypes.data, k, w.ctypes.data, k,
-                          0.0, c[n].ctypes.data, n)  # fmt: skip
+                for w, (n, k) in zip(layer, products, strict=True):
+                    multiply(m, w, a[k], c[n])
                     flops += 2.0 * m * n * k
             best = max(best, flops / (time.perf_counter() - started) / 1e9)
         result[str(m)] = best
@@ -81,10 +112,12 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
         if dispatch is None:
             raise SystemExit("the sgemm dispatch did not build (no C compiler?)")
         env["LD_PRELOAD"] = f"{dispatch}:{library}"
-        if setting == "dispatch-1t":
+        if setting.endswith("-1t"):
             env["RUNNER_BLAS_THREADS"] = "1"
             env["OPENBLAS_NUM_THREADS"] = "1"
+    kind = "panels" if setting.startswith("panels") else "sgemm"
     command = [sys.executable, "-m", "bench.sgemm", "--child", shape, ",".join(map(str, rows))]
+    command.append(kind)
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -92,7 +125,8 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        print(json.dumps(child(argv[1], [int(m) for m in argv[2].split(",")])))
+        panels = argv[3:4] == ["panels"]
+        print(json.dumps(child(argv[1], [int(m) for m in argv[2].split(",")], panels)))
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.sgemm", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -116,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in settings:
             rate = best[s][str(m)]
             ratio = rate / best["openblas"][str(m)] if "openblas" in best else float("nan")
-            streamed = rate / (2 * m) * 4  # GB/s of weights at this rate
+            size = 2 if s.startswith("panels") else 4  # bytes a weight
+            streamed = rate / (2 * m) * size  # GB/s of weights at this rate
             cells.append(f"{rate:6.1f} GF/s {streamed:5.1f} GB/s x{ratio:4.2f}")
         print(f"{m:4d}  " + "".join(f"{c:>26}" for c in cells))
     return 0

@@ -354,3 +354,17 @@ def test_requests_over_several_system_prompts(model_dir):
         assert all(system == systems[i % n] for i, system in enumerate(systems))
         size = workload.params["system"] + workload.params["question"]
         assert all(len(r) == 1 and r[0].tokens == size for r in workload.requests)
+
+
+def test_sgemm_bench_times_the_dispatch_and_the_panels():
+    """`python -m bench.sgemm`'s measurement, in this process (the tests run with the dispatch
+    preloaded): cblas_sgemm and the panel products both time every row count."""
+    from bench import sgemm
+    from runner import blas
+
+    if not blas.dispatch_active():
+        pytest.skip("needs the runner's dispatch library preloaded")
+    for panels in (False, True):
+        rates = sgemm.child("tiny", [1, 3, 15], panels)
+        assert set(rates) == {"1", "3", "15"}
+        assert all(rate > 0 for rate in rates.values())
