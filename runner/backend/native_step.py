@@ -491,7 +491,7 @@ class NativeStep:
         positions; False (nothing changed) otherwise. The prefix cache's install would
         concatenate the segments into a new buffer, which the next forward copies again
         into a buffer of its own (`_grow`): SmolLM2, 498 positions, 30 layers, ~34 ms of
-        fresh memory and MLX's copies, against ~3 ms copied here. Safe as `_grow`'s
+        fresh memory and MLX's copies, against ~5 ms copied here. Safe as `_grow`'s
         buffers are: nothing else holds them (see there), and no forward is in flight
         (the prefix cache settles the live state before it switches)."""
         if type(cache) is not KVCache or target <= 0:
