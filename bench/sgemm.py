@@ -54,31 +54,26 @@ def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]
     sgemm.argtypes += [ctypes.c_float, p, ctypes.c_int]
     products, layers = SHAPES[shape]
     rng = np.random.default_rng(0)
-    weights = [
+    # each layer's operands: float32 weights [n, k], or the panels of float16 values (exact)
+    operands = [
         [rng.standard_normal((n, k), dtype=np.float32) for n, k in products] for _ in range(layers)
     ]
-    if panels:  # float16 values, so their copies are exact; the float32 ones are dropped
+    if panels:
         narrow, product = process.runner_narrow_panels, process.runner_weight_product
         narrow.argtypes = [p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int]
         product.argtypes = [ctypes.c_int] * 3 + [p, p, ctypes.c_int, p]
         process.runner_panel_halves.restype = ctypes.c_long
-        for layer in weights:
-            for i, w in enumerate(layer):
-                w = w.astype(np.float16).astype(np.float32)
-                n, k = w.shape
-                halves = np.empty(process.runner_panel_halves(n, k), np.uint16)
-                if not narrow(w.ctypes.data, n, k, halves.ctypes.data, FLOAT16):
+        for layer in operands:
+            for i, ((n, k), w) in enumerate(zip(products, layer, strict=True)):
+                exact = w.astype(np.float16).astype(np.float32)
+                layer[i] = np.empty(process.runner_panel_halves(n, k), np.uint16)
+                if not narrow(exact.ctypes.data, n, k, layer[i].ctypes.data, FLOAT16):
                     raise SystemExit("a float16 value did not survive the narrowing")
-                layer[i] = (n, k, halves)
 
-        def multiply(m: int, w: object, a: np.ndarray, c: np.ndarray) -> None:
-            n, k, halves = w  # type: ignore[misc]
-            product(m, n, k, a.ctypes.data, halves.ctypes.data, FLOAT16, c.ctypes.data)
-    else:
-
-        def multiply(m: int, w: object, a: np.ndarray, c: np.ndarray) -> None:
-            assert isinstance(w, np.ndarray)
-            n, k = w.shape
+    def multiply(m: int, n: int, k: int, w: np.ndarray, a: np.ndarray, c: np.ndarray) -> None:
+        if panels:
+            product(m, n, k, a.ctypes.data, w.ctypes.data, FLOAT16, c.ctypes.data)
+        else:
             sgemm(101, 111, 112, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k,
                   0.0, c.ctypes.data, n)  # fmt: skip
 
@@ -89,9 +84,9 @@ def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]
         best = 0.0
         for _ in range(3):
             flops, started = 0.0, time.perf_counter()
-            for layer in weights:
-                for w, (n, k) in zip(layer, products, strict=True):
-                    multiply(m, w, a[k], c[n])
+            for layer in operands:
+                for (n, k), w in zip(products, layer, strict=True):
+                    multiply(m, n, k, w, a[k], c[n])
                     flops += 2.0 * m * n * k
             best = max(best, flops / (time.perf_counter() - started) / 1e9)
         result[str(m)] = best

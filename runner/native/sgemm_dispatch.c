@@ -150,9 +150,9 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
  * Measured here on hot weights, one core (peak 96 GFLOP/s): this 2x6 84 GFLOP/s, 2x6 with
  * W held 71, 3x4 84, 4x3 41 (17 registers: spilled). Measured again in the fifth session,
  * the VM's cores at 2.4 GHz (peak 78): 2x6 45-60 GFLOP/s for 8-32 rows, float16 or float32
- * weights alike (reading float16 is not what bounds it). */
-#define TILE(NAME, RA, RW, A_HELD, WT, LOADW)                                              \
-    static void NAME(const float *const *a, const WT *const *w, int kv, float *dot,         \
+ * weights alike (reading float16 is not what bounds it; half copies now go to panel_columns). */
+#define TILE(NAME, RA, RW, A_HELD)                                                        \
+    static void NAME(const float *const *a, const float *const *w, int kv, float *dot,      \
                      const char *ahead, int ahead_lines) {                                 \
         _Static_assert((RA * RW) % 4 == 0, "sums are taken 4 at a time");                  \
         vf acc[RA * RW], zero = {0};                                                       \
@@ -170,13 +170,13 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
                     PIN(x[r]);                                                             \
                 }                                                                          \
                 _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) {                     \
-                    vf y = LOADW(w[b] + t);                                                \
+                    vf y = load(w[b] + t);                                                 \
                     PIN(y);                                                                \
                     _Pragma("GCC unroll 8") for (int r = 0; r < RA; r++) acc[r * RW + b] += x[r] * y; \
                 }                                                                          \
             } else {                                                                       \
                 vf y[RW];                                                                  \
-                _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) y[b] = LOADW(w[b] + t); \
+                _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) y[b] = load(w[b] + t);  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < RA; r++) {                     \
                     const vf x = load(a[r] + t);                                           \
                     _Pragma("GCC unroll 8") for (int b = 0; b < RW; b++) acc[r * RW + b] += x * y[b]; \
@@ -186,8 +186,8 @@ static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
         for (int q = 0; q < RA * RW; q += 4)                                               \
             sum4(dot + q, acc[q], acc[q + 1], acc[q + 2], acc[q + 3]);                     \
     }
-TILE(tile_2x6, 2, 6, 1, float, load)
-TILE(tile_1x8, 1, 8, 0, float, load)
+TILE(tile_2x6, 2, 6, 1)
+TILE(tile_1x8, 1, 8, 0)
 
 /* Columns [j0, j1) of C, W in float32 (the half formats: panel_columns): RW rows of W at a
  * time (streamed from memory once, the next block fetched while this one is computed from the
@@ -214,8 +214,9 @@ static void columns(const struct product *p, int j0, int j1) {
     const int spread_lines = spread ? ceil_div((long)((RW * row_bytes + 63) / 64), kv / VL) : 0;
     for (int j = j0; j < j1; j += RW) {
         const int nj = j1 - j < RW ? j1 - j : RW;
-        const void *w[8];
-        for (int jj = 0; jj < RW; jj++) w[jj] = base + (size_t)(j + (jj < nj ? jj : 0)) * row_bytes;
+        const float *w[8];
+        for (int jj = 0; jj < RW; jj++)
+            w[jj] = (const float *)(base + (size_t)(j + (jj < nj ? jj : 0)) * row_bytes);
         const int ahead = j + PREFETCH_BLOCKS * RW; /* the first row of the block fetched */
         const char *spread_at = spread && ahead + RW <= j1 ? base + (size_t)ahead * row_bytes : NULL;
         for (int i = 0, g = 0; i < p->m; i += RA, g++) {
@@ -231,11 +232,11 @@ static void columns(const struct product *p, int j0, int j1) {
             for (int ii = 0; ii < RA; ii++)
                 a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
             float dot[12];
-            (one ? tile_1x8 : tile_2x6)(a, (const float *const *)w, kv, dot, spread_at, spread_lines);
+            (one ? tile_1x8 : tile_2x6)(a, w, kv, dot, spread_at, spread_lines);
             for (int ii = 0; ii < ni; ii++)
                 for (int jj = 0; jj < nj; jj++) {
                     float d = dot[ii * RW + jj];
-                    for (int t = kv; t < k; t++) d += a[ii][t] * ((const float *)w[jj])[t];
+                    for (int t = kv; t < k; t++) d += a[ii][t] * w[jj][t];
                     store(p, i + ii, j + jj, d);
                 }
         }
@@ -374,34 +375,59 @@ static void panel_columns(const struct product *p, int j0, int j1) {
 /* The panels of W [n, k] in `format`: panel_halves(n, k) halves. */
 long runner_panel_halves(int n, int k) { return (long)ceil_div(n, PANEL) * PANEL * k; }
 
+/* dst[0, n) = src in `format` (W_F16 or W_BF16): 1 when that holds every value exactly (bit
+ * for bit back in float32), else 0. */
+static int narrow_row(const float *src, int n, unsigned short *dst, int format) {
+    if (format == W_BF16) {
+        const unsigned *bits = (const unsigned *)src;
+        unsigned low = 0;
+        for (int i = 0; i < n; i++) {
+            low |= bits[i] & 0xffffu;
+            dst[i] = (unsigned short)(bits[i] >> 16);
+        }
+        return low == 0;
+    }
+    int i = 0;
+    __m256i differ = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(dst + i), h);
+        differ = _mm256_or_si256(differ, _mm256_xor_si256(_mm256_castps_si256(v),
+                                                          _mm256_castps_si256(_mm256_cvtph_ps(h))));
+    }
+    int same = _mm256_testz_si256(differ, differ);
+    for (; i < n; i++) {
+        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const float back = _cvtsh_ss(dst[i]);
+        same &= memcmp(&back, src + i, 4) == 0;
+    }
+    return same;
+}
+
 /* dst = the panels of src [n, k] in `format` (W_F16 or W_BF16) when that holds every one of
  * its values exactly (bit for bit back in float32): returns 1; else 0, dst undefined. */
 int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, int format) {
     if (format != W_F16 && format != W_BF16) return 0;
+    /* Each row narrowed with vectors into `rows` (16 rows, in L1 or L2), then interleaved:
+     * narrowing straight into the panel, one strided value at a time, took ~3 ns a value
+     * (1.8 s of load time for Qwen3-0.6B). */
+    unsigned short *rows = malloc(sizeof(unsigned short) * PANEL * (size_t)k);
+    if (!rows) return 0;
     int same = 1;
-    for (int j0 = 0; j0 < n; j0 += PANEL) {
+    for (int j0 = 0; j0 < n && same; j0 += PANEL) {
         unsigned short *panel = dst + (size_t)(j0 / PANEL) * PANEL * k;
         for (int c = 0; c < PANEL; c++) {
-            const float *row = src + (size_t)(j0 + c) * k;
-            for (int t = 0; t < k; t++) {
-                unsigned short h = 0;
-                if (j0 + c < n) {
-                    const float v = row[t];
-                    if (format == W_BF16) {
-                        unsigned bits;
-                        memcpy(&bits, &v, 4);
-                        h = (unsigned short)(bits >> 16);
-                        same &= (bits & 0xffffu) == 0;
-                    } else {
-                        h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                        const float back = _cvtsh_ss(h);
-                        same &= memcmp(&back, &v, 4) == 0;
-                    }
-                }
-                panel[(size_t)t * PANEL + c] = h;
-            }
+            unsigned short *row = rows + (size_t)c * k;
+            if (j0 + c < n)
+                same &= narrow_row(src + (size_t)(j0 + c) * k, k, row, format);
+            else
+                memset(row, 0, sizeof(unsigned short) * k);
         }
+        for (int t = 0; t < k; t++)
+            for (int c = 0; c < PANEL; c++) panel[(size_t)t * PANEL + c] = rows[(size_t)c * k + t];
     }
+    free(rows);
     return same;
 }
 #else
