@@ -127,10 +127,13 @@ def test_chunks_and_decode_steps_equal_mlx(pair):
 
 
 def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
-    """The native attention takes query rows in blocks of 48, keys in chunks of 128, and the
-    cached positions in up to 16 ranges merged afterwards (runner/native/decoder_step.c):
-    forwards long enough for several of each, with and without cached positions, equal MLX's
-    path. The tiny models have 2 query heads per KV head."""
+    """The native attention (runner/native/decoder_step.c) takes many query rows as row
+    items (blocks of up to 24 rows against all their keys in chunks of 64, online softmax),
+    few rows as split items (blocks of 48 rows, keys in chunks of 128, the cached positions
+    in up to 16 ranges merged afterwards): forwards long enough for several of each, with
+    and without cached positions, equal MLX's path. The tiny models have 2 query heads per
+    KV head, 2 KV heads: 8 tokens make 16 rows a group, 2 split items; 37 tokens 74 rows,
+    4 row blocks a group."""
     for arch in ARCHES:
         backend = Backend.cpu().replace(native_step_max_tokens=512)
         native = load_tiny_model(arch, tmp_path / arch / "a", backend=backend)
@@ -138,12 +141,13 @@ def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
             arch, tmp_path / arch / "b", backend=Backend.cpu().replace(native_step_max_tokens=None)
         )
         native._native = Counting(native._native)
-        prompt = np.random.default_rng(1).integers(3, 300, size=1990).tolist()
+        prompt = np.random.default_rng(1).integers(3, 300, size=1998).tolist()
         a, b = native.make_caches(), plain.make_caches()
-        # 300 tokens on an empty cache (own keys only: 3 chunks, 13 row blocks), 1500 by
-        # MLX's path (> 512), 150 after 1800 cached (2 ranges of 900 cached keys, 7 chunks
-        # each), 37 more, then decode steps (16 ranges of the cached keys)
-        cuts = [0, 300, 1800, 1950, 1987, 1988, 1989, 1990]
+        # 300 tokens on an empty cache (row items: own keys only, 5 causal chunks), 1500 by
+        # MLX's path (> 512), 150 after 1800 cached (row items: 29 chunks), 37 more (row
+        # items), 8 (split items: 8 ranges of the cached keys, 16 rows a block), then
+        # decode steps (split items: 8 ranges)
+        cuts = [0, 300, 1800, 1950, 1987, 1995, 1996, 1997, 1998]
         for start, stop in itertools.pairwise(cuts):
             got = forward(native, a, prompt[start:stop])
             want = forward(plain, b, prompt[start:stop])

@@ -521,6 +521,15 @@ static void parallel(task_fn fn, const void *arg) {
     pthread_mutex_unlock(&callers);
 }
 
+/* The pool's threads, including the caller (starting the pool if it has not started). */
+static int pool_threads(void) {
+    pthread_mutex_lock(&callers);
+    if (threads == 0) start_pool();
+    const int n = threads;
+    pthread_mutex_unlock(&callers);
+    return n;
+}
+
 /* Share `index` of `count` of a product's columns, in whole blocks of W's rows. */
 static void product_share(const void *arg, int index, int count) {
     const struct product *p = arg;
