@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -116,12 +116,10 @@ async def tokenize(request: web.Request) -> web.Response:
 async def score(request: web.Request) -> web.Response:
     endpoint = request.app[SCORE_KEY]
     body = await request.read()
-    loop = asyncio.get_running_loop()
     try:  # decoding a large body takes time: never on the loop (/v1/status must answer)
-        decoded = await loop.run_in_executor(None, decode_score_request, body)
-    except DecodeError as e:
-        raise BadRequest(str(e)) from None
-    plan = await loop.run_in_executor(None, endpoint.prepare, decoded)
+        plan = await _off_loop(decode_score_request, endpoint.prepare, body)
+    except _Undecodable as e:
+        raise BadRequest(str(e.error)) from None
     job = _submit(request, lambda job: endpoint.execute(plan, job))
     with cancelled_on_disconnect(request, job):
         answer = await _outcome(job)
@@ -136,13 +134,36 @@ async def score(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     endpoint = request.app[COMPLETIONS_KEY]
     body = await request.read()
-    loop = asyncio.get_running_loop()
     try:
-        decoded = await loop.run_in_executor(None, decode_completion_request, body)
-    except DecodeError:
+        prepared = await _off_loop(decode_completion_request, endpoint.prepare, body)
+    except _Undecodable:
         raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
-    prepared = await loop.run_in_executor(None, endpoint.prepare, decoded)
     return await stream_jsonl(request, lambda job, emit: endpoint.execute(prepared, job, emit))
+
+
+T = TypeVar("T")
+
+
+class _Undecodable(Exception):
+    """The body did not decode (`error`: the decoder's); raised only by `_off_loop`'s decoding,
+    so a DecodeError from anywhere else is not mistaken for a bad body."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+async def _off_loop(decode: Callable[[bytes], Any], prepare: Callable[[Any], T], body: bytes) -> T:
+    """prepare(decode(body)) in one trip to the executor: each trip is a thread hand-off
+    (~0.3-0.5 ms of a decision request measured, two trips against one)."""
+
+    def run() -> T:
+        try:
+            decoded = decode(body)
+        except DecodeError as e:
+            raise _Undecodable(e) from None
+        return prepare(decoded)
+
+    return await asyncio.get_running_loop().run_in_executor(None, run)
 
 
 _STARTED, _FINISHED = object(), object()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from runner.cache.batch import SharedPrefixKV
@@ -48,6 +49,17 @@ class Snap:
 
 def _own(x: mx.array | None) -> mx.array | None:
     return None if x is None else mx.array(x)
+
+
+def _own_positions(x: mx.array, start: int, end: int) -> mx.array:
+    """x[..., start:end, :] (positions on the second axis from the end) as an array of its
+    own. A live cache's float32 or float16 buffers (evaluated: the live state is settled
+    before it is captured) are copied through numpy's view of them: ~8 us an array against
+    ~15 for MLX's lazy copy evaluated with the others (SmolLM2 stores 61 a request: 0.48
+    against 0.92 ms). Other dtypes (numpy has no bfloat16) take MLX's copy."""
+    if x.dtype in (mx.float32, mx.float16):
+        return mx.array(np.ascontiguousarray(np.asarray(x)[..., start:end, :]))
+    return mx.array(x[..., start:end, :])
 
 
 class Kind:
@@ -105,8 +117,8 @@ class KVKind(Kind):
     def capture(self, cache: KVCache, start: int, end: int) -> Snap | None:
         if end <= start or cache.keys is None:
             return None
-        keys = mx.array(cache.keys[..., start:end, :])
-        values = mx.array(cache.values[..., start:end, :])
+        keys = _own_positions(cache.keys, start, end)
+        values = _own_positions(cache.values, start, end)
         return Snap(start, end, (keys, values))
 
     def can_rewind(self, cache: KVCache, offset: int, target: int) -> bool:
@@ -259,7 +271,7 @@ class HiddenKind(Kind):
     def capture(self, cache: HiddenRows, start: int, end: int) -> Snap | None:
         if end <= start or cache.rows is None or start < cache.base:
             return None
-        rows = mx.array(cache.rows[:, start - cache.base : end - cache.base, :])
+        rows = _own_positions(cache.rows, start - cache.base, end - cache.base)
         return Snap(start, end, (rows,))
 
     def can_rewind(self, cache: HiddenRows, offset: int, target: int) -> bool:
