@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
-from tools.spawned import HTTPStatus, SpawnedRunner, get_json, post_json, post_jsonl
+from tools.spawned import HTTPStatus, KeptConnection, SpawnedRunner, get_json, post_json, post_jsonl
 
 MISSING_ENDPOINT = (404, 405, 501)
 
-__all__ = ["MISSING_ENDPOINT", "HTTPStatus", "SpawnedRunner", "get_json", "post_json", "post_jsonl"]
+__all__ = [
+    "MISSING_ENDPOINT",
+    "HTTPStatus",
+    "KeptConnection",
+    "SpawnedRunner",
+    "get_json",
+    "post_json",
+    "post_jsonl",
+]

@@ -25,7 +25,7 @@ from bench.base import (
     limited,
     mlx_memory_bytes,
 )
-from bench.http import MISSING_ENDPOINT, HTTPStatus, SpawnedRunner, post_json, post_jsonl
+from bench.http import MISSING_ENDPOINT, HTTPStatus, KeptConnection, SpawnedRunner, post_jsonl
 from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
@@ -115,24 +115,29 @@ class OursRows(Ours):
 
 
 def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOutcome:
-    """One POST /v1/score per request; raises Unavailable when the endpoint is missing."""
+    """One POST /v1/score per request, over one kept connection (as a supervisor's client
+    keeps it); raises Unavailable when the endpoint is missing."""
     values: list[list[float | None]] = []
     request_seconds, request_computed = [], []
-    for rows in requests:
-        body = {
-            "rows": [{"prompt": r.prompt, "candidates": list(r.candidates)} for r in rows],
-            "max_tokens": max_tokens,
-        }
-        started = time.perf_counter()
-        try:
-            answer = post_json(url + "/v1/score", body)
-        except HTTPStatus as e:
-            if e.status in MISSING_ENDPOINT:
-                raise Unavailable(str(e)) from None
-            raise
-        request_seconds.append(time.perf_counter() - started)
-        request_computed.append(answer["input_tokens"] - answer.get("cached_tokens", 0))
-        values += answer["logits"]
+    connection = KeptConnection(url)
+    try:
+        for rows in requests:
+            body = {
+                "rows": [{"prompt": r.prompt, "candidates": list(r.candidates)} for r in rows],
+                "max_tokens": max_tokens,
+            }
+            started = time.perf_counter()
+            try:
+                answer = connection.post_json("/v1/score", body)
+            except HTTPStatus as e:
+                if e.status in MISSING_ENDPOINT:
+                    raise Unavailable(str(e)) from None
+                raise
+            request_seconds.append(time.perf_counter() - started)
+            request_computed.append(answer["input_tokens"] - answer.get("cached_tokens", 0))
+            values += answer["logits"]
+    finally:
+        connection.close()
     return ScoreOutcome(
         values,
         len(values),

@@ -23,7 +23,7 @@ import pytest
 from bench.__main__ import parse_args, run
 from bench.base import Context
 from bench.harness import run_system
-from bench.http import SpawnedRunner
+from bench.http import HTTPStatus, KeptConnection, SpawnedRunner
 from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
 from bench.models import SHAPES, load_tokenizer, write_model_dir
 from bench.ours import Ours, OursHTTP
@@ -368,3 +368,48 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         rates = sgemm.child("tiny", [1, 3, 15], panels)
         assert set(rates) == {"1", "3", "15"}
         assert all(rate > 0 for rate in rates.values())
+
+
+def test_kept_connection_posts_over_one_connection():
+    """The bench's HTTP client for score requests keeps one connection for all of them (as a
+    supervisor's client does: a new TCP connection a request cost ~1-3 ms of a decision
+    request), answers a non-2xx with HTTPStatus, and opens a new connection once when the
+    server has dropped the kept one."""
+    connections = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            super().setup()
+            connections.append(self.client_address)
+
+        def do_POST(self):
+            data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = json.dumps({"echo": data}).encode()
+            self.send_response(data.get("status", 200))
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            # "drop": close without saying so, as a server's idle timeout does
+            self.close_connection = bool(data.get("drop"))
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    connection = KeptConnection(f"http://127.0.0.1:{server.server_port}")
+    try:
+        for i in range(5):
+            assert connection.post_json("/v1/score", {"i": i}) == {"echo": {"i": i}}
+        assert len(connections) == 1
+        with pytest.raises(HTTPStatus) as refused:
+            connection.post_json("/v1/score", {"status": 404})
+        assert refused.value.status == 404
+        assert connection.post_json("/v1/score", {"drop": True}) == {"echo": {"drop": True}}
+        assert connection.post_json("/v1/score", {"i": 9}) == {"echo": {"i": 9}}
+        assert len(connections) == 2
+    finally:
+        connection.close()
+        server.shutdown()

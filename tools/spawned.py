@@ -4,12 +4,15 @@
 output in a log file (never a pipe nobody reads), `wait_ready()` polls /v1/status every
 100 ms as the Go supervisor does, `stop()` sends SIGINT and waits. The HTTP helpers use plain
 `urllib` (no event loop to share with MLX) and follow a 307/308 with the same method and
-body, as Go's client does; `HTTPStatus` carries a non-2xx answer.
+body, as Go's client does; `HTTPStatus` carries a non-2xx answer. `KeptConnection` posts a
+series of requests over one kept connection, as a supervisor's client does (the bench's
+per-request latencies).
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -73,6 +76,48 @@ def post_jsonl(url: str, body: Any, timeout: float = REQUEST_TIMEOUT_SECONDS) ->
         for line in response:
             if line.strip():
                 yield json.loads(line)
+
+
+class KeptConnection:
+    """POSTs of JSON over one HTTP/1.1 connection kept open between requests, as a Go
+    supervisor's `http.Client` keeps its connections: `post_json` opens a new TCP
+    connection (and urllib's machinery) for every request, ~1-3 ms of a decision request
+    on the 2-core VM. No redirects; a dropped connection is opened again once."""
+
+    def __init__(self, base_url: str, timeout: float = REQUEST_TIMEOUT_SECONDS):
+        parts = urllib.parse.urlsplit(base_url)
+        self.base_url, self.host, self.port = base_url, parts.hostname, parts.port
+        self.timeout = timeout
+        self._connection: http.client.HTTPConnection | None = None
+
+    def post_json(self, path: str, body: Any) -> Any:
+        data = json.dumps(body).encode()
+        for attempt in (0, 1):
+            if self._connection is None:
+                self._connection = http.client.HTTPConnection(
+                    self.host or "127.0.0.1", self.port, timeout=self.timeout
+                )
+            try:
+                self._connection.request(
+                    "POST", path, body=data, headers={"Content-Type": "application/json"}
+                )
+                response = self._connection.getresponse()
+                answer = response.read()
+            except (ConnectionError, http.client.HTTPException):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if not 200 <= response.status < 300:
+                text = answer.decode(errors="replace")
+                raise HTTPStatus(self.base_url + path, response.status, text)
+            return json.loads(answer)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
