@@ -704,7 +704,9 @@ static void attention(const struct step_args *a, const struct step_cache *cache,
     /* smaller blocks (down to a vector of rows) where they make items enough for the pool */
     const int wanted = ceil_div(enough, (long)a->kv_heads * a->batch);
     if (ri.blocks < wanted) ri.blocks = wanted < own_rows / VL ? wanted : own_rows / VL;
-    if (ri.blocks > 0 && (long)a->kv_heads * a->batch * ri.blocks >= enough) {
+    /* a block of fewer rows than a vector wastes its lanes (a decode step of Qwen3-0.6B: 8
+     * groups of 2 rows, 1.03x the step's time as row items: 11 of 30 pairs faster) */
+    if (own_rows >= VL && (long)a->kv_heads * a->batch * ri.blocks >= enough) {
         /* blocks as even as they divide, in whole rows_times triples */
         ri.block_rows = (int)ceil_div(own_rows, ri.blocks);
         ri.block_rows += (3 - ri.block_rows % 3) % 3;
