@@ -12,6 +12,9 @@ Invariants:
 - An exception in a job is delivered to its awaiter; it never ends the worker.
 - `stop()` cancels the queued and running jobs, then lets the worker exit after the running
   job returns; new submissions fail with `EngineStopped`.
+- After each job's outcome is delivered (its awaiter may already be answering), the hooks
+  (`after_each_job`) run on the worker before the next job: bookkeeping no answer waits for
+  (the prefix caches' stores). A hook's exception is logged and never ends the worker.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -65,6 +69,7 @@ class Engine:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._active: set[Job] = set()
+        self._after: list[weakref.WeakMethod] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -77,6 +82,12 @@ class Engine:
             self._active.add(job)
         self._queue.put(job)
         return job
+
+    def after_each_job(self, hook: Callable[[], None]) -> None:
+        """Run `hook` (a bound method) on the worker after every job, once its outcome is
+        delivered, for as long as its object lives: the engine does not keep a runner's
+        caches alive after the runner is gone (tests load many on one engine)."""
+        self._after.append(weakref.WeakMethod(hook))
 
     def call(self, fn: Callable[[Job], T], timeout: float | None = None) -> T:
         """Run `fn` on the worker and wait for it from a non-loop thread (start-up, tests)."""
@@ -124,6 +135,19 @@ class Engine:
                 if job.loop is not None and job.future is not None:
                     with contextlib.suppress(RuntimeError):  # the loop may be closed
                         job.loop.call_soon_threadsafe(_settle, job)
+            self._run_hooks()
+
+    def _run_hooks(self) -> None:
+        # a function of its own: no local outlives it to keep a hook's object alive
+        self._after = [ref for ref in self._after if ref() is not None]
+        for ref in self._after:
+            hook = ref()
+            if hook is None:
+                continue
+            try:
+                hook()
+            except Exception:
+                log.exception("after-job hook %s failed", getattr(hook, "__qualname__", hook))
 
 
 def _settle(job: Job) -> None:

@@ -69,6 +69,11 @@ class Runner:
             model, name="generate", budget=self.cache_budget, chunk_tokens=chunk
         )
         self.generator = Generator(model, tokenizer, self.generate_cache)
+        for cache in (self.score_cache, self.generate_cache):
+            # a request's answer does not wait for its cache's store: the engine stores
+            # after delivering it, before the next job
+            cache.defer_stores = True
+            engine.after_each_job(cache.settle)
         self.memory = StatusMemory(engine)
 
     @classmethod

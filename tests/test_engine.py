@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -100,3 +101,43 @@ def test_stop_cancels_running_work_and_rejects_new(engine):
     assert isinstance(job.error, Cancelled)
     with pytest.raises(EngineStopped):
         engine.submit(lambda job: None)
+
+
+def test_hooks_run_after_each_job_is_delivered(engine):
+    """`after_each_job`: the job's outcome is delivered before its hooks run (an awaiter may
+    answer while the runner stores), the next job waits for them, a failing hook is logged
+    and the worker goes on, and a hook whose object is gone is dropped."""
+
+    class Bookkeeper:
+        def __init__(self):
+            self.seen = []
+            self.release = threading.Event()
+
+        def after(self):
+            self.seen.append(("hook", jobs[-1].done.is_set()))
+            self.release.wait(5)
+
+    class Failing:
+        def after(self):
+            raise RuntimeError("hook failed")
+
+    keeper, failing = Bookkeeper(), Failing()
+    engine.after_each_job(keeper.after)
+    engine.after_each_job(failing.after)
+    seen, release = keeper.seen, keeper.release
+    jobs = [engine.submit(lambda job: seen.append("first"))]
+    assert jobs[0].done.wait(5)  # delivered while the hook still waits
+    jobs.append(engine.submit(lambda job: seen.append("second")))
+    assert not jobs[1].done.wait(0.2)  # the next job waits for the hooks
+    release.set()
+    assert jobs[1].done.wait(5) and jobs[1].error is None
+    for _ in range(500):  # the hook runs after "second" too (released: no wait)
+        if len(seen) == 4:
+            break
+        time.sleep(0.01)
+    assert seen == ["first", ("hook", True), "second", ("hook", True)]
+    release.clear()
+    del keeper  # its hook goes with it: the next job would wait 5 s on `release`
+    started = time.monotonic()
+    assert engine.call(lambda job: "no hook left") == "no hook left"
+    assert time.monotonic() - started < 2 and len(seen) == 4

@@ -398,3 +398,60 @@ def test_random_requests_match_a_brute_force_oracle(layout):
         fed = [*prompt, *generated[:-1]]
         stored_states.add(tuple(fed))
         fed_sequences.append(fed)
+
+
+def test_deferred_stores_wait_for_settle_and_change_nothing_else(layout):
+    """Invariant 7 with `defer_stores` (the runner's caches): a closed session stores nothing
+    until `settle()` (the engine's after-job hook) or the next entry point, and a run of
+    requests gives the same sessions, the same trie and the same live state as storing at
+    once."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 6) for _ in range(rng.randrange(2, 12))] for _ in range(40)]
+    for scoring in (False, True):  # a scoring cache (hidden rows) or a generation cache
+        _deferred_run_equals_immediate(layout, prompts, scoring)
+
+
+def _deferred_run_equals_immediate(layout, prompts, scoring):
+    runs = []
+    for defer in (False, True):
+        pc, tracker = make(layout, hidden=scoring, limit=4000)
+        pc.defer_stores = defer
+        offsets, waited = [], 0
+        for i, prompt in enumerate(prompts):
+            session = score(pc, prompt) if scoring else generate(pc, prompt, [7, 8])
+            offsets.append(session.offset)
+            reached = trie.match(pc.root, pc.live.tokens)[1] == len(pc.live.tokens)
+            if not defer:
+                assert reached  # stored when the session closed
+            elif i % 3:
+                pc.settle()
+                waited += not reached  # a store waited for settle()...
+                assert trie.match(pc.root, pc.live.tokens)[1] == len(pc.live.tokens)  # ...done
+            if not defer or i % 3:
+                check(pc, tracker)
+        assert waited > 5 or not defer
+        pc.settle()
+        check(pc, tracker)
+        shape = sorted((n.start, n.end) for n in trie.walk(pc.root))
+        runs.append((offsets, shape, list(pc.live.tokens), pc.nbytes))
+    assert runs[0] == runs[1]
+
+
+def test_a_deferred_store_that_fails_empties_the_live_state(layout):
+    pc, tracker = make(layout, hidden=True)
+    pc.defer_stores = True
+    score(pc, [1, 2, 3, 4, 5])
+
+    def broken():
+        raise MemoryError("no room for the snapshots")
+
+    pc.store_live = broken
+    with pytest.raises(MemoryError):
+        pc.settle()
+    assert pc.live.tokens == [] and trie.match(pc.root, [1, 2, 3, 4, 5])[1] == 0
+    del pc.store_live
+    pc.settle()  # nothing waits any more
+    assert score(pc, [1, 2, 3, 4, 5]).offset == 0  # recomputed from nothing, stored
+    pc.settle()
+    check(pc, tracker)
+    assert score(pc, [1, 2, 3, 4, 5]).hidden_row is not None

@@ -23,7 +23,9 @@ Invariants (each tested in tests/test_prefix_cache.py):
    largest; a leaf is removed, a single-child node is merged into its child.
 7. Snapshots are scheduled at branch points (where a request leaves the stored path), at
    offsets the caller asks for (the rows' shared prefix), every `interval` tokens, and at
-   the end of what a session fed.
+   the end of what a session fed: when the session closes, or, with `defer_stores` (the
+   runner's caches), at `settle()`, which the engine calls after the request's answer is
+   delivered and every entry point calls before it reads the trie or the live state.
 """
 
 from __future__ import annotations
@@ -86,6 +88,33 @@ class PrefixCache:
         self.root = Node([], 0, None, len(self.kinds), clock())
         self.nbytes = 0
         self.ops = _Ops(self.kinds)
+        # Whether a closed session's store waits for `settle()` (the engine's after-job
+        # hook: a decision request's answer does not wait ~1.2 ms for its 61 snapshots),
+        # and whether one is waiting.
+        self.defer_stores = False
+        self._unstored = False
+
+    # --- a closed session's store -------------------------------------------------------
+    def session_ended(self) -> None:
+        """A session computed the live state and closed: store it now, or at `settle()`."""
+        if self.defer_stores:
+            self._unstored = True
+        else:
+            self.store_live()
+            self.evict()
+
+    def settle(self) -> None:
+        """Store a closed session's live state if it waits (then evict). Should the store
+        fail, the live state is emptied (as after a failed forward) and the error raised."""
+        if not self._unstored:
+            return
+        self._unstored = False
+        try:
+            self.store_live()
+            self.evict()
+        except BaseException:
+            self.live.reset()
+            raise
 
     # --- begin: restore the longest usable prefix ---------------------------------------
     def begin(
@@ -105,6 +134,7 @@ class PrefixCache:
         capture lands strictly inside an atomic image.
         """
         assert tokens, "a session needs at least one token"
+        self.settle()
         self.live.settle()
         path, matched = trie.match(self.root, tokens)
         n = len(tokens)
@@ -152,7 +182,8 @@ class PrefixCache:
         self, tokens: list[int], path: list[Node] | None = None, matched: int | None = None
     ) -> mx.array | None:
         """The stored final hidden row of the last token when the whole of `tokens` is in the
-        trie with hidden rows (scoring's full hit); changes nothing."""
+        trie with hidden rows (scoring's full hit); changes nothing but a waiting store."""
+        self.settle()
         if self.live.hidden is None:
             return None
         if path is None or matched is None:
@@ -169,6 +200,7 @@ class PrefixCache:
         row i's tokens [start, len) are in row i of the batched caches `batch` and of
         `hidden` [B, L, H]. Edge kinds get their segments; point kinds none (the padded
         batch ran past shorter rows' ends), so these nodes serve full hits and KV restores."""
+        self.settle()
         assert self.live.hidden is not None, "only a cache that keeps hidden rows stores batches"
         # Nodes first, then their segments: a later row may cut the node an earlier row's
         # suffix was stored in (rows sharing more with each other than with the batch), and
@@ -252,6 +284,7 @@ class PrefixCache:
     def store_live(self) -> Node | None:
         """Store the live state as the node ending at the live offset (creating or
         splitting nodes along the way); returns that node."""
+        self._unstored = False  # what a waiting store would store
         self.live.settle()
         offset = len(self.live.tokens)
         if offset == 0:

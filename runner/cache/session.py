@@ -155,8 +155,7 @@ class PrefixSession:
             return
         self.closed = True
         if self.hidden_row is None:  # else nothing was computed
-            self.owner.store_live()
-            self.owner.evict()
+            self.owner.session_ended()
 
     def fail(self) -> None:
         """A forward failed: the live caches may be half-written; store nothing."""
