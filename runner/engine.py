@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import queue
@@ -27,6 +28,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+# imported before any engine starts: its exit handlers are then registered before ours
+# (`_stop_at_exit`), so ours run first
+import mlx.core  # noqa: F401
 
 from .errors import Cancelled
 
@@ -72,6 +77,7 @@ class Engine:
         self._after: list[weakref.WeakMethod] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _stop_at_exit(self)
 
     # --- submission -------------------------------------------------------------------
     def submit(self, fn: Callable[[Job], T], loop: asyncio.AbstractEventLoop | None = None) -> Job:
@@ -148,6 +154,25 @@ class Engine:
                 hook()
             except Exception:
                 log.exception("after-job hook %s failed", getattr(hook, "__qualname__", hook))
+
+
+_running: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _stop_at_exit(engine: Engine) -> None:
+    """Stop `engine` at exit if its owner has not: a worker still inside MLX (a job, or the
+    after-job hooks that run right after an answer) while MLX tears down aborts the process
+    ("terminate called without an active exception"). Registered when an engine starts,
+    after MLX's own exit handlers (they run last to first), so it runs before them."""
+    if not _running:
+        atexit.register(_stop_engines)
+    _running.add(engine)
+
+
+def _stop_engines() -> None:
+    for engine in list(_running):
+        engine.stop(timeout=10)
+    atexit.unregister(_stop_engines)  # a later engine registers again, after MLX's
 
 
 def _settle(job: Job) -> None:

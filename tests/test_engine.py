@@ -1,6 +1,8 @@
 """The MLX worker: one thread, FIFO, errors delivered, cancellation honoured."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -141,3 +143,34 @@ def test_hooks_run_after_each_job_is_delivered(engine):
     started = time.monotonic()
     assert engine.call(lambda job: "no hook left") == "no hook left"
     assert time.monotonic() - started < 2 and len(seen) == 4
+
+
+EXITS_WHILE_A_HOOK_RUNS = """
+import mlx.core as mx
+from runner.engine import Engine
+
+class Store:
+    def after(self):
+        for _ in range(40):
+            mx.eval(mx.matmul(mx.ones((256, 256)), mx.ones((256, 256))))
+
+engine = Engine()
+store = Store()
+engine.after_each_job(store.after)
+assert engine.call(lambda job: 42) == 42
+print("answered")  # and exit at once, the hook still in MLX on the worker
+"""
+
+
+def test_a_process_exiting_while_a_hook_runs_exits_cleanly():
+    """An engine its owner never stopped is stopped at exit before MLX tears down: a worker
+    still inside MLX then aborted the process ("terminate called without an active
+    exception"), which the after-job hooks made likely (they run right after an answer)."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_WHILE_A_HOOK_RUNS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "answered" and "terminate" not in done.stderr
