@@ -19,7 +19,7 @@ import pytest
 
 from runner import blas
 from runner.backend import Backend
-from tests.tiny import load_tiny_model
+from tests.tiny import load_tiny_model, tiny_config
 
 pytestmark = pytest.mark.skipif(
     not blas.dispatch_active(), reason="needs the runner's dispatch library preloaded"
@@ -154,6 +154,48 @@ def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
         assert_caches_equal(a, b)
         assert native._native.taken == len(cuts) - 2
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(48, 8, 2), (80, 4, 1), (128, 8, 4)])
+def test_attention_of_other_head_sizes_equals_mlx(head_dim, heads, kv_heads, tmp_path):
+    """Head sizes past the tiny models' 16: rows of 48 and 80 values end in a one-vector
+    remainder of the 4-vector tiles (and their keys in 3 or 5 cache lines, which the row
+    items prefetch), 128 is Qwen3's. Row items (37 tokens, batched rows of 9 tokens) and
+    split items (2 tokens, decode steps) over a cache of 300 positions equal MLX's path."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    config = tiny_config("LlamaForCausalLM") | {
+        "head_dim": head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+    backend = Backend.cpu().replace(native_step_max_tokens=64)
+    native = load_tiny_model("LlamaForCausalLM", tmp_path / "a", backend=backend, config=config)
+    plain = load_tiny_model(
+        "LlamaForCausalLM",
+        tmp_path / "b",
+        backend=Backend.cpu().replace(native_step_max_tokens=None),
+        config=config,
+    )
+    native._native = Counting(native._native)
+    prompt = np.random.default_rng(2).integers(3, 300, size=342).tolist()
+    a, b = native.make_caches(), plain.make_caches()
+    # 300 by MLX's path (> 64), 37 (row items), 2 (split items), then decode steps
+    for start, stop in itertools.pairwise([0, 300, 337, 339, 340, 341, 342]):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(a, b)
+    assert native._native.taken == 5
+    suffixes = [prompt[i : i + 9] for i in range(0, 36, 9)]  # 4 batched rows over 342
+    rows = []
+    for model, caches in ((native, a), (plain, b)):
+        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+        hidden = forward_suffixes(model, batch, suffixes)
+        mx.eval(hidden)
+        rows.append(np.array(hidden))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+    assert native._native.taken == 6
 
 
 def test_greedy_decode_equals_mlx_token_for_token(pair):
