@@ -37,6 +37,7 @@ from .wire import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUNNER_KEY: web.AppKey[Runner] = web.AppKey("runner", Runner)
 SCORE_KEY: web.AppKey[ScoreEndpoint] = web.AppKey("score", ScoreEndpoint)
@@ -139,9 +140,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     except _Undecodable:
         raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
     return await stream_jsonl(request, lambda job, emit: endpoint.execute(prepared, job, emit))
-
-
-T = TypeVar("T")
 
 
 class _Undecodable(Exception):

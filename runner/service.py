@@ -63,16 +63,16 @@ class Runner:
             keep_hidden=True,
             chunk_tokens=chunk,
             batch_tokens=self.backend.batch_tokens,
+            defer_stores=True,
         )
         self.scorer = Scorer(model, self.score_cache)
         self.generate_cache = PrefixCache(
-            model, name="generate", budget=self.cache_budget, chunk_tokens=chunk
+            model, name="generate", budget=self.cache_budget, chunk_tokens=chunk, defer_stores=True
         )
         self.generator = Generator(model, tokenizer, self.generate_cache)
         for cache in (self.score_cache, self.generate_cache):
-            # a request's answer does not wait for its cache's store: the engine stores
-            # after delivering it, before the next job
-            cache.defer_stores = True
+            # a request's answer does not wait for its cache's store (`defer_stores`): the
+            # engine stores after delivering it, before the next job
             engine.after_each_job(cache.settle)
         self.memory = StatusMemory(engine)
 

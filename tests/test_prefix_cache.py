@@ -29,7 +29,7 @@ class Clock:
         return self.now
 
 
-def make(layout: str, *, hidden=False, limit=1 << 40, interval=8192, chunk=3):
+def make(layout: str, *, hidden=False, limit=1 << 40, interval=8192, chunk=3, defer=False):
     tracker = Tracker()
     model = FakeModel(layout, tracker)
     pc = PrefixCache(
@@ -39,6 +39,7 @@ def make(layout: str, *, hidden=False, limit=1 << 40, interval=8192, chunk=3):
         keep_hidden=hidden,
         interval=interval,
         chunk_tokens=chunk,
+        defer_stores=defer,
         clock=Clock(),
     )
     return pc, tracker
@@ -414,8 +415,7 @@ def test_deferred_stores_wait_for_settle_and_change_nothing_else(layout):
 def _deferred_run_equals_immediate(layout, prompts, scoring):
     runs = []
     for defer in (False, True):
-        pc, tracker = make(layout, hidden=scoring, limit=4000)
-        pc.defer_stores = defer
+        pc, tracker = make(layout, hidden=scoring, limit=4000, defer=defer)
         offsets, waited = [], 0
         for i, prompt in enumerate(prompts):
             session = score(pc, prompt) if scoring else generate(pc, prompt, [7, 8])
@@ -438,8 +438,7 @@ def _deferred_run_equals_immediate(layout, prompts, scoring):
 
 
 def test_a_deferred_store_that_fails_empties_the_live_state(layout):
-    pc, tracker = make(layout, hidden=True)
-    pc.defer_stores = True
+    pc, tracker = make(layout, hidden=True, defer=True)
     score(pc, [1, 2, 3, 4, 5])
 
     def broken():

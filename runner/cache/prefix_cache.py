@@ -73,6 +73,7 @@ class PrefixCache:
         interval: int = SNAPSHOT_INTERVAL_TOKENS,
         chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         batch_tokens: int = BATCH_TOKENS,
+        defer_stores: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.model = model
@@ -91,7 +92,7 @@ class PrefixCache:
         # Whether a closed session's store waits for `settle()` (the engine's after-job
         # hook: a decision request's answer does not wait ~1.2 ms for its 61 snapshots),
         # and whether one is waiting.
-        self.defer_stores = False
+        self.defer_stores = defer_stores
         self._unstored = False
 
     # --- a closed session's store -------------------------------------------------------
