@@ -584,6 +584,39 @@ def test_trie_restores_write_into_the_steps_own_buffers(pair):
     assert not real(caches[0], [], 3)
 
 
+def test_a_restore_copies_only_what_the_live_state_lacks(pair):
+    """The live state holds b = shared + [8, 9]; a + [10] restores [0, 23) from the trie
+    (a = shared + [5, 6, 7]), of which the live caches already hold [0, 20): only [20, 23)
+    is copied. The trie's copy of the shared positions is spoiled (NaN) before the switch,
+    so reading it would spoil the answer; what is computed still equals MLX's path with an
+    intact trie."""
+    from runner.cache.kinds import Snap
+    from runner.cache.prefix_cache import PrefixCache
+
+    native, plain = pair
+    rng = np.random.default_rng(9)
+    shared = rng.integers(3, 300, size=20).tolist()
+    a, b, c = [*shared, 5, 6, 7], [*shared, 8, 9], [*shared, 5, 6, 7, 10]
+    rows = []
+    for model in (native, plain):
+        cache = PrefixCache(model, name="t")
+        for prompt in (a, b):
+            with cache.begin(prompt) as session:
+                session.last_hidden(lambda: None)
+        if model is native:
+            node = cache.root.children[shared[0]]  # the shared prefix, split off by b
+            assert (node.start, node.end) == (0, len(shared))
+            for slot, snap in enumerate(node.snapshots):
+                if snap is not None and len(snap.arrays) == 2:
+                    spoiled = tuple(mx.full(x.shape, float("nan"), x.dtype) for x in snap.arrays)
+                    node.snapshots[slot] = Snap(snap.start, snap.end, spoiled)
+        with cache.begin(c) as session:
+            assert session.offset == len(a)
+            rows.append(np.array(session.last_hidden(lambda: None)))
+    assert np.isfinite(rows[0]).all()
+    np.testing.assert_allclose(rows[0], rows[1], rtol=1e-4, atol=1e-5)
+
+
 def test_a_restore_that_fails_halfway_leaves_nothing_half_switched(pair):
     """A restore from the trie that fails after some layers were switched (here the second
     layer's copy raises) resets the live state: the request fails, and the next ones compute

@@ -484,7 +484,7 @@ class NativeStep:
             out += self._head_bias
         return mx.array(out).reshape(*hidden.shape[:-1], vocab)
 
-    def restore(self, cache: Any, segments: list[Any], target: int) -> bool:
+    def restore(self, cache: Any, segments: list[Any], target: int, kept: int = 0) -> bool:
         """Make `cache` (a plain `KVCache`) hold [0, target) from the trie's KV segments
         (`Snap`s of (keys, values) [1, Hkv, n, D], in order from 0), copied into the buffers
         this step allocated for it, when it still holds them with room for `target`
@@ -493,7 +493,12 @@ class NativeStep:
         into a buffer of its own (`_grow`): SmolLM2, 498 positions, 30 layers, ~34 ms of
         fresh memory and MLX's copies, against ~5 ms copied here. Safe as `_grow`'s
         buffers are: nothing else holds them (see there), and no forward is in flight
-        (the prefix cache settles the live state before it switches)."""
+        (the prefix cache settles the live state before it switches).
+
+        Positions [0, kept) already hold the prefix (the live state shares them with it):
+        only [kept, target) is copied. Decision requests over one system prompt land one
+        token past the live state's when a question starts like an earlier one's; copying
+        the whole prefix for it cost 3-4 ms."""
         if type(cache) is not KVCache or target <= 0:
             return False
         owned = self._room(cache, target)
@@ -502,21 +507,24 @@ class NativeStep:
         parts = [s for s in segments if s.start < target]
         if not parts or parts[0].start != 0 or parts[-1].end < target:
             return False
+        kept = max(0, min(kept, cache.offset, target))
         copies = []  # (destination, source) views, all checked before anything is written
         keys, values = np.asarray(cache.keys), np.asarray(cache.values)
         at = 0
         for snap in parts:
             if snap.start != at:
                 return False
-            at, end = snap.end, min(snap.end, target)
+            at = snap.end
+            start, end = max(snap.start, kept), min(snap.end, target)
             for into, array in zip((keys, values), snap.arrays[:2], strict=True):
                 source = np.asarray(array)
                 if source.dtype != np.float32 or source.shape != (
                     1, self.kv_heads, snap.end - snap.start, self.head_dim
                 ):  # fmt: skip
                     return False
-                kept = source[:, :, : end - snap.start, :]
-                copies.append((into[:, :, snap.start : end, :], kept))
+                if start < end:
+                    kept_part = source[:, :, start - snap.start : end - snap.start, :]
+                    copies.append((into[:, :, start:end, :], kept_part))
         for into, source in copies:
             np.copyto(into, source)
         cache.offset = target

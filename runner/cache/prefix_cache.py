@@ -251,7 +251,8 @@ class PrefixCache:
         """Make the live caches hold tokens[:offset]: rewind where the live state allows,
         page snapshots in where it does not."""
         live = len(self.live.tokens)
-        shared = trie.common_prefix(self.live.tokens, tokens[:offset]) >= offset
+        kept = trie.common_prefix(self.live.tokens, tokens[:offset])  # the live state has these
+        shared = kept >= offset
         # a model that can write KV segments into buffers it owns (the native step's)
         restore = self.model.restore_kv if isinstance(self.model, KVRestorer) else None
         try:
@@ -264,7 +265,9 @@ class PrefixCache:
                 else:
                     segments = [n.snapshots[slot] for n in path[1:] if n.start < offset]
                     if not (
-                        restore and isinstance(kind, KVKind) and restore(cache, segments, offset)
+                        restore
+                        and isinstance(kind, KVKind)
+                        and restore(cache, segments, offset, kept)
                     ):
                         kind.install(cache, segments, offset)
             self.live.tokens = list(tokens[:offset])

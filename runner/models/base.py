@@ -27,11 +27,12 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   the scoring prefix cache with `hidden_rows(tokens)` -> (the last token's hidden row [1, H],
   tokens restored from the cache); that call checks for cancellation between chunks.
 
-- `KVRestorer`: `restore_kv(cache, segments, target)` makes one plain `KVCache` hold
+- `KVRestorer`: `restore_kv(cache, segments, target, kept)` makes one plain `KVCache` hold
   [0, target) from the trie's KV segments (`Snap`s of (keys, values), in order from 0)
   without new buffers, writing them into buffers the model already owns for that cache;
-  False when it cannot (nothing changed: the prefix cache installs them as usual). Equal to
-  `KVKind.install` in what the cache then holds.
+  positions [0, kept) already hold the prefix (the live state shares them) and need not be
+  written. False when it cannot (nothing changed: the prefix cache installs them as usual).
+  Equal to `KVKind.install` in what the cache then holds.
 - `ImageModel`: the model takes images in prompts. `prepare_image(data)` (off the MLX
   thread, deterministic) decodes and preprocesses one image's bytes into the `Expansion` its
   `[img-N]` tag becomes: tokens, and items (token ranges with pixels, causal or atomic),
@@ -98,7 +99,7 @@ class CachedScorer(Protocol):
 
 @runtime_checkable
 class KVRestorer(Protocol):
-    def restore_kv(self, cache: Any, segments: list[Any], target: int) -> bool: ...
+    def restore_kv(self, cache: Any, segments: list[Any], target: int, kept: int) -> bool: ...
 
 
 @runtime_checkable

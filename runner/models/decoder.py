@@ -200,9 +200,9 @@ class DecoderModel:
                 return hidden
         return self.module.model(tokens, cache=caches)
 
-    def restore_kv(self, cache: Any, segments: list[Any], target: int) -> bool:
+    def restore_kv(self, cache: Any, segments: list[Any], target: int, kept: int = 0) -> bool:
         """`KVRestorer`: into the native step's own buffers for `cache`, where it has them."""
-        return self._native is not None and self._native.restore(cache, segments, target)
+        return self._native is not None and self._native.restore(cache, segments, target, kept)
 
     def postprocess(self, logits: mx.array) -> mx.array:
         """Element-wise logit post-processing (soft-capping, ...); identity here."""
