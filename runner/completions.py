@@ -30,7 +30,8 @@ def prepare_completion(
     if request.media:
         prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
     else:  # past the context, only the count: a prompt of millions of tokens is not listed
-        (ids,) = tokenizer.encode_within([request.prompt], context_length)
+        # (a beginning kept from earlier prompts is not tokenized again: runner/tokenizer.py)
+        ((ids, _),) = tokenizer.encode_extended([(request.prompt, [])], context_length)
         bos = tokenizer.bos(tokenizer.add_bos)
         if isinstance(ids, int):
             _too_long(ids + len(bos), context_length)

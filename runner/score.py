@@ -129,21 +129,25 @@ LONG_PROMPT_CHARS_PER_TOKEN = 8
 
 
 def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer, max_tokens: int) -> Prompts:
-    """Every prompt and prompt + candidate tokenized in one parallel batch, except the
-    candidates of long prompts (`LONG_PROMPT_CHARS_PER_TOKEN`): those are tokenized in a
-    second batch, and only for rows before the first that `_row_refusal` refuses (the checks
-    stop there). A million-token prompt is tokenized once, not once more per candidate (~1 s
-    of a core each, and its ids built and freed with the GIL held)."""
+    """Every prompt and prompt + candidate tokenized in one parallel batch
+    (`Tokenizer.encode_extended`: the candidates cost a few words each where the tokenizer
+    allows cuts), except the candidates of long prompts (`LONG_PROMPT_CHARS_PER_TOKEN`):
+    those are tokenized in a second batch, with their prompts again, and only for rows
+    before the first that `_row_refusal` refuses (the checks stop there). A refused
+    million-token prompt is tokenized once, not once more per candidate (~1 s of a core
+    each, and its ids built and freed with the GIL held)."""
     long = LONG_PROMPT_CHARS_PER_TOKEN * max_tokens
     later = [len(row.prompt) > long or len(row.candidates) > MAX_CANDIDATES for row in request.rows]
-    texts: list[str | None] = [row.prompt for row in request.rows]
-    for row, wait in zip(request.rows, later, strict=True):
-        texts += [] if wait else _joined_texts(tokenizer, row.prompt, row.candidates)
     # Past max_tokens + 1 a text can be neither an accepted prompt nor a prompt + one token.
-    encoded = _encode_some(tokenizer, texts, max_tokens + 1)
-    prompts = [ids if isinstance(ids, list) else [] for ids in encoded[: len(request.rows)]]
-    counts = [len(ids) if isinstance(ids, list) else ids or 0 for ids in encoded[: len(prompts)]]
-    joined = iter(encoded[len(request.rows) :])
+    encoded = tokenizer.encode_extended(
+        [
+            (row.prompt, [] if wait else _appended(tokenizer, row.candidates))
+            for row, wait in zip(request.rows, later, strict=True)
+        ],
+        max_tokens + 1,
+    )
+    prompts = [ids if isinstance(ids, list) else [] for ids, _ in encoded]
+    counts = [len(ids) if isinstance(ids, list) else ids for ids, _ in encoded]
     read = len(request.rows)  # rows whose candidates the checks reach
     for i, (row, count) in enumerate(zip(request.rows, counts, strict=True)):
         if _row_refusal(i, row, count, max_tokens) is not None:
@@ -151,32 +155,20 @@ def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer, max_tokens: int) 
             break
     waited = [row for row, wait in zip(request.rows[:read], later, strict=False) if wait]
     second = iter(
-        _encode_some(
-            tokenizer,
-            [t for row in waited for t in _joined_texts(tokenizer, row.prompt, row.candidates)],
-            max_tokens + 1,
+        tokenizer.encode_extended(
+            [(row.prompt, _appended(tokenizer, row.candidates)) for row in waited], max_tokens + 1
         )
     )
-    rows = zip(request.rows, prompts, counts, later, strict=True)
-    for i, (row, tokens, count, wait) in enumerate(rows):
-        source = None if wait and i >= read else second if wait else joined
-        mine = [] if source is None else [next(source) for _ in row.candidates]
+    rows = zip(prompts, counts, later, encoded, strict=True)
+    for i, (tokens, count, wait, (_, joined)) in enumerate(rows):
+        mine = [] if wait and i >= read else next(second)[1] if wait else joined
         yield PreparedPrompt(tokens), count, tokens, functools.partial(list, mine)
 
 
-def _joined_texts(tokenizer: Tokenizer, text: str, candidates: list[str]) -> list[str | None]:
-    """`text` + each candidate to tokenize; None for a candidate longer than any token (it
-    cannot append one, and a candidate of megabytes took seconds to tokenize)."""
-    return [text + c if tokenizer.may_be_one_token(c) else None for c in candidates]
-
-
-def _encode_some(
-    tokenizer: Tokenizer, texts: list[str | None], limit: int | None
-) -> list[list[int] | int | None]:
-    """Each text tokenized (`Tokenizer.encode_within`), in one parallel batch; None where
-    there is no text."""
-    encoded = iter(tokenizer.encode_within([t for t in texts if t is not None], limit))
-    return [None if t is None else next(encoded) for t in texts]
+def _appended(tokenizer: Tokenizer, candidates: list[str]) -> list[str | None]:
+    """Each candidate to append and tokenize; None for one longer than any token (it cannot
+    append one, and a candidate of megabytes took seconds to tokenize)."""
+    return [c if tokenizer.may_be_one_token(c) else None for c in candidates]
 
 
 def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:
@@ -188,8 +180,8 @@ def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageMode
         tail_text = str(split_prompt(row.prompt)[-1])
 
         def joined(row=row, tail_text=tail_text) -> list[list[int] | int | None]:
-            texts = _joined_texts(tokenizer, tail_text, row.candidates)
-            return _encode_some(tokenizer, texts, None)
+            appended = _appended(tokenizer, row.candidates)
+            return tokenizer.encode_extended([(tail_text, appended)], None)[0][1]
 
         yield prompt, len(prompt.tokens), prompt.tokens[prompt.tail_start :], joined
 

@@ -204,7 +204,8 @@ async def test_a_candidate_before_an_overlong_prompt_is_still_checked_first(clie
 
 
 class _CountingTokenizer:
-    """The tokenizer, counting the texts it is asked to encode."""
+    """The tokenizer, counting the texts it is asked to encode (a text and each text +
+    appended string of `encode_extended`)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.texts = tokenizer, []
@@ -212,6 +213,11 @@ class _CountingTokenizer:
     def encode_within(self, texts, limit):
         self.texts += texts
         return self.tokenizer.encode_within(texts, limit)
+
+    def encode_extended(self, items, limit):
+        for text, appended in items:
+            self.texts += [text, *(text + a for a in appended if a is not None)]
+        return self.tokenizer.encode_extended(items, limit)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -239,7 +245,8 @@ def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
         prepare_rows(ScoreRequest(rows=rows, maxtokens=16), counting, 4096, 1 << 20)
     short = ["Is it", "Is it Yes", "Is it No", "Is that", "Is that Yes"]
     assert sorted(counting.texts) == sorted([*short, long_prompt])
-    # Within the limit: one batch for all; the long prompt's candidates in a second batch.
+    # Within the limit: one batch for all; as a long prompt, its candidates in a second
+    # batch, with the prompt again.
     request = ScoreRequest(rows=rows, maxtokens=k)
     counting.texts.clear()
     together = prepare_rows(request, counting, 4096, 1 << 20)
@@ -247,7 +254,7 @@ def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
     monkeypatch.setattr(score, "LONG_PROMPT_CHARS_PER_TOKEN", 1)
     counting.texts.clear()
     apart = prepare_rows(request, counting, 4096, 1 << 20)
-    assert len(counting.texts) == 9
+    assert len(counting.texts) == 9 + 1
     assert [(r.tokens, r.candidates) for r in apart] == [(r.tokens, r.candidates) for r in together]
     assert [len(r.candidates) for r in apart] == [2, 3, 1]
 
