@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .kinds import HiddenRows, Kind, kind_of
 
@@ -120,6 +121,9 @@ def live_arrays(caches: list[Any]) -> list[mx.array]:
                 collect(v)
 
     for cache in caches:
-        if cache is not None:
+        if type(cache) is KVCache:  # its buffers: `state` would slice them (a new array each)
+            if cache.keys is not None:
+                out += (cache.keys, cache.values)
+        elif cache is not None:
             collect(cache.state)
     return out
