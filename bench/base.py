@@ -62,6 +62,11 @@ class GenerateOutcome:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+# Our runner's systems: their cost beyond the arithmetic is the runner's own (Python, HTTP,
+# cache bookkeeping), since their arithmetic runs at MLX's float32 matmul rate measured here.
+RUNNER_SYSTEMS = ("ours", "ours-rows", "ours-http")
+
+
 @dataclass
 class Context:
     model_dir: Path
@@ -71,6 +76,9 @@ class Context:
     baseline_url: str | None = None
     baseline_mode: str = "auto"  # auto | score | completions
     llama_cpp_src: Path | None = None  # holds convert_hf_to_gguf.py (bench/llamacpp.py)
+    # the best float32 matmul rate now (bench/machine.py), measured beside our runner's
+    # latency trials: their own cost is reckoned at the rate of the machine's phase then
+    measure_peak: Callable[[], float | None] | None = None
 
     def load_runner(self) -> Runner:
         """A fresh Runner over the benchmark model: each in-process system has its own, so

@@ -19,7 +19,15 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.base import Context, GenerateOutcome, ScoreOutcome, Skipped, System, Unavailable
+from bench.base import (
+    RUNNER_SYSTEMS,
+    Context,
+    GenerateOutcome,
+    ScoreOutcome,
+    Skipped,
+    System,
+    Unavailable,
+)
 from bench.workloads import Variants, Workload
 
 WARMUP_ROWS = 2
@@ -39,6 +47,7 @@ class Result:
     seconds: float | None = None  # the same, scaled to the whole workload when sampled
     sampled: bool = False
     memory_bytes: int | None = None  # what the system holds after its trials, if it says
+    peak_beside: float | None = None  # the best matmul rate just before and after the trials
     outcome: ScoreOutcome | GenerateOutcome | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # filled in by bench/report.py
 
@@ -78,7 +87,7 @@ def run_system(
                     return results
                 prepared = True
                 setup = time.perf_counter() - started
-            results.append(_run_one(system, variants, repeats, sample_rows, setup))
+            results.append(_run_one(system, variants, repeats, sample_rows, setup, ctx))
         return results
     finally:
         if prepared:
@@ -108,14 +117,28 @@ def _call(system: System, workload: Workload, limit: int | None, warmup: bool) -
 
 
 def _run_one(
-    system: System, variants: Variants, repeats: int, sample_rows: int | None, setup: float | None
+    system: System,
+    variants: Variants,
+    repeats: int,
+    sample_rows: int | None,
+    setup: float | None,
+    ctx: Context,
 ) -> Result:
     workload = variants.get(1)
     result = Result(workload.name, system.name, "ok", setup_seconds=setup)
     result.description = system.description
     limit = sample_rows if system.sampled_ok else None
+    # our runner's own cost per request is reckoned at the matmul rate of these minutes
+    beside = (
+        ctx.measure_peak
+        if system.name in RUNNER_SYSTEMS and getattr(workload, "latency", False)
+        else None
+    )
+    peaks: list[float | None] = []
     try:
         _call(system, variants.get(0), limit, warmup=True)
+        if beside is not None:
+            peaks.append(beside())
         for trial in range(1, repeats + 1):
             started = time.perf_counter()
             outcome = _call(system, variants.get(trial), limit, warmup=False)
@@ -133,6 +156,9 @@ def _run_one(
         traceback.print_exc()
         result.status, result.reason = "error", repr(e)
         return result
+    if beside is not None:
+        peaks.append(beside())
+        result.peak_beside = max((p for p in peaks if p), default=None)
     result.memory_bytes = system.memory_bytes()
     result.measured_seconds = statistics.median(result.trials)
     result.seconds = result.measured_seconds

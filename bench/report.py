@@ -24,15 +24,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.base import GenerateOutcome, ScoreOutcome
+from bench.base import RUNNER_SYSTEMS, GenerateOutcome, ScoreOutcome
 from bench.harness import Result
 from bench.models import Shape
 from bench.workloads import ScoreWorkload, Workload
 
 REFERENCE = {"score": "ours", "generate": "ours-http"}
-# Our runner's systems: their cost beyond the arithmetic is the runner's own (Python, HTTP,
-# cache bookkeeping), since their arithmetic runs at MLX's float32 matmul rate measured here.
-RUNNER_SYSTEMS = ("ours", "ours-rows", "ours-http")
 
 
 def compare_scores(a: ScoreOutcome, ref: ScoreOutcome) -> dict[str, Any]:
@@ -112,7 +109,10 @@ def request_metrics(
     its first rows, when sampled): the first request apart (it stores the shared prompt).
 
     For a latency workload: the median and p95 of the later requests, and for our runner
-    its own cost, the median over later requests of (time - arithmetic at the peak rate).
+    its own cost, the median over later requests of (time - arithmetic at the peak rate):
+    the best rate measured just before and after its trials where the harness measured it
+    (`Result.peak_beside`; this VM's rate moves by a third between phases a few minutes
+    long), else `peak_gflops`, the run's; the own cost at the run's rate is kept too.
     Otherwise (families): the first request's time over the later ones' median."""
     out = r.outcome
     assert isinstance(out, ScoreOutcome)
@@ -129,17 +129,22 @@ def request_metrics(
         return m
     m["later_request_p95_s"] = _percentile(later, 95)
     if r.system in RUNNER_SYSTEMS and peak_gflops:
-        arithmetic = [
+        flops = [
             request_flops(shape, computed, request[0].tokens - computed, len(request[0].candidates))
-            / (peak_gflops * 1e9)
             for request, computed in zip(
                 workload.requests[1 : len(seconds)], out.request_computed[1:], strict=True
             )
         ]
-        m["arithmetic_median_s"] = statistics.median(arithmetic)
-        m["own_median_s"] = statistics.median(
-            [t - a for t, a in zip(later, arithmetic, strict=True)]
-        )
+
+        def own(peak: float) -> tuple[float, float]:
+            arithmetic = [f / (peak * 1e9) for f in flops]
+            times = [t - a for t, a in zip(later, arithmetic, strict=True)]
+            return statistics.median(arithmetic), statistics.median(times)
+
+        m["peak_gflops"] = r.peak_beside or peak_gflops
+        m["arithmetic_median_s"], m["own_median_s"] = own(m["peak_gflops"])
+        if r.peak_beside:
+            m["own_at_run_peak_s"] = own(peak_gflops)[1]
     return m
 
 
@@ -264,6 +269,11 @@ def _notes(workload: Workload, r: Result) -> str:
         notes.append(f"logprobs, centred; coverage {_pct(m.get('coverage'))}")
     if _latency(workload) and m.get("argmax_agree") is not None:
         notes.append(f"argmax {_pct(m['argmax_agree'])}")
+    if "own_at_run_peak_s" in m:
+        notes.append(
+            f"matmul beside its trials {m['peak_gflops']:.0f} GFLOP/s"
+            f" (at the run's: own {_ms(m['own_at_run_peak_s'])} ms)"
+        )
     if "cold_over_warm" in m:
         notes.append(
             f"first request {m['first_request_s']:.3f} s, later {m['later_request_median_s']:.3f}"
@@ -292,8 +302,9 @@ def format_workload(workload: Workload, results: list[Result]) -> list[str]:
     if _latency(workload):
         lines.append(
             "   first s: the first request (stores the shared prompt); median, p95: the later "
-            "requests; arith: their arithmetic at the best float32 matmul rate; own: median "
-            "of (request - arith), the runner's own cost"
+            "requests; arith: their arithmetic at the best float32 matmul rate (measured beside "
+            "the system's trials where noted); own: median of (request - arith), the runner's "
+            "own cost"
         )
     for row in table:
         cells = [row[0].ljust(widths[0])]

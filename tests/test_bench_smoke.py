@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from bench.__main__ import parse_args, run
-from bench.base import Context
+from bench.base import Context, ScoreOutcome
 from bench.harness import run_system
 from bench.http import HTTPStatus, KeptConnection, SpawnedRunner
 from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
@@ -81,6 +81,8 @@ def _assert_latency(section: dict, result: dict, own_cost: bool) -> None:
     if own_cost:
         assert 0 < result["arithmetic_median_s"] < result["later_request_median_s"]
         assert result["own_median_s"] > 0
+        # reckoned at the matmul rate measured beside its trials, the run's rate kept too
+        assert result["peak_gflops"] > 0 and result["own_at_run_peak_s"] > 0
         # later requests reuse the stored system prompt: only their question is computed
         assert max(result["request_computed_tokens"][1:]) <= section["params"]["question"]
     else:
@@ -413,3 +415,28 @@ def test_kept_connection_posts_over_one_connection():
     finally:
         connection.close()
         server.shutdown()
+
+
+def test_own_cost_is_reckoned_at_the_rate_measured_beside_the_trials():
+    """With a matmul rate measured beside the trials, a request's arithmetic is its FLOPs at
+    that rate; the own cost at the run's start rate is kept beside it."""
+    from bench.harness import Result
+    from bench.report import request_flops, request_metrics
+    from bench.workloads import Row, ScoreWorkload
+
+    shape = SHAPES["small"]
+    rows = [[Row("p", (" Yes", " No"), 100)] for _ in range(3)]
+    workload = ScoreWorkload("requests", {}, rows, latency=True)
+    outcome = ScoreOutcome([[0.0, 0.0]] * 3, 3, 130, request_seconds=[0.5, 0.03, 0.05])
+    outcome.request_computed = [100, 15, 15]
+    flops = request_flops(shape, 15, 85, 2)
+    for beside in (None, 20.0):
+        result = Result("requests", "ours", "ok", outcome=outcome, peak_beside=beside)
+        m = request_metrics(workload, result, shape, 40.0)
+        rate = beside or 40.0
+        assert m["peak_gflops"] == rate
+        assert math.isclose(m["arithmetic_median_s"], flops / (rate * 1e9))
+        assert math.isclose(m["own_median_s"], 0.04 - flops / (rate * 1e9))
+        assert ("own_at_run_peak_s" in m) == (beside is not None)
+        if beside:
+            assert math.isclose(m["own_at_run_peak_s"], 0.04 - flops / 40e9)
