@@ -530,9 +530,9 @@ static int pool_threads(void) {
     return n;
 }
 
-/* Share `index` of `count` of a product's columns, in whole blocks of W's rows. */
-static void product_share(const void *arg, int index, int count) {
-    const struct product *p = arg;
+/* The columns [*j0, *j1) of share `index` of `count` of a product: whole blocks of W's rows,
+ * the same for any two products of one shape and weight format. */
+static void share_columns(const struct product *p, int index, int count, int *j0, int *j1) {
 #if HALF_WEIGHTS
     const int rw = p->format != W_F32 ? panel_block(p) : p->m == 1 ? 8 : 6;
 #else
@@ -540,9 +540,16 @@ static void product_share(const void *arg, int index, int count) {
 #endif
     const int blocks = (p->n + rw - 1) / rw, per = blocks / count, extra = blocks % count;
     const int first = index * per + (index < extra ? index : extra);
-    const int j0 = first * rw;
-    int j1 = (first + per + (index < extra ? 1 : 0)) * rw;
-    if (j1 > p->n) j1 = p->n;
+    *j0 = first * rw;
+    *j1 = (first + per + (index < extra ? 1 : 0)) * rw;
+    if (*j1 > p->n) *j1 = p->n;
+}
+
+/* Share `index` of `count` of a product's columns. */
+static void product_share(const void *arg, int index, int count) {
+    const struct product *p = arg;
+    int j0, j1;
+    share_columns(p, index, count, &j0, &j1);
     if (j0 < j1) columns(p, j0, j1);
 }
 
