@@ -460,7 +460,7 @@ class NativeStep:
                 c.offset = offset + t
             else:
                 c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
-        return mx.array(x).reshape(batch, t, self.hidden)
+        return mx.array(x.reshape(batch, t, self.hidden))  # evaluated: nothing left to schedule
 
     def unembed(self, hidden: mx.array) -> mx.array | None:
         """The head's logits of `hidden` [..., H] from its half-precision panels (MLX's

@@ -61,7 +61,7 @@ class LiveState:
         assert not self._pending, "settle decode steps before feeding"
         try:
             if media is None:
-                hidden = self._forward(mx.array(tokens, dtype=mx.int32)[None])
+                hidden = self._forward(mx.array([tokens], dtype=mx.int32))
             else:
                 start = len(self.tokens)
                 ids, blocks = media.inputs(start, start + len(tokens))
