@@ -59,6 +59,9 @@ SPLIT_PATTERNS = frozenset((LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN))
 _ALSO_SPACE = frozenset("\u180e\u200b\u2060\ufeff")
 HEADS = 8  # prompt beginnings kept
 SEARCH_LIMIT = 4096  # characters searched back for a cut
+# Characters of a prompt kept to find what later prompts share (and so the longest kept
+# beginning): 8 recent prompts of a 64 MiB body would otherwise hold up to 2 GiB.
+KEEP_CHARS = 1 << 20
 
 
 def _splits_at_cuts(step: Any) -> bool | None:
@@ -211,10 +214,11 @@ class Heads:
         """The most characters `text` begins with alike with one of the last prompts seen
         (prompts under several system prompts in turn each find theirs); `text` is the
         newest seen now."""
+        kept = text[:KEEP_CHARS]
         with self._lock:
             recent = self._recent
-            self._recent = [text, *recent[: self.size - 1]]
-        return max((common_prefix_length(text, r) for r in recent), default=0)
+            self._recent = [kept, *recent[: self.size - 1]]
+        return max((common_prefix_length(kept, r) for r in recent), default=0)
 
     def add(self, head: str, ids: list[int]) -> None:
         with self._lock:

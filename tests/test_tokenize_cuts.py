@@ -300,3 +300,20 @@ def test_the_default_models_tokenizer_allows_cuts_and_they_hold(default_model_di
             if rule.is_cut(text, m):
                 parts = hf.encode_batch_fast([text[:m], text[m:]], add_special_tokens=False)
                 assert parts[0].ids + parts[1].ids == whole, (text, m)
+
+
+def test_what_is_kept_of_a_prompt_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first KEEP_CHARS characters of a prompt are kept to find shared beginnings:
+    a long shared beginning is kept up to there, and tokenizing still gives the same ids."""
+    from runner import tokenize_cuts
+
+    monkeypatch.setattr(tokenize_cuts, "KEEP_CHARS", 40)
+    tokenizer, reference = Tokenizer(PIPELINES["gpt2"]()), Tokenizer(PIPELINES["gpt2"]())
+    system = "one two three four five six seven eight nine ten eleven twelve "
+    for question in ("Is it? Answer:", "Was it? Answer:", "Will it be? Answer:"):
+        ((ids, _),) = tokenizer.encode_extended([(system + question, [])], None)
+        assert ids == reference.encode(system + question)
+    heads = tokenizer._heads
+    assert heads is not None
+    assert all(len(r) <= 40 for r in heads._recent) and len(heads._recent) == 3
+    assert heads._heads and all(len(head) <= 40 for head, _ in heads._heads)
