@@ -272,9 +272,10 @@ class _Plan:
         before = len(self.head) + sum(lengths[: self.middle])
         totals = [before + length for length in lengths[self.middle :]]
         fits = [limit is None or total <= limit for total in totals]
+        listed = any(fits)
         ids: list[list[int]] = []  # the middle pieces' ids, when any text is listed
         for i in range(at, at + self.middle):
-            if any(fits):
+            if listed:
                 ids.append(encodings[i].ids)
             encodings[i] = None
         prefix = [*self.head, *(t for piece in ids for t in piece)]

@@ -53,17 +53,16 @@ def _own(x: mx.array | None) -> mx.array | None:
 
 def _own_positions(x: mx.array, start: int, end: int) -> mx.array:
     """x[..., start:end, :] (positions on the second axis from the end) as an array of its
-    own. A live cache's float32 or float16 buffers (evaluated: the live state is settled
-    before it is captured) are copied through numpy's view of them: ~8 us an array against
-    ~15 for MLX's lazy copy evaluated with the others (SmolLM2 stores 61 a request: 0.48
-    against 0.92 ms). Other dtypes (numpy has no bfloat16) take MLX's copy."""
+    own (`_own_slice`; a live state is settled, so evaluated, before it is captured)."""
     return _own_slice(x, x.ndim - 2, slice(start, end))
 
 
 def _own_slice(x: mx.array, axis: int, which: slice) -> mx.array:
-    """x sliced along `axis` as an array of its own: through numpy's view for an evaluated
-    float32 or float16 array (no MLX graph to schedule and evaluate: splitting a node's 61
-    snapshots took ~6 ms, an evaluation each), MLX's copy otherwise."""
+    """x sliced along `axis` as an array of its own. A float32 or float16 array is copied
+    through numpy's view of it (evaluating it if it is not): ~8 us an array against ~15 for
+    MLX's lazy copy evaluated with the others (SmolLM2 stores 61 a request: 0.48 against
+    0.92 ms), and a trie split's snapshots no longer take an MLX evaluation each (~6 ms a
+    node). Other dtypes (numpy has no bfloat16) take MLX's copy."""
     index = [slice(None)] * x.ndim
     index[axis] = which
     if x.dtype in (mx.float32, mx.float16):
