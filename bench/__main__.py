@@ -212,6 +212,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         info = machine.describe()
         rates = machine.matmul_rates(engine, args.size)
         ctx.measure_peak = lambda: machine.peak_gflops(machine.matmul_rates(engine, args.size))
+        ctx.probe_rate = machine.RateProbe(engine, args.size)
         params = shape.params(embedding=False)
         header = [*machine.format_machine(info, rates), described]
         print("\n".join(header), flush=True)

@@ -10,6 +10,7 @@ up to the whole workload, which is then exact up to noise.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ class ScoreOutcome:
     # one request per row): per-request latency and the runner's own cost (bench/report.py).
     request_seconds: list[float] = field(default_factory=list)
     request_computed: list[int] = field(default_factory=list)
+    # Where the harness probed the matmul rate between requests (`System.rate_probe`): the
+    # better of the rates just before and just after each request, in GFLOP/s.
+    request_rates: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Context:
     # the best float32 matmul rate now (bench/machine.py), measured beside our runner's
     # latency trials: their own cost is reckoned at the rate of the machine's phase then
     measure_peak: Callable[[], float | None] | None = None
+    # the float32 matmul rate at this moment, in a few tens of milliseconds (bench/machine.py
+    # `RateProbe`): taken between our runner's requests of a latency workload
+    probe_rate: Callable[[], float | None] | None = None
 
     def load_runner(self) -> Runner:
         """A fresh Runner over the benchmark model: each in-process system has its own, so
@@ -94,6 +101,10 @@ class System:
     one_by_one = False
     sampled_ok = False
     fresh_per_workload = False
+    # Set by the harness on our runner's systems for a latency workload's timed trials: the
+    # float32 matmul rate now (GFLOP/s), to be taken before the first request and after each
+    # one, outside its timed span (`RateProbes`).
+    rate_probe: Callable[[], float | None] | None = None
 
     def prepare(self, ctx: Context) -> None:
         """Load or start; raise Skipped when the system cannot run on this machine."""
@@ -114,6 +125,28 @@ class System:
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         raise NotImplementedError
+
+
+class RateProbes:
+    """The matmul rate probed around each request of a trial, when `probe` is set: this VM's
+    rate moves by a third between phases that last from seconds to minutes, so a request's
+    own cost is reckoned at the rate of its own moment (bench/report.py)."""
+
+    def __init__(self, probe: Callable[[], float | None] | None) -> None:
+        self.probe = probe
+        self.rates: list[float | None] = [probe()] if probe else []
+
+    def after_request(self) -> None:
+        if self.probe:
+            self.rates.append(self.probe())
+
+    def around(self) -> list[float]:
+        """The better of the rates before and after each request; empty unless every probe
+        gave one."""
+        rates = [r for r in self.rates if r is not None]
+        if len(rates) < 2 or len(rates) < len(self.rates):
+            return []
+        return [max(a, b) for a, b in itertools.pairwise(rates)]
 
 
 def limited(requests: list[list[Row]], limit: int | None) -> list[Row]:

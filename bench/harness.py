@@ -140,8 +140,13 @@ def _run_one(
         if beside is not None:
             peaks.append(beside())
         for trial in range(1, repeats + 1):
+            # probes between requests add to the trial's wall time, not to its requests'
+            system.rate_probe = ctx.probe_rate if beside is not None else None
             started = time.perf_counter()
-            outcome = _call(system, variants.get(trial), limit, warmup=False)
+            try:
+                outcome = _call(system, variants.get(trial), limit, warmup=False)
+            finally:
+                system.rate_probe = None
             result.trials.append(time.perf_counter() - started)
             result.outcome = result.outcome or outcome
             log(

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 from bench.base import (
     Context,
     GenerateOutcome,
+    RateProbes,
     ScoreOutcome,
     System,
     Unavailable,
@@ -82,10 +84,12 @@ class Ours(System):
         values: list[list[float | None]] = []
         request_seconds, request_computed = [], []
         prepare_seconds = 0.0
+        probes = RateProbes(self.rate_probe)
         for rows in requests:
             started = time.perf_counter()
             logits, tokens, seconds = self._score_one(rows)
             request_seconds.append(time.perf_counter() - started)
+            probes.after_request()
             request_computed.append(tokens)
             values += logits
             prepare_seconds += seconds
@@ -96,6 +100,7 @@ class Ours(System):
             notes={"prepare_s": round(prepare_seconds, 4)},
             request_seconds=request_seconds,
             request_computed=request_computed,
+            request_rates=probes.around(),
         )
 
 
@@ -114,12 +119,19 @@ class OursRows(Ours):
         return super().score([[row] for row in rows], None)
 
 
-def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOutcome:
+def http_score(
+    url: str,
+    requests: list[list[Row]],
+    max_tokens: int,
+    rate_probe: Callable[[], float | None] | None = None,
+) -> ScoreOutcome:
     """One POST /v1/score per request, over one kept connection (as a supervisor's client
-    keeps it); raises Unavailable when the endpoint is missing."""
+    keeps it); raises Unavailable when the endpoint is missing. `rate_probe`: see
+    `RateProbes`."""
     values: list[list[float | None]] = []
     request_seconds, request_computed = [], []
     connection = KeptConnection(url)
+    probes = RateProbes(rate_probe)
     try:
         for rows in requests:
             body = {
@@ -134,6 +146,7 @@ def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOut
                     raise Unavailable(str(e)) from None
                 raise
             request_seconds.append(time.perf_counter() - started)
+            probes.after_request()
             request_computed.append(answer["input_tokens"] - answer.get("cached_tokens", 0))
             values += answer["logits"]
     finally:
@@ -144,6 +157,7 @@ def http_score(url: str, requests: list[list[Row]], max_tokens: int) -> ScoreOut
         sum(request_computed),
         request_seconds=request_seconds,
         request_computed=request_computed,
+        request_rates=probes.around(),
     )
 
 
@@ -212,7 +226,7 @@ class OursHTTP(System):
         return self.process.memory_bytes()
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
-        return http_score(self.process.url, requests, self.ctx.max_tokens)
+        return http_score(self.process.url, requests, self.ctx.max_tokens, self.rate_probe)
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         return http_generate(self.process.url, workload, new_tokens)

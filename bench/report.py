@@ -109,10 +109,12 @@ def request_metrics(
     its first rows, when sampled): the first request apart (it stores the shared prompt).
 
     For a latency workload: the median and p95 of the later requests, and for our runner
-    its own cost, the median over later requests of (time - arithmetic at the peak rate):
-    the best rate measured just before and after its trials where the harness measured it
-    (`Result.peak_beside`; this VM's rate moves by a third between phases a few minutes
-    long), else `peak_gflops`, the run's; the own cost at the run's rate is kept too.
+    its own cost, the median over later requests of (time - arithmetic at the matmul rate):
+    the rate probed just around each request where the harness probed it
+    (`ScoreOutcome.request_rates`; this VM's rate moves by a third between phases that last
+    from seconds to minutes), else the best rate measured just before and after its trials
+    (`Result.peak_beside`), else `peak_gflops`, the run's; the own cost at the rates the
+    finer measure replaced is kept too.
     Otherwise (families): the first request's time over the later ones' median."""
     out = r.outcome
     assert isinstance(out, ScoreOutcome)
@@ -136,15 +138,20 @@ def request_metrics(
             )
         ]
 
-        def own(peak: float) -> tuple[float, float]:
-            arithmetic = [f / (peak * 1e9) for f in flops]
+        def own(rates: list[float]) -> tuple[float, float]:
+            arithmetic = [f / (rate * 1e9) for f, rate in zip(flops, rates, strict=True)]
             times = [t - a for t, a in zip(later, arithmetic, strict=True)]
             return statistics.median(arithmetic), statistics.median(times)
 
         m["peak_gflops"] = r.peak_beside or peak_gflops
-        m["arithmetic_median_s"], m["own_median_s"] = own(m["peak_gflops"])
+        m["arithmetic_median_s"], m["own_median_s"] = own([m["peak_gflops"]] * len(flops))
         if r.peak_beside:
-            m["own_at_run_peak_s"] = own(peak_gflops)[1]
+            m["own_at_run_peak_s"] = own([peak_gflops] * len(flops))[1]
+        if len(out.request_rates) == len(seconds):
+            rates = out.request_rates[1:]
+            m["own_beside_trials_s"] = m["own_median_s"]
+            m["arithmetic_median_s"], m["own_median_s"] = own(rates)
+            m["request_gflops"] = (min(rates), statistics.median(rates), max(rates))
     return m
 
 
@@ -269,6 +276,13 @@ def _notes(workload: Workload, r: Result) -> str:
         notes.append(f"logprobs, centred; coverage {_pct(m.get('coverage'))}")
     if _latency(workload) and m.get("argmax_agree") is not None:
         notes.append(f"argmax {_pct(m['argmax_agree'])}")
+    if "request_gflops" in m:
+        low, median, high = m["request_gflops"]
+        notes.append(
+            f"own ms at the matmul rate around each request: {median:.0f} GFLOP/s"
+            f" ({low:.0f}-{high:.0f}); at the best beside its trials ({m['peak_gflops']:.0f}):"
+            f" own {_ms(m['own_beside_trials_s'])} ms"
+        )
     if "own_at_run_peak_s" in m:
         notes.append(
             f"matmul beside its trials {m['peak_gflops']:.0f} GFLOP/s"
@@ -332,6 +346,8 @@ def result_json(r: Result) -> dict[str, Any]:
     elif isinstance(r.outcome, ScoreOutcome):
         out["request_seconds"] = r.outcome.request_seconds
         out["request_computed_tokens"] = r.outcome.request_computed
+        if r.outcome.request_rates:
+            out["request_gflops"] = r.outcome.request_rates
     return out
 
 

@@ -81,8 +81,12 @@ def _assert_latency(section: dict, result: dict, own_cost: bool) -> None:
     if own_cost:
         assert 0 < result["arithmetic_median_s"] < result["later_request_median_s"]
         assert result["own_median_s"] > 0
-        # reckoned at the matmul rate measured beside its trials, the run's rate kept too
+        # reckoned at the matmul rate probed around each request; the rate beside its
+        # trials and the run's rate kept too
+        rates = result["request_gflops"]
+        assert len(rates) == timed and all(rate > 0 for rate in rates)
         assert result["peak_gflops"] > 0 and result["own_at_run_peak_s"] > 0
+        assert "own_beside_trials_s" in result
         # later requests reuse the stored system prompt: only their question is computed
         assert max(result["request_computed_tokens"][1:]) <= section["params"]["question"]
     else:
@@ -440,3 +444,88 @@ def test_own_cost_is_reckoned_at_the_rate_measured_beside_the_trials():
         assert ("own_at_run_peak_s" in m) == (beside is not None)
         if beside:
             assert math.isclose(m["own_at_run_peak_s"], 0.04 - flops / 40e9)
+
+
+def test_own_cost_is_reckoned_at_the_rate_probed_around_each_request():
+    """Probed rates around each request replace the rate beside the trials: a request's
+    arithmetic is its FLOPs at the better of the probes just before and after it."""
+    from bench.base import RateProbes
+    from bench.harness import Result
+    from bench.report import request_flops, request_metrics
+    from bench.workloads import Row, ScoreWorkload
+
+    shape = SHAPES["small"]
+    rows = [[Row("p", (" Yes", " No"), 100)] for _ in range(4)]
+    workload = ScoreWorkload("requests", {}, rows, latency=True)
+    probes = iter([5.0, 10.0, 40.0, 20.0, 30.0])
+
+    around = RateProbes(lambda: next(probes))
+    for _ in range(4):
+        around.after_request()
+    assert around.around() == [10.0, 40.0, 40.0, 30.0]
+    seconds = [0.5, 0.03, 0.05, 0.04]
+    outcome = ScoreOutcome([[0.0, 0.0]] * 4, 4, 145, request_seconds=seconds)
+    outcome.request_computed = [100, 15, 15, 15]
+    outcome.request_rates = around.around()
+    flops = request_flops(shape, 15, 85, 2)
+    m = request_metrics(workload, Result("requests", "ours", "ok", outcome=outcome), shape, 50.0)
+    own = sorted(
+        t - flops / (rate * 1e9) for t, rate in zip(seconds[1:], [40.0, 40.0, 30.0], strict=True)
+    )
+    assert math.isclose(m["own_median_s"], own[1])
+    assert math.isclose(m["arithmetic_median_s"], flops / 40e9)
+    assert m["request_gflops"] == (30.0, 40.0, 40.0)
+    assert math.isclose(m["own_beside_trials_s"], 0.04 - flops / 50e9)  # at the run's rate
+
+
+def test_rate_probes_give_nothing_unless_every_probe_measured():
+    from bench.base import RateProbes
+
+    assert RateProbes(None).around() == []
+    values = iter([10.0, None, 12.0])
+    probes = RateProbes(lambda: next(values))
+    probes.after_request()
+    probes.after_request()
+    assert probes.around() == []
+
+
+def test_harness_probes_only_our_latency_trials(model_dir, bench_engine, tmp_path):
+    """The harness hands the rate probe to our runner's systems for a latency workload's
+    timed trials only (not the warm-up, not other workloads, not other systems), and takes
+    it back even when a trial fails."""
+    from bench.base import System
+    from bench.harness import _run_one
+
+    tokenizer = load_tokenizer(model_dir)
+    workloads = {
+        v.name: v for v in build_workloads(["requests", "decisions"], "small", tokenizer.encode)
+    }
+    ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context)
+    ctx.probe_rate = lambda: 1.0
+    ctx.measure_peak = lambda: 2.0
+    seen: list[tuple[str, bool]] = []
+
+    class Probed(System):
+        name = "ours"
+        fail = False
+
+        def score(self, requests, limit):
+            seen.append((len(requests), self.rate_probe is not None))
+            if self.fail and len(requests) > 1:
+                raise RuntimeError("boom")
+            return ScoreOutcome([[0.0, 0.0]], 1, 1, request_seconds=[0.1])
+
+    system = Probed()
+    _run_one(system, workloads["requests"], 2, None, None, ctx)
+    assert [probed for _, probed in seen] == [False, True, True]  # warm-up unprobed
+    seen.clear()
+    _run_one(system, workloads["decisions"], 1, None, None, ctx)
+    assert [probed for _, probed in seen] == [False, False]  # not a latency workload
+    seen.clear()
+    other = Probed()
+    other.name = "llama.cpp-f32"
+    _run_one(other, workloads["requests"], 1, None, None, ctx)
+    assert [probed for _, probed in seen] == [False, False]
+    system.fail = True
+    result = _run_one(system, workloads["requests"], 1, None, None, ctx)
+    assert result.status == "error" and system.rate_probe is None
