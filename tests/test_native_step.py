@@ -39,6 +39,28 @@ needs_half = pytest.mark.skipif(
     blas.dispatch_active() and not half_weights(), reason="no AVX2 + F16C on this CPU"
 )
 
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux x86), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif(cpu_flags() is None, reason="no /proc/cpuinfo flags (not Linux x86)")
+def test_every_avx2_f16c_cpu_gets_half_weights():
+    """The half panels (half the bytes a short forward reads) on every CPU with AVX2 and
+    F16C, AVX-512 ones included: built with 512-bit vectors the dispatch had none there
+    (and these tests' half-weight cases skipped themselves)."""
+    flags = cpu_flags()
+    assert flags is not None
+    assert half_weights() == ({"avx2", "f16c"} <= flags), sorted(f for f in flags if "avx" in f)
+
 ARCHES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
 # (family, checkpoint dtype): half-precision checkpoints get the step's exact half copies
 # (Llama's untied head in bfloat16, Qwen3's tied one in float16)
