@@ -61,6 +61,7 @@ def test_every_avx2_f16c_cpu_gets_half_weights():
     assert flags is not None
     assert half_weights() == ({"avx2", "f16c"} <= flags), sorted(f for f in flags if "avx" in f)
 
+
 ARCHES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
 # (family, checkpoint dtype): half-precision checkpoints get the step's exact half copies
 # (Llama's untied head in bfloat16, Qwen3's tied one in float16)
