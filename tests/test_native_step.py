@@ -414,26 +414,29 @@ def test_batched_rows_equal_each_row_alone(pair):
 def test_half_copies_compute_what_float32_weights_compute(arch, dtype, tmp_path):
     """A half-precision checkpoint's weights read from their exact half copies (half the
     bytes, as panels summed in order of k) give the float32 step's numbers up to float32
-    rounding: prompt chunks, decode steps with the head, batched rows. The copies' own
+    rounding: prompt chunks (one of more rows than BLAS_ROWS: the tiles' where there are
+    wide ones, else the BLAS's), decode steps with the head, batched rows. The copies' own
     sums are checked exactly in test_half_panels_products_sum_in_order."""
     from runner.cache.batch import broadcast, forward_suffixes
     from runner.cache.kinds import kind_of
 
-    backend = Backend.cpu().replace(native_step_max_tokens=64)
+    backend = Backend.cpu().replace(native_step_max_tokens=160)
     half = load_tiny_model(arch, tmp_path / "a", backend=backend, dtype=dtype)
     full = load_tiny_model(
         arch, tmp_path / "b", backend=backend.replace(native_half_formats=()), dtype=dtype
     )
     assert half._native.half_format == dtype and full._native.half_format is None
-    prompt = np.random.default_rng(2).integers(3, 300, size=90).tolist()
+    half._native, full._native = Counting(half._native), Counting(full._native)
+    prompt = np.random.default_rng(2).integers(3, 300, size=180).tolist()
     results = []
     for model in (half, full):
         caches = model.make_caches()
-        logits = [forward(model, caches, prompt[a:b]) for a, b in ((0, 60), (60, 80))]
-        logits += [forward(model, caches, [t]) for t in prompt[80:90]]  # decode steps
+        logits = [forward(model, caches, prompt[a:b]) for a, b in ((0, 150), (150, 170))]
+        assert model._native.taken == 2 and not model._native.declined
+        logits += [forward(model, caches, [t]) for t in prompt[170:180]]  # decode steps
         batch = broadcast([kind_of(c) for c in caches], caches, 3)
         rows = np.array(forward_suffixes(model, batch, [[4, 5], [6], [7, 8, 9]]))
-        keys = [np.array(c.keys[..., :90, :]) for c in caches]
+        keys = [np.array(c.keys[..., :180, :]) for c in caches]
         results.append((logits, rows, keys))
     (got_logits, got_rows, got_keys), (want_logits, want_rows, want_keys) = results
     close = {"rtol": 1e-4, "atol": 1e-5}  # float32 sums in another order, ~30 products deep

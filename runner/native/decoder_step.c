@@ -13,8 +13,8 @@
  *   then the final rms_norm.
  *
  * Weights: float32, and where the caller made them, exact half-precision copies in panels
- * (`*_half`, runner_narrow_panels) that the products of up to BLAS_ROWS rows read instead:
- * float32 sums of the same values, from half the bytes.
+ * (`*_half`, runner_narrow_panels) that the products the tiles compute read instead (`to_blas`
+ * says which): float32 sums of the same values, from half the bytes.
  *
  * The step's keys and values are returned in `new_keys` / `new_values`, and also written
  * into the cache where the caller says (`append_keys`: a buffer only the caller holds,
@@ -31,7 +31,7 @@ struct step_layer {
     const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
     const float *post_norm, *gate, *up, *down;
     /* NULL, or the same weights in the step's `half_format` (exact copies in panels:
-     * runner_narrow_panels), which products of up to BLAS_ROWS rows read instead */
+     * runner_narrow_panels), which the tiles' products read instead (`to_blas`) */
     const void *q_half, *k_half, *v_half, *o_half, *gate_half, *up_half, *down_half;
 };
 
@@ -106,9 +106,9 @@ struct weight {
 };
 
 /* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half panels where there
- * are: half the bytes), the BLAS (which packs) above: SmolLM2 forwards
- * after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens 209 against
- * 178-197 ms, 128: 407 against 364. */
+ * are: half the bytes), the BLAS (which packs) above, on AVX2 (256-bit tiles): SmolLM2
+ * forwards after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens 209
+ * against 178-197 ms, 128: 407 against 364. */
 enum { BLAS_ROWS = 128 };
 static struct product tiles_product(int m, int n, int k, const float *a, int lda,
                                     struct weight w, int ldw, float *c, int ldc) {
@@ -117,9 +117,19 @@ static struct product tiles_product(int m, int n, int k, const float *a, int lda
                             half ? w.half : (const void *)w.f32, c, half ? w.format : W_F32};
 }
 
+/* Whether a product of m rows with W goes to the BLAS: above BLAS_ROWS rows, except from half
+ * panels where there are wide tiles, which beat OpenBLAS's AVX-512 kernels too (SmolLM2,
+ * decisions of 64 rows x 18 tokens over 480 shared, whole request: 1.18 s against 1.34 with
+ * OpenBLAS above 128 rows, its Cooperlake kernels at ~400 GFLOP/s; 1.10-1.16 against 2.05
+ * with the Haswell kernels OPENBLAS_CORETYPE=Haswell asks for). */
+static int to_blas(int m, struct weight w) {
+    if (m <= BLAS_ROWS || (WIDE_PANELS && w.half)) return 0;
+    return next_blas();
+}
+
 static void product(int m, int n, int k, const float *a, int lda, struct weight w, int ldw,
                     float *c, int ldc) {
-    if (m > BLAS_ROWS && next_blas()) {
+    if (to_blas(m, w)) {
         next_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, w.f32, ldw, 0.0f, c, ldc);
         return;
     }
@@ -140,7 +150,7 @@ static void products_share(const void *arg, int index, int count) {
 /* Products with the same rows of A, one job on the pool: no barrier between them. */
 static void products_of(int m, int k, const float *a, int n_products, const int *n,
                         const struct weight *w, float *const *c) {
-    if (m > BLAS_ROWS && next_blas()) {
+    if (to_blas(m, w[0])) {
         for (int i = 0; i < n_products; i++) product(m, n[i], k, a, k, w[i], k, c[i], n[i]);
         return;
     }
@@ -202,7 +212,7 @@ static void gate_up(int m, int k, int n, const float *a, struct weight wg, struc
     const struct gate_up_job job = {
         {tiles_product(m, n, k, a, k, wg, k, gate, n), tiles_product(m, n, k, a, k, wu, k, up, n)},
         gate, up};
-    if ((m > BLAS_ROWS && next_blas()) || job.p[0].format != job.p[1].format) {
+    if (to_blas(m, wg) || job.p[0].format != job.p[1].format) {
         products_of(m, k, a, 2, widths, ws, cs); /* the BLAS, or shares that differ */
         swiglu_columns(gate, up, m, n, 0, n);
     } else if ((long)m * k * n < (1L << 18)) {

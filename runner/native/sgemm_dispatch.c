@@ -329,8 +329,70 @@ static const panel_tile_fn panel_tiles[2][PANEL_ROWS + 1] = {
     {NULL, panel_1x1_bf16, panel_2x1_bf16, panel_3x1_bf16, panel_4x1_bf16, panel_5x1_bf16, panel_6x1_bf16},
 };
 
-/* How many of C's columns a block of a panel product is: one panel, four for one row. */
-static int panel_block(const struct product *p) { return p->m == 1 ? ONE_ROW_PANELS * PANEL : PANEL; }
+/* Wide panel tiles (AVX-512), for products of several rows: a panel row is one 512-bit vector
+ * and a tile takes two panels (R x 2 accumulators, as many as a 256-bit tile's R x 1 panel),
+ * twice the work an instruction where the cores execute 512-bit arithmetic at full width. The
+ * same sums in the same order (one fused multiply-add a step, in order of t): the same bits as
+ * the 256-bit tiles. Measured on an AVX-512 EPYC (Zen 5), SmolLM2 over 483 cached tokens, one
+ * process alternating builds: 15 tokens 24.25 -> 16.31 ms (0.673x), 64 tokens 0.633x, 4
+ * tokens 0.994x. One row stays on the 256-bit 1 x 4 tile, which streams the weights as fast
+ * (a wide one with 4 accumulators: 1.033x slower). */
+#if defined(__AVX512F__)
+#define WIDE_PANELS 1
+typedef float vw __attribute__((vector_size(64)));
+static inline vw load_wide(int format, const unsigned short *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (format == W_F16) return (vw)_mm512_cvtph_ps(h);
+    return (vw)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+#define WIDE_TILE(NAME, R, P, FORMAT)                                                            \
+    static void NAME(const float *a, long lda, const unsigned short *w, long panel_step, int k, \
+                     float *out, long ldo, const char *ahead, int lines) {                     \
+        vw acc[R * P], zero = {0};                                                              \
+        __asm__("" : "+v"(zero));                                                               \
+        _Pragma("GCC unroll 16") for (int q = 0; q < R * P; q++) acc[q] = zero;                 \
+        const char *fetch = ahead ? ahead : (const char *)w;                                    \
+        const unsigned long step = ahead ? ((unsigned long)lines << 16) / (unsigned)k : 0;      \
+        unsigned long at = 0;                                                                   \
+        for (int t = 0; t < k; t++, at += step) {                                               \
+            _Pragma("GCC unroll 4") for (int q = 0; q < P; q++)                                 \
+                __builtin_prefetch(fetch + ((at >> 16) + q) * 64, 0, 3);                        \
+            vw b[P];                                                                            \
+            _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) {                               \
+                b[q] = load_wide(FORMAT, w + q * panel_step + (size_t)t * PANEL);               \
+                __asm__("" : "+v"(b[q]));                                                       \
+            }                                                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                const vw x = (vw)_mm512_set1_ps(a[r * lda + t]);                                \
+                _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) acc[r * P + q] += x * b[q]; \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 8") for (int q = 0; q < P; q++)                                 \
+                _mm512_storeu_ps(out + r * ldo + q * PANEL, (__m512)acc[r * P + q]);            \
+    }
+#define WIDE_TILES(F, FORMAT)                                                                   \
+    WIDE_TILE(wide_1x2_##F, 1, 2, FORMAT)                                                       \
+    WIDE_TILE(wide_2x2_##F, 2, 2, FORMAT)                                                       \
+    WIDE_TILE(wide_3x2_##F, 3, 2, FORMAT)                                                       \
+    WIDE_TILE(wide_4x2_##F, 4, 2, FORMAT)                                                       \
+    WIDE_TILE(wide_5x2_##F, 5, 2, FORMAT)                                                       \
+    WIDE_TILE(wide_6x2_##F, 6, 2, FORMAT)
+WIDE_TILES(f16, W_F16)
+WIDE_TILES(bf16, W_BF16)
+static const panel_tile_fn wide_tiles[2][PANEL_ROWS + 1] = {
+    {NULL, wide_1x2_f16, wide_2x2_f16, wide_3x2_f16, wide_4x2_f16, wide_5x2_f16, wide_6x2_f16},
+    {NULL, wide_1x2_bf16, wide_2x2_bf16, wide_3x2_bf16, wide_4x2_bf16, wide_5x2_bf16, wide_6x2_bf16},
+};
+#else
+#define WIDE_PANELS 0
+#endif
+
+/* How many of C's columns a block of a panel product is: one panel (two with wide tiles),
+ * four for one row. */
+static int panel_block(const struct product *p) {
+    return p->m == 1 ? ONE_ROW_PANELS * PANEL : (1 + WIDE_PANELS) * PANEL;
+}
 
 /* Columns [j0, j1) of C (j0 a multiple of PANEL) from W's panels: block by block, the rows of
  * A in groups of at most PANEL_ROWS, as even as they divide (15 rows: 5 + 5 + 5). While a
@@ -357,6 +419,10 @@ static void panel_columns(const struct product *p, int j0, int j1) {
             const int lines = fetch ? l1 - l0 : 0;
             if (p->m == 1 && cols == block) {
                 (f ? panel_1x4_bf16 : panel_1x4_f16)(a, p->lda, w, panel_step, k, c, p->ldc, NULL, 0);
+#if WIDE_PANELS
+            } else if (cols == 2 * PANEL) {
+                wide_tiles[f][r](a, p->lda, w, panel_step, k, c, p->ldc, at, lines);
+#endif
             } else if (cols % PANEL == 0) {
                 for (int q = 0; q * PANEL < cols; q++)
                     panel_tiles[f][r](a, p->lda, w + q * panel_step, panel_step, k, c + q * PANEL,
