@@ -292,12 +292,51 @@ static void rotate(float *x, int rows, int tokens, int heads, int head_dim, int 
 ROWS_TIMES(rows_times_3, 3)
 ROWS_TIMES(rows_times_1, 1)
 
+#if WIDE_PANELS
+/* ROWS_TIMES with 512-bit vectors, for widths of whole 64-float columns (a head of 64: one
+ * column): the same sums in the same order. */
+#define WIDE_ROWS_TIMES(NAME, RA)                                                            \
+    static void NAME(const float *const *w, long ws, int n, const float *v, long ldv,       \
+                     int width, float *const *out, int add) {                               \
+        for (int t = 0; t < width; t += 64) {                                               \
+            vw acc[4 * RA], zero = {0};                                                     \
+            __asm__("" : "+v"(zero));                                                       \
+            _Pragma("GCC unroll 16") for (int q = 0; q < 4 * RA; q++)                       \
+                acc[q] = add ? (vw)_mm512_loadu_ps(out[q / 4] + t + q % 4 * 16) : zero;     \
+            for (int i = 0; i < n; i++) {                                                   \
+                const float *vi = v + i * ldv + t;                                          \
+                vw b[RA];                                                                   \
+                _Pragma("GCC unroll 4") for (int r = 0; r < RA; r++) {                      \
+                    b[r] = (vw)_mm512_set1_ps(w[r][i * ws]);                                \
+                    __asm__("" : "+v"(b[r]));                                               \
+                }                                                                           \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                       \
+                    vw y = (vw)_mm512_loadu_ps(vi + c * 16);                                \
+                    __asm__("" : "+v"(y));                                                  \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < RA; r++) acc[r * 4 + c] += b[r] * y; \
+                }                                                                           \
+            }                                                                               \
+            _Pragma("GCC unroll 16") for (int q = 0; q < 4 * RA; q++)                       \
+                _mm512_storeu_ps(out[q / 4] + t + q % 4 * 16, (__m512)acc[q]);              \
+        }                                                                                   \
+    }
+WIDE_ROWS_TIMES(wide_rows_times_3, 3)
+WIDE_ROWS_TIMES(wide_rows_times_1, 1)
+#endif
+
 /* rows_times for any number of rows: three at a time, then one at a time. Both of
  * attention's products are this: scores = q K^T (w: query rows, v: the keys transposed) and
  * out += p V (w: the rows' softmax weights, v: the values). */
 static void rows_times(const float *const *w, long ws, int rows, int n, const float *v, long ldv,
                        int width, float *const *out, int add) {
     int r = 0;
+#if WIDE_PANELS
+    if (width % 64 == 0) {
+        for (; r + 3 <= rows; r += 3) wide_rows_times_3(w + r, ws, n, v, ldv, width, out + r, add);
+        for (; r < rows; r++) wide_rows_times_1(w + r, ws, n, v, ldv, width, out + r, add);
+        return;
+    }
+#endif
     for (; r + 3 <= rows; r += 3) rows_times_3(w + r, ws, n, v, ldv, width, out + r, add);
     for (; r < rows; r++) rows_times_1(w + r, ws, n, v, ldv, width, out + r, add);
 }
