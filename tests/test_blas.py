@@ -4,8 +4,10 @@ computing what OpenBLAS computes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -154,3 +156,28 @@ def test_the_dispatch_computes_what_the_blas_computes(monkeypatch, tmp_path):
     assert result["active"] and not result["gemv"]
     assert result["worst"] < 1e-5
     assert result["forked"]
+
+
+COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or COMPILER is None, reason="needs x86-64 and a C compiler"
+)
+@pytest.mark.parametrize(
+    "march, half", [("x86-64", 0), ("x86-64-v2", 0), ("x86-64-v3", 1), ("x86-64-v4", 1)]
+)
+def test_every_instruction_set_path_of_the_dispatch_builds(march, half, tmp_path):
+    """The dispatch builds for every x86-64 level, not only this CPU's (-march=native picks
+    one path): no SIMD, AVX2 + F16C (half panels), AVX-512 (wide tiles too). A macro only
+    the half-panel path defined, used outside it, once broke the build on every CPU without
+    AVX2 + F16C (the runner then ran on OpenBLAS alone, silently)."""
+    assert COMPILER is not None
+    flags = [f"-march={march}" if f == "-march=native" else f for f in blas.DISPATCH_FLAGS]
+    built = tmp_path / "dispatch.so"
+    command = [COMPILER, *flags, "-o", str(built), str(blas.DISPATCH_SOURCE), "-ldl", "-lm"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL)  # loaded, not run: only a constant
+    assert library.runner_half_weights() == half
+    assert hasattr(library, "runner_decoder_step") and hasattr(library, "cblas_sgemm")

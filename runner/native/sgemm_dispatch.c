@@ -501,6 +501,7 @@ int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, in
     return same;
 }
 #else
+#define WIDE_PANELS 0
 static void panel_columns(const struct product *p, int j0, int j1) { (void)p, (void)j0, (void)j1; }
 long runner_panel_halves(int n, int k) { (void)n, (void)k; return 0; }
 int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, int format) {
