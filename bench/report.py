@@ -151,7 +151,7 @@ def request_metrics(
             rates = out.request_rates[1:]
             m["own_beside_trials_s"] = m["own_median_s"]
             m["arithmetic_median_s"], m["own_median_s"] = own(rates)
-            m["request_gflops"] = (min(rates), statistics.median(rates), max(rates))
+            m["request_gflops_range"] = (min(rates), statistics.median(rates), max(rates))
     return m
 
 
@@ -276,8 +276,8 @@ def _notes(workload: Workload, r: Result) -> str:
         notes.append(f"logprobs, centred; coverage {_pct(m.get('coverage'))}")
     if _latency(workload) and m.get("argmax_agree") is not None:
         notes.append(f"argmax {_pct(m['argmax_agree'])}")
-    if "request_gflops" in m:
-        low, median, high = m["request_gflops"]
+    if "request_gflops_range" in m:
+        low, median, high = m["request_gflops_range"]
         notes.append(
             f"own ms at the matmul rate around each request: {median:.0f} GFLOP/s"
             f" ({low:.0f}-{high:.0f}); at the best beside its trials ({m['peak_gflops']:.0f}):"

@@ -85,6 +85,12 @@ static inline vf load_bf16(const unsigned short *p) { /* a bfloat16 is a float's
 #else
 #define HALF_WEIGHTS 0
 #endif
+/* Wide (512-bit) panel tiles beside the 256-bit ones where there is AVX-512 (see WIDE_TILE). */
+#if HALF_WEIGHTS && defined(__AVX512F__)
+#define WIDE_PANELS 1
+#else
+#define WIDE_PANELS 0
+#endif
 
 /* f in every lane: one broadcast (a loop over the lanes compiles to a chain of inserts). */
 static inline vf splat(float f) { return (vf){0} + f; }
@@ -283,18 +289,22 @@ static inline void load_panel(int format, const unsigned short *p, vf *lo, vf *h
  * against 87 GFLOP/s without prefetches, one core, 15 rows, hot weights; even a branch on
  * whether to prefetch at all, the same at every step, made a 15-token forward 1.15x slower:
  * GCC then compiles the loop worse.) */
+#define TILE_PREFETCH_START                                                                    \
+    const char *fetch = ahead ? ahead : (const char *)w; /* no lines: w's, at hand */         \
+    const unsigned long step = ahead ? ((unsigned long)lines << 16) / (unsigned)k : 0;        \
+    unsigned long at = 0 /* the line reached, 16.16 */
+#define TILE_PREFETCH(P)                                                                       \
+    _Pragma("GCC unroll 4") for (int q = 0; q < P; q++)                                       \
+        __builtin_prefetch(fetch + ((at >> 16) + q) * 64, 0, 3)
 #define PANEL_TILE(NAME, R, P, FORMAT)                                                           \
     static void NAME(const float *a, long lda, const unsigned short *w, long panel_step, int k, \
                      float *out, long ldo, const char *ahead, int lines) {                     \
         vf acc[R * P * 2], zero = {0};                                                          \
         PIN(zero);                                                                              \
         _Pragma("GCC unroll 16") for (int q = 0; q < R * P * 2; q++) acc[q] = zero;             \
-        const char *fetch = ahead ? ahead : (const char *)w; /* no lines: w's, at hand */     \
-        const unsigned long step = ahead ? ((unsigned long)lines << 16) / (unsigned)k : 0;      \
-        unsigned long at = 0; /* the line reached, 16.16 */                                     \
+        TILE_PREFETCH_START;                                                                    \
         for (int t = 0; t < k; t++, at += step) {                                               \
-            _Pragma("GCC unroll 4") for (int q = 0; q < P; q++)                                 \
-                __builtin_prefetch(fetch + ((at >> 16) + q) * 64, 0, 3);                        \
+            TILE_PREFETCH(P);                                                                   \
             vf b[P * 2];                                                                        \
             _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) {                               \
                 load_panel(FORMAT, w + q * panel_step + (size_t)t * PANEL, &b[2 * q], &b[2 * q + 1]); \
@@ -337,8 +347,7 @@ static const panel_tile_fn panel_tiles[2][PANEL_ROWS + 1] = {
  * process alternating builds: 15 tokens 24.25 -> 16.31 ms (0.673x), 64 tokens 0.633x, 4
  * tokens 0.994x. One row stays on the 256-bit 1 x 4 tile, which streams the weights as fast
  * (a wide one with 4 accumulators: 1.033x slower). */
-#if defined(__AVX512F__)
-#define WIDE_PANELS 1
+#if WIDE_PANELS
 typedef float vw __attribute__((vector_size(64)));
 static inline vw load_wide(int format, const unsigned short *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -351,12 +360,9 @@ static inline vw load_wide(int format, const unsigned short *p) {
         vw acc[R * P], zero = {0};                                                              \
         __asm__("" : "+v"(zero));                                                               \
         _Pragma("GCC unroll 16") for (int q = 0; q < R * P; q++) acc[q] = zero;                 \
-        const char *fetch = ahead ? ahead : (const char *)w;                                    \
-        const unsigned long step = ahead ? ((unsigned long)lines << 16) / (unsigned)k : 0;      \
-        unsigned long at = 0;                                                                   \
+        TILE_PREFETCH_START;                                                                    \
         for (int t = 0; t < k; t++, at += step) {                                               \
-            _Pragma("GCC unroll 4") for (int q = 0; q < P; q++)                                 \
-                __builtin_prefetch(fetch + ((at >> 16) + q) * 64, 0, 3);                        \
+            TILE_PREFETCH(P);                                                                   \
             vw b[P];                                                                            \
             _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) {                               \
                 b[q] = load_wide(FORMAT, w + q * panel_step + (size_t)t * PANEL);               \
@@ -384,8 +390,6 @@ static const panel_tile_fn wide_tiles[2][PANEL_ROWS + 1] = {
     {NULL, wide_1x2_f16, wide_2x2_f16, wide_3x2_f16, wide_4x2_f16, wide_5x2_f16, wide_6x2_f16},
     {NULL, wide_1x2_bf16, wide_2x2_bf16, wide_3x2_bf16, wide_4x2_bf16, wide_5x2_bf16, wide_6x2_bf16},
 };
-#else
-#define WIDE_PANELS 0
 #endif
 
 /* How many of C's columns a block of a panel product is: one panel (two with wide tiles),
@@ -418,9 +422,12 @@ static void panel_columns(const struct product *p, int j0, int j1) {
             const char *at = fetch ? ahead + (size_t)l0 * 64 : NULL;
             const int lines = fetch ? l1 - l0 : 0;
             if (p->m == 1 && cols == block) {
-                /* prefetched like the others (SmolLM2 decode step on Zen 5: 7.58-7.80 ->
-                 * 6.81-7.24 ms; Qwen3-0.6B's, bound by memory already, the same) */
-                (f ? panel_1x4_bf16 : panel_1x4_f16)(a, p->lda, w, panel_step, k, c, p->ldc, at, lines);
+                /* prefetched on the AVX-512 machine (Zen 5: SmolLM2's decode step 7.58-7.80 ->
+                 * 6.81-7.24 ms; Qwen3-0.6B's, bound by memory already, the same), not on the
+                 * AVX2 one (17.5 against 20.9 GB/s: its stream prefetcher did better alone) */
+                const int spread = WIDE_PANELS;
+                (f ? panel_1x4_bf16 : panel_1x4_f16)(a, p->lda, w, panel_step, k, c, p->ldc,
+                                                     spread ? at : NULL, spread ? lines : 0);
 #if WIDE_PANELS
             } else if (cols == 2 * PANEL) {
                 wide_tiles[f][r](a, p->lda, w, panel_step, k, c, p->ldc, at, lines);
@@ -501,7 +508,6 @@ int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, in
     return same;
 }
 #else
-#define WIDE_PANELS 0
 static void panel_columns(const struct product *p, int j0, int j1) { (void)p, (void)j0, (void)j1; }
 long runner_panel_halves(int n, int k) { (void)n, (void)k; return 0; }
 int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, int format) {
