@@ -150,7 +150,7 @@ class StatusMemory:
             self._refresh.add_done_callback(self._store)
         try:
             await asyncio.wait_for(asyncio.shield(self._refresh), wait)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             pass
         except Exception:  # a failed read keeps the old value
             log.debug("memory refresh failed", exc_info=True)
