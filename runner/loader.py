@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelLoadError, ModelSource
+from runner.source import ModelLoadError, ModelSource, config_json
 from runner.store import load_safetensors, load_store_model
 
 # `--model default` means the prepared default model (runner/default_model.py).
@@ -49,7 +49,7 @@ def _read_json(path: Path, *, optional: bool = False) -> Any:
     if optional and not path.exists():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return config_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path.name} not found in {path.parent}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

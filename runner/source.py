@@ -8,6 +8,8 @@ to the Hugging Face / mlx-lm spelling (`P.weight`, and for quantized linears `P.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,24 @@ def show(value: Any) -> str:
     characters are escaped), cut short."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# transformers 5 writes the floats JSON cannot spell as {"__float__": "Infinity"} and reads
+# them back (PreTrainedConfig._decode_special_floats); Nemotron-H's time_step_limit is one.
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(pairs: list[tuple[str, Any]]) -> Any:
+    if len(pairs) == 1 and pairs[0][0] == "__float__" and pairs[0][1] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[pairs[0][1]]
+    return dict(pairs)
+
+
+def config_json(text: str | bytes) -> Any:
+    """A model's JSON config as transformers reads it: Python's json (which also reads
+    `Infinity` and `NaN`), and transformers' `{"__float__": "Infinity"}` objects as floats.
+    Raises json.JSONDecodeError (a ValueError) or UnicodeDecodeError."""
+    return json.loads(text, object_pairs_hook=_special_float)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelLoadError, ModelSource, show
+from runner.source import ModelLoadError, ModelSource, config_json, show
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -232,7 +232,7 @@ class Manifest:
         if optional and self.config_layer(name) is None:
             return None
         try:
-            return json.loads(self.read_config(name))
+            return config_json(self.read_config(name))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelLoadError(f'config "{name}" is not valid JSON: {e}') from None
 

@@ -392,10 +392,15 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("NemotronHForCausalLM", {"tie_word_embeddings": True}, {}),
     # attention_bias and mamba_proj_bias, which transformers' layers ignore
     ("NemotronHForCausalLM", {"attention_bias": True, "mamba_proj_bias": True}, {}),
-    (  # the legacy pattern string; dt clamped at a large time_step_min
+    (  # the legacy pattern string; the time step clamped at both ends, legacy spelling
         "NemotronHForCausalLM",
-        {"time_step_min": 0.9},
-        {"layers_block_type": None, "hybrid_override_pattern": "ME*-M"},
+        {},
+        {
+            "layers_block_type": None,
+            "hybrid_override_pattern": "ME*-M",
+            "time_step_limit": None,
+            "mamba_dt_limit": [0.3, 0.5],
+        },
     ),
     (  # legacy block names
         "NemotronHForCausalLM",

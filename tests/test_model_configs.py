@@ -20,14 +20,14 @@ from runner.models.llama import Llama
 from runner.models.qwen3 import Qwen3
 from runner.models.qwen3_5_moe import Qwen3_5Moe
 from runner.models.qwen3_moe import Qwen3Moe
-from runner.source import ModelLoadError, ModelSource
+from runner.source import ModelLoadError, ModelSource, config_json
 from tests.tiny import TINY_ARCHITECTURES, edit_text_config, tiny_config, write_tiny_model
 from tools.spawned import SpawnedRunner
 
 
 def refused(arch: str, edits: dict[str, Any]) -> str:
     """The one-line message `build_model` refuses `arch`'s tiny config with, once edited."""
-    config = edit_text_config(tiny_config(arch), edits)
+    config = config_json(json.dumps(edit_text_config(tiny_config(arch), edits)))  # as loaded
     with pytest.raises(ModelLoadError) as err:
         build_model(ModelSource(name="x", config=config, tokenizer_json=""))
     message = str(err.value)

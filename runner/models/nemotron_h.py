@@ -11,9 +11,11 @@ no state and have no slot (mlx-lm's model skips them when it hands caches to the
 Where mlx-lm reads a transformers 5 config differently, this adapter follows transformers:
 - the layer kinds come from `layers_block_type` (also spelled `layer_types`, with the legacy
   names "mamba" / "attention"), else the legacy `hybrid_override_pattern` string;
-- the Mamba2 time step is clamped below at `time_step_min` (transformers' mixer ignores
-  `time_step_limit`; mlx-lm reads it, and transformers writes it with an infinity JSON cannot
-  spell);
+- the Mamba2 time step is clamped to `time_step_limit` (legacy spelling `mamba_dt_limit`,
+  which wins where both are given, as transformers' config reads them; default [0, inf];
+  released configs write `[0.0, Infinity]`, which Python's json reads). `time_step_min` only
+  initialises weights in transformers and is ignored here: transformers up to 5.24 clamped
+  below at it instead, a bug 5.25 fixed;
 - the Mamba2 projections' biases follow `use_bias` (mlx-lm: `mamba_proj_bias`), the attention
   projections have none whatever `attention_bias` says, and MoE layers always have their
   shared expert (mlx-lm only when `n_shared_experts` is set);
@@ -25,6 +27,7 @@ transformers excludes them), activations other than ReLU² / SiLU, sliding windo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -72,7 +75,7 @@ NEMOTRON_H_DEFAULTS: dict[str, Any] = {
     "mamba_hidden_act": "silu",
     "n_groups": 8,
     "conv_kernel": 4,
-    "time_step_min": 0.001,
+    "time_step_limit": (0.0, math.inf),
     "use_conv_bias": True,
     "n_routed_experts": 8,
     "n_shared_experts": 1,
@@ -127,6 +130,28 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
     return kinds
 
 
+def time_step_limit(c: dict[str, Any]) -> tuple[float, float]:
+    """The Mamba2 time step's clamp: `mamba_dt_limit`, else `time_step_limit`, else [0, inf];
+    two numbers, low <= high (the high end may be infinite)."""
+    key = "mamba_dt_limit" if c.get("mamba_dt_limit") is not None else "time_step_limit"
+    value = c.get(key)
+    if value is None:
+        return NEMOTRON_H_DEFAULTS["time_step_limit"]
+    ok = (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        and not any(math.isnan(v) for v in value)
+        and value[0] <= value[1]
+        and math.isfinite(value[0])
+    )
+    if not ok:
+        raise ModelLoadError(
+            f"config.json: {key} must be [low, high] with low <= high, not {show(value)}"
+        )
+    return float(value[0]), float(value[1])
+
+
 def _check(c: dict[str, Any], kinds: list[str]) -> None:
     """The Nemotron-H keys no model can have, or that mlx-lm's layers cannot compute."""
     if c.get("num_hidden_layers") is not None:  # deprecated; the kinds decide
@@ -147,7 +172,7 @@ def _check(c: dict[str, Any], kinds: list[str]) -> None:
                 f"config.json: mamba_num_heads {c['mamba_num_heads']} is not a multiple of "
                 f"n_groups {c['n_groups']}"
             )
-        number(c["time_step_min"], "time_step_min")
+        c["time_step_limit"] = time_step_limit(c)
     if MOE in kinds:
         for key in _MOE_SIZES:
             integer(c[key], key)
@@ -270,7 +295,6 @@ class NemotronH(DecoderModel):
         c["hybrid_override_pattern"] = [_CHAR[kind] for kind in kinds]
         c.pop("layers_block_type", None)
         c.pop("layer_types", None)
-        c["time_step_limit"] = (float(c["time_step_min"]), float("inf"))
         c["mamba_proj_bias"] = c["use_bias"]
         c["attention_bias"] = False
         c["n_shared_experts"] = 1  # transformers' MoE always has the shared expert

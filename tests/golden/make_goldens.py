@@ -316,10 +316,13 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 4096,
         },
     ),
-    # Nemotron-H: Mamba2, MoE (4 experts, top-2, a shared expert), attention and MLP layers.
+    # Nemotron-H: Mamba2, MoE (4 experts, top-2, a shared expert), attention and MLP layers;
+    # a time_step_min above most time steps, which transformers up to 5.24 (and the runner
+    # then) clamped at, where the fixed reference clamps at time_step_limit only.
     "NemotronHForCausalLM": (
         "NemotronHConfig",
         {
+            "time_step_min": 0.9,
             "layers_block_type": [
                 "linear_attention",
                 "moe",
