@@ -18,8 +18,11 @@ Decoding follows Go's `json.Decoder.Decode` into a zero-valued struct (`decode`)
   finite float32 (`3.4028235e38`, Go's own spelling of the largest, is fine);
 - base64 (`[]byte` fields) may hold CR and LF, which Go's decoder skips, and a `[]byte` may
   also be an array of numbers 0-255;
-- nesting deeper than `MAX_DEPTH` is refused (Go allows 10,000; msgspec's recursion stops
-  near 1,000, so the runner draws its own line well below).
+- nesting deeper than Go's 10,000 levels is refused with Go's message (`invalid character
+  '[' exceeded max depth`). msgspec's recursion stops near 1,000 levels, so a value nesting
+  deeper than `SHALLOW` is checked in pieces of at most that depth (`_shallow`) and walked
+  with its deep parts replaced by empty containers of their kind: no field of a request
+  lies that deep, so only unknown values (and type errors) are ever there.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import msgspec
 import numpy as np
 
 T = TypeVar("T")
-MAX_DEPTH = 500
+MAX_DEPTH = 10_000  # Go's encoding/json maxNestingDepth
+# The deepest value handed to msgspec at once: its C recursion shares Python's limit (1,000
+# frames, some already taken by the caller).
+SHALLOW = 200
 # A Go []byte field, carried as its base64 text (`media_bytes` decodes it): on the wire also an
 # array of numbers 0-255, written here as base64; null empties it.
 GoBytes = Annotated[str, msgspec.Meta(extra={"go": "[]byte"})]
@@ -172,20 +178,57 @@ def _string_end(body: bytes, quote: int, window: int = SCAN_WINDOW) -> int | Non
     return None
 
 
-def _close(body: bytes, start: int) -> int | None:
-    """The end of the object or array opening at `body[start]`, None if it has none;
-    DecodeError where it nests deeper than MAX_DEPTH."""
-    depth = 0
+def _close(body: bytes, start: int) -> tuple[int | None, int]:
+    """The end of the object or array opening at `body[start]` (None if it has none) and
+    how deep it nests; DecodeError, with Go's message, where that is deeper than MAX_DEPTH."""
+    depth = deepest = 0
     for at in _brackets(body, start):
         if body[at] in b"[{":
             depth += 1
-            if depth > MAX_DEPTH:
-                raise DecodeError(f"exceeded max depth ({MAX_DEPTH})")
+            if depth > deepest:
+                deepest = depth
+                if depth > MAX_DEPTH:
+                    raise DecodeError(f"invalid character '{chr(body[at])}' exceeded max depth")
         else:
             depth -= 1
             if depth == 0:
-                return at + 1
-    return None
+                return at + 1, deepest
+    return None, deepest
+
+
+_RAW = msgspec.json.Decoder(msgspec.Raw)  # a syntax check that builds nothing
+
+
+def _shallow(text: bytes) -> bytes:
+    """`text` (one well-closed object or array) with each container that opens SHALLOW
+    levels down replaced by an empty one of its kind (`[]`, `{}`), after checking the
+    syntax of each replaced container the same way, piece by piece: a piece is a container
+    opening at depth 1, SHALLOW + 1, 2 * SHALLOW + 1, ... with its own such containers
+    replaced, so msgspec never recurses more than SHALLOW + 1 levels. DecodeError with
+    msgspec's message (positions within the piece) for a malformed piece; the outermost
+    piece, returned, is checked by whoever decodes it."""
+    # the open pieces, outermost first: [start, the text so far, where the text resumes]
+    pieces: list[list[Any]] = []
+    depth = 0
+    for at in _brackets(text, 0):
+        if text[at] in b"[{":
+            depth += 1
+            if (depth - 1) % SHALLOW == 0:
+                pieces.append([at, [], at])
+            continue
+        if (depth - 1) % SHALLOW == 0:
+            start, parts, resume = pieces.pop()
+            if not pieces:
+                return b"".join([*parts, text[resume : at + 1]])
+            try:
+                _RAW.decode(b"".join([*parts, text[resume : at + 1]]))
+            except msgspec.DecodeError as e:
+                raise DecodeError(str(e)) from None
+            outer = pieces[-1]
+            outer[1] += [text[outer[2] : start], b"[]" if text[start] == 0x5B else b"{}"]
+            outer[2] = at + 1
+        depth -= 1
+    raise AssertionError("_shallow needs a closed value")  # _first_value found its end
 
 
 def _keep_or_replace(match: re.Match[str]) -> str:
@@ -226,14 +269,16 @@ def _first_value(body: bytes, kind_name: str) -> bytes | None:
             what = "a value"  # not JSON at all: msgspec's message below says why
             _syntax(body[start:])
         raise DecodeError(f"json: cannot unmarshal {what} into Go value of type {kind_name}")
-    end = _close(body, start)
+    end, deepest = _close(body, start)
     if end is None:  # no end: a syntax error before it, or a body cut short
-        _syntax(body[start:])
+        if deepest <= SHALLOW:
+            _syntax(body[start:])
         raise DecodeError("unexpected EOF")
     text = body[start:end].decode("utf-8", "runner-go-replace")
     if "\\u" in text:
         text = _ESCAPE.sub(_keep_or_replace, text)
-    return text.encode()
+    value = text.encode()  # the same brackets where they were: only strings changed
+    return value if deepest <= SHALLOW else _shallow(value)
 
 
 _DOCUMENT = msgspec.json.Decoder(float_hook=decimal.Decimal)
@@ -461,7 +506,7 @@ def _member_pairs(raw: Any) -> list[tuple[str, bytes]]:
     while (key := _KEY.match(text, pos)) is not None:
         start = key.end()
         if text[start] in b"[{":
-            end = _close(text, start)
+            end, _ = _close(text, start)
         elif text[start] == 0x22:
             end = _string_end(text, start)
         else:

@@ -494,8 +494,8 @@ REPRODUCERS = [
         id="int64-max-window",
     ),
     pytest.param("completions", COMPLETION + b"}}", id="valid"),
-    # e53b604: 500 (RecursionError); now the documented 400 exceeded max depth (500), and Go's
-    # own 400 beyond 10,000 levels
+    # e53b604: 500 (RecursionError); now decoded as Go decodes them up to 10,000 levels, and
+    # Go's own 400 beyond
     pytest.param("score", SCORE + b',"x":' + b"[" * 2000 + b"]" * 2000 + b"}", id="deep-2000"),
     pytest.param(
         "completions", COMPLETION + b'},"x":' + b'{"a":' * 600 + b"1" + b"}" * 601, id="deep-600"

@@ -51,8 +51,15 @@ def test_media_items_decode_base64():
         (b"{not json", "malformed"),
         (b'{"max_tokens": 9223372036854775808}', "<= 9223372036854775807"),
         (b'{"max_tokens": -9223372036854775809}', ">= -9223372036854775808"),
-        (b"{" * 501 + b"}" * 501, "exceeded max depth (500)"),
-        (b'{"x":' + b"[" * 600 + b"]" * 600 + b"}", "exceeded max depth"),
+        (b"[" * 10_001 + b"]" * 10_001, "invalid character '[' exceeded max depth"),
+        (b'{"x":' + b"[" * 9_999 + b"{" + b"}" + b"]" * 9_999 + b"}", "character '{' exceeded"),
+        # malformed deep down, where msgspec alone could not look
+        (b'{"x":' + b"[" * 5_000 + b"1 2" + b"]" * 5_000 + b"}", "malformed"),
+        (b'{"x":' + b"[" * 5_000 + b"}" + b"]" * 4_999 + b"}", "malformed"),
+        (b'{"x":' + b"[" * 700 + b'{"a" 1}' + b"]" * 700 + b"}", "malformed"),
+        (b'{"x":' + b"[" * 5_000 + b"1", "unexpected EOF"),
+        # deep under a field: a type error, as Go's
+        (b'{"rows":[{"candidates":' + b"[" * 3_000 + b"]" * 3_000 + b"}]}", "Expected `str`"),
         (b'{"rows":"x"}', "Expected `array`"),
         (b'{"rows":[{"prompt":3}]}', "Expected `str`"),
         (b'{"max_tokens":"9"}', "Expected `int`"),
@@ -64,6 +71,16 @@ def test_bad_bodies_raise_decoder_message(body, fragment):
     with pytest.raises(DecodeError) as e:
         decode_score_request(body)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("depth", [199, 200, 201, 202, 401, 1_000, 10_000])
+def test_unknown_values_nest_as_deep_as_go_allows(depth: int) -> None:
+    """Go's decoder takes 10,000 levels (the body's own included) and skips unknown keys;
+    the request is the one without them, whichever container kinds nest where."""
+    plain = b'{"rows":[{"prompt":"a","candidates":[" x"]}],"max_tokens":9}'
+    deep = b"[" * (depth - 4) + b'{"k":[1,"]}",{}]}' + b"]" * (depth - 4)  # depth levels in all
+    body = plain[:-1] + b',"Unknown":' + deep + b',"MAX_TOKENS":7}'
+    assert decode_score_request(body) == decode_score_request(plain[:-1] + b',"max_tokens":7}')
 
 
 @pytest.mark.parametrize(
