@@ -77,6 +77,22 @@ async def client(make_client, llama_runner):
     return await make_client(llama_runner)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that needs the default model (a download the first time) is marked `slow`,
+    so `-m "not slow"` never needs the network; an unmarked one stops the collection."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "default_model_dir" in getattr(item, "fixturenames", ())
+        and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests use the default model (a download on first use) but are not marked "
+            "slow: " + ", ".join(unmarked)
+        )
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The default model, prepared once (a 93 MB download and ~10 s the first time) into the

@@ -315,6 +315,7 @@ def test_caches_grown_after_rewinds_round_after_round(tmp_path):
         assert_caches_equal(a, b)
 
 
+@pytest.mark.slow  # the real default model
 def test_growing_real_sized_caches_round_after_round(default_model_dir):
     """The same with the default model's buffer sizes, where MLX's allocator hands a freed
     cache buffer out again within one growth (bench/native_step.py once stopped on it: a

@@ -289,6 +289,7 @@ def test_candidates_are_tokenized_from_the_prompts_last_cut() -> None:
     )
 
 
+@pytest.mark.slow  # the real default model
 def test_the_default_models_tokenizer_allows_cuts_and_they_hold(default_model_dir: Any) -> None:
     spec = (default_model_dir / "tokenizer.json").read_text()
     rule = CutRule.of(json.loads(spec))
