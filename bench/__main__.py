@@ -6,7 +6,7 @@
     python -m bench --model default --workloads requests --systems ours,ours-http,llama.cpp-q4
 
 Like the runner, the process re-executes itself once with OpenBLAS preloaded when the
-machine has it (runner/blas.py), before MLX is imported.
+machine has it (runner/native/preload.py), before MLX is imported.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner import blas
+from runner.native import preload
 
 if TYPE_CHECKING:
     from bench.models import Shape
@@ -157,8 +157,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _model_dir(p: argparse.ArgumentParser, given: str) -> Path:
     """The directory `--model` names: `default` is the prepared default model."""
     if given == "default":
-        from runner.default_model import resolve_default_model
-        from runner.source import ModelLoadError
+        from runner.sources.default_model import resolve_default_model
+        from runner.sources.source import ModelLoadError
 
         try:
             return resolve_default_model()
@@ -173,7 +173,7 @@ def _model_dir(p: argparse.ArgumentParser, given: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_preloaded("bench", argv)  # LD_PRELOAD acts only at process start
+    preload.reexec_preloaded("bench", argv)  # LD_PRELOAD acts only at process start
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         return run(args, Path(tmp))

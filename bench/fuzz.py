@@ -347,7 +347,7 @@ def serialize(node: Any, out: list[bytes] | None = None) -> bytes:
 
 # --- what Go's encoding/json makes of a body ---------------------------------------------------
 
-GO_MAX_DEPTH = 10000  # the runner's too (runner/go_json.py)
+GO_MAX_DEPTH = 10000  # the runner's too (runner/protocol/go_json.py)
 _WS = b" \t\r\n"
 _NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _HEX4 = re.compile(rb"[0-9a-fA-F]{4}")

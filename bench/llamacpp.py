@@ -92,7 +92,7 @@ def import_llama_cpp() -> Any:
 
 
 def sdist_cache(version: str) -> Path:
-    from runner.default_model import cache_root
+    from runner.sources.default_model import cache_root
 
     return cache_root() / "llama-cpp-src" / version
 

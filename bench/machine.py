@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from runner import blas
+from runner.native import preload
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("mlx", "mlx-lm", "torch", "transformers", "tokenizers", "numpy")
@@ -74,7 +74,7 @@ def describe() -> dict[str, object]:
         "platform": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
         "backend": str(mx.default_device()),
-        "blas": blas.describe(),
+        "blas": preload.describe(),
         "versions": versions,
         "runner_commit": _git_commit(),
     }

@@ -165,7 +165,7 @@ def load_tokenizer(path: Path):
     """Our runner's tokenizer for a model directory (any, not only ours), without loading
     the weights; tokenizer_config.json and generation_config.json are optional, as for the
     runner."""
-    from runner.tokenizer import Tokenizer
+    from runner.text.tokenizer import Tokenizer
 
     return Tokenizer(
         (path / "tokenizer.json").read_text(),

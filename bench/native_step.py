@@ -16,12 +16,12 @@ import argparse
 import sys
 import time
 
-from runner import blas
+from runner.native import preload
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_preloaded("bench.native_step", argv)  # the BLAS is chosen at process start
+    preload.reexec_preloaded("bench.native_step", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__)
     p.add_argument("--model", default="default", help="a model directory, or `default`")
     p.add_argument("--cached", type=int, default=480)
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from runner.backend import Backend
-    from runner.default_model import resolve_default_model
-    from runner.loader import load_model_source
     from runner.models import build_model
+    from runner.sources.default_model import resolve_default_model
+    from runner.sources.loader import load_model_source
 
     path = str(resolve_default_model()) if args.model == "default" else args.model
     source = load_model_source(path)

@@ -1,7 +1,7 @@
 """Our runner, three ways: in process, rows one by one in process, and over HTTP.
 
 - `ours`: each workload request goes through the /v1/score façade
-  (runner/endpoints.py `ScoreEndpoint`: prepare here, execute on the engine thread), exactly
+  (runner/server/endpoints.py `ScoreEndpoint`: prepare here, execute on the engine thread), exactly
   what the HTTP handler does, without HTTP.
 - `ours-rows`: the same path with one request per row, the "one-by-one" baseline for
   batched scoring (the runner's prefix cache still serves later rows the shared prefix); not
@@ -66,8 +66,8 @@ class Ours(System):
         return None
 
     def _score_one(self, rows: list[Row]) -> tuple[list[list[float]], int, float]:
-        from runner.endpoints import ScoreEndpoint
-        from runner.wire import ScoreRequest, ScoreRow
+        from runner.protocol.wire import ScoreRequest, ScoreRow
+        from runner.server.endpoints import ScoreEndpoint
 
         endpoint = ScoreEndpoint(self.runner)
         started = time.perf_counter()

@@ -17,12 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-from runner import blas
+from runner.native import preload
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_preloaded("bench.prefill_chunks", argv)  # the BLAS is chosen at process start
+    preload.reexec_preloaded("bench.prefill_chunks", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.prefill_chunks", description=__doc__)
     p.add_argument(
         "--model-dir",
@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from bench.models import SHAPES, write_model_dir
+    from runner.backend import Backend
     from runner.cache.prefix_cache import PrefixCache
     from runner.engine import Engine
-    from runner.loader import load_model_source
     from runner.models import build_model
+    from runner.sources.loader import load_model_source
 
     chunks = [int(c) for c in args.chunks.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
@@ -53,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = [(7 * i + 13 * round_ + chunk) % 30000 + 10 for i in range(args.tokens)]
 
                 def prefill(job, chunk=chunk, tokens=tokens) -> float:
-                    cache = PrefixCache(model, name="chunks", chunk_tokens=chunk, keep_hidden=True)
+                    cache = PrefixCache(
+                        model,
+                        name="chunks",
+                        chunk_tokens=chunk,
+                        batch_tokens=Backend.for_device().batch_tokens,
+                        keep_hidden=True,
+                    )
                     started = time.perf_counter()
                     cache.last_hidden(tokens, job.check)
                     return time.perf_counter() - started

@@ -94,16 +94,16 @@ def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]
 
 
 def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
-    from runner import blas
+    from runner.native import build, preload
 
-    library = blas.optimised_blas()
+    library = preload.optimised_blas()
     if library is None:
         raise SystemExit("needs Linux with Debian's libopenblas0-pthread")
-    env = {**os.environ, blas.MARKER: library, "OPENBLAS_THREAD_TIMEOUT": "4"}
+    env = {**os.environ, preload.MARKER: library, "OPENBLAS_THREAD_TIMEOUT": "4"}
     if setting == "openblas":
         env["LD_PRELOAD"] = library
     else:
-        dispatch = blas.sgemm_dispatch()
+        dispatch = build.library()
         if dispatch is None:
             raise SystemExit("the sgemm dispatch did not build (no C compiler?)")
         env["LD_PRELOAD"] = f"{dispatch}:{library}"

@@ -26,23 +26,23 @@ from pathlib import Path
 
 import numpy as np
 
-from runner import blas
+from runner.native import preload
 
 QUESTIONS = ("is the sky blue", "is it red", "is the cat on the mat", "is the dog by the door")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_preloaded("bench.vision", argv)  # the BLAS is chosen at process start
+    preload.reexec_preloaded("bench.vision", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.vision", description=__doc__)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
 
-    from runner.endpoints import ScoreEndpoint
     from runner.engine import Engine
+    from runner.protocol.wire import decode_score_request
+    from runner.server.endpoints import ScoreEndpoint
     from runner.service import Runner
-    from runner.wire import decode_score_request
     from tests.golden.make_gemma3_vision_goldens import (
         ARCH,
         all_image_bytes,

@@ -40,7 +40,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from . import flags as cli  # noqa: E402
+from runner import flags as cli  # noqa: E402
 
 HOST = "127.0.0.1"
 STOP_SECONDS = 3.0  # of the 5 s a supervisor allows, the rest is for the process to end
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     stop = Stop()
     flags = cli.parse_or_exit(argv)
-    from . import environment
+    from runner import environment
 
     env = environment.start_env(dict(os.environ))
     if env is not None:  # before MLX is imported: the loader reads these at process start
@@ -131,15 +131,15 @@ def load(flags: cli.Flags, stop: Stop):
 
     def loading() -> None:
         try:
-            from . import blas
-            from .cache.budget import ByteBudget, budget_from_env
-            from .engine import Engine
-            from .service import Runner
+            from runner.cache.budget import ByteBudget, budget_from_env
+            from runner.engine import Engine
+            from runner.native import preload
+            from runner.service import Runner
         except Exception as e:  # a broken installation: MLX or a dependency cannot load
             outcome["error"] = f"cannot start the runner: {type(e).__name__}: {e}"
             return
         try:
-            log.info("CPU BLAS: %s", blas.describe())
+            log.info("CPU BLAS: %s", preload.describe())
             limit = flags.cache_bytes if flags.cache_bytes is not None else budget_from_env()
             engine = Engine()
             outcome["runner"] = Runner.load(engine, flags.model, cache_budget=ByteBudget(limit))
@@ -164,7 +164,7 @@ class ListenError(Exception):
 async def serve(runner, port: int, stop: Stop) -> None:
     from aiohttp import web
 
-    from .app import build_app
+    from runner.server.app import build_app
 
     if not 0 <= port <= 65535:
         raise ListenError(f"listen tcp: address {port}: invalid port")

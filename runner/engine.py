@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 # (`_stop_at_exit`), so ours run first
 import mlx.core  # noqa: F401
 
-from .errors import Cancelled
+from runner.protocol.errors import Cancelled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

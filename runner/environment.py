@@ -3,7 +3,7 @@
 Two things can only be set at process start, so the runner's entry point computes them here
 and re-executes itself once when anything changes (`RESTARTED` in the new environment says
 it already did):
-- the BLAS under MLX's CPU backend (runner/blas.py);
+- the BLAS under MLX's CPU backend (runner/native/preload.py);
 - a library path that loads the MLX this runner was installed with. Ollama's supervisor puts
   its own `lib/ollama` and `lib/ollama/mlx_*` folders first on `LD_LIBRARY_PATH` (Windows:
   `PATH`); `LD_LIBRARY_PATH` wins over the wheel's RUNPATH, so a `libmlx.so` there is loaded
@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from . import blas
+from runner.native import preload
 
 REMOVED_ENV = "OLLAMA_MLX_RUNNER_REMOVED_LIBRARY_PATH"
 RESTARTED = "OLLAMA_MLX_RUNNER_RESTARTED"
@@ -60,7 +60,7 @@ def start_env(env: dict[str, str]) -> dict[str, str] | None:
     if removed:
         changes[LIBRARY_PATH] = path
         changes[REMOVED_ENV] = os.pathsep.join(removed)
-    new = blas.preload_env({**env, **changes})
+    new = preload.preload_env({**env, **changes})
     if new is None and not changes:
         return None
     return {**(new if new is not None else {**env, **changes}), RESTARTED: "1"}

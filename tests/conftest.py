@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.app import build_app
 from runner.engine import Engine
+from runner.server.app import build_app
 from runner.service import Runner
 from tests.tiny import write_tiny_model
 
@@ -99,7 +99,7 @@ def default_model_dir():
     real cache (or `$OLLAMA_MLX_RUNNER_CACHE`), so later runs and other tests reuse it."""
     import importlib.util
 
-    from runner.default_model import is_prepared, model_dir
+    from runner.sources.default_model import is_prepared, model_dir
     from tools.default_model import prepare_default_model
 
     if not is_prepared(model_dir()) and importlib.util.find_spec("gguf") is None:

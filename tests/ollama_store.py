@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelSource
-from runner.store import JSON_MEDIA_TYPE, TENSOR_MEDIA_TYPE, parse_name, quant_params
+from runner.sources.ollama_store import JSON_MEDIA_TYPE, TENSOR_MEDIA_TYPE, parse_name, quant_params
+from runner.sources.source import ModelSource
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"

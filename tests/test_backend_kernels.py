@@ -16,7 +16,7 @@ from mlx_lm.models import activations
 
 from runner.backend import Backend, gemv, host
 from runner.backend.attention import Attention
-from runner.cache.batch import SharedPrefixKV
+from runner.cache.shared_prefix import SharedPrefixKV
 
 CPU = Backend.cpu()
 # The MLX softmax branch (what Metal and CUDA run), exercised on this CPU.

@@ -30,8 +30,8 @@ from bench.ours import Ours, OursHTTP
 from bench.peers import Baseline
 from bench.report import compute_metrics, format_workload
 from bench.workloads import NAMES, build_workloads
-from runner.detokenize import go_string
 from runner.engine import Engine
+from runner.generate.detokenize import go_string
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -366,9 +366,9 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
     """`python -m bench.sgemm`'s measurement, in this process (the tests run with the dispatch
     preloaded): cblas_sgemm and the panel products both time every row count."""
     from bench import sgemm
-    from runner import blas
+    from runner.native import preload
 
-    if not blas.dispatch_active():
+    if not preload.dispatch_active():
         pytest.skip("needs the runner's dispatch library preloaded")
     for panels in (False, True):
         rates = sgemm.child("tiny", [1, 3, 15], panels)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from runner import blas
+from runner.native import build, preload
 
 LIBRARY = "/opt/lib/libblas.so.3"
 DISPATCH = "/cache/native/sgemm_dispatch-0.so"
@@ -23,53 +23,67 @@ DISPATCH = "/cache/native/sgemm_dispatch-0.so"
 
 @pytest.fixture(autouse=True)
 def present(monkeypatch):
-    monkeypatch.setattr(blas, "optimised_blas", lambda: LIBRARY)
-    monkeypatch.setattr(blas, "sgemm_dispatch", lambda cache_dir=None: DISPATCH)
+    monkeypatch.setattr(preload, "optimised_blas", lambda: LIBRARY)
+    monkeypatch.setattr(build, "library", lambda cache_dir=None: DISPATCH)
 
 
 def test_fresh_environment_gets_the_dispatch_the_library_and_the_thread_timeout():
-    env = blas.preload_env({"PATH": "/bin", "LD_PRELOAD": "/x.so"})
+    env = preload.preload_env({"PATH": "/bin", "LD_PRELOAD": "/x.so"})
     assert env == {
         "PATH": "/bin",
         "LD_PRELOAD": f"{DISPATCH}:{LIBRARY}:/x.so",
         "OPENBLAS_THREAD_TIMEOUT": "4",
-        blas.MARKER: LIBRARY,
+        preload.MARKER: LIBRARY,
     }
 
 
 def test_without_the_dispatch_openblas_alone(monkeypatch):
-    monkeypatch.setattr(blas, "sgemm_dispatch", lambda cache_dir=None: None)
-    env = blas.preload_env({})
+    monkeypatch.setattr(build, "library", lambda cache_dir=None: None)
+    env = preload.preload_env({})
     assert env is not None and env["LD_PRELOAD"] == LIBRARY
 
 
 def test_preloaded_by_the_caller_still_gets_the_thread_timeout():
-    env = blas.preload_env({"LD_PRELOAD": f"{DISPATCH}:{LIBRARY}"})
+    env = preload.preload_env({"LD_PRELOAD": f"{DISPATCH}:{LIBRARY}"})
     assert env is not None
     assert env["LD_PRELOAD"] == f"{DISPATCH}:{LIBRARY}" and env["OPENBLAS_THREAD_TIMEOUT"] == "4"
 
 
 def test_nothing_to_change_or_already_re_executed_means_no_re_exec():
     preloaded = {"LD_PRELOAD": f"{DISPATCH}:{LIBRARY}", "OPENBLAS_THREAD_TIMEOUT": "9"}
-    assert blas.preload_env(preloaded) is None
-    assert blas.preload_env({blas.MARKER: LIBRARY}) is None
+    assert preload.preload_env(preloaded) is None
+    assert preload.preload_env({preload.MARKER: LIBRARY}) is None
 
 
 def test_a_user_thread_timeout_is_kept():
-    env = blas.preload_env({"OPENBLAS_THREAD_TIMEOUT": "20"})
+    env = preload.preload_env({"OPENBLAS_THREAD_TIMEOUT": "20"})
     assert env is not None and env["OPENBLAS_THREAD_TIMEOUT"] == "20"
 
 
 def test_reference_blas_asked_for_changes_nothing(monkeypatch):
     monkeypatch.undo()
-    assert blas.preload_env({blas.MARKER: "reference"}) is None
+    assert preload.preload_env({preload.MARKER: "reference"}) is None
+
+
+def test_the_start_environment_is_computed_without_importing_mlx():
+    """A libmlx that shadows the installed MLX on the library path breaks `import mlx.core`,
+    so the environment the runner re-executes with (the preloads: building the dispatch in
+    the cache directory) must be computed before anything imports it."""
+    env = {k: v for k, v in os.environ.items() if k not in (preload.MARKER, "LD_PRELOAD")}
+    script = (
+        "import sys, runner.environment as e; e.start_env(dict(__import__('os').environ)); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_no_compiler_means_no_dispatch(monkeypatch, tmp_path):
     monkeypatch.undo()
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert blas.sgemm_dispatch(tmp_path) is None
+    assert build.library(tmp_path) is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -81,9 +95,9 @@ def test_another_versions_build_stays_until_unused_for_two_weeks(monkeypatch, tm
     recent, old = tmp_path / "sgemm_dispatch-other.so", tmp_path / "sgemm_dispatch-old.so"
     for path in (target, recent, old):
         path.write_bytes(b"")
-    weeks_ago = time.time() - blas.STALE_AFTER_S - 60
+    weeks_ago = time.time() - build.STALE_AFTER_S - 60
     os.utime(old, (weeks_ago, weeks_ago))
-    blas._remove_stale(target)
+    build._remove_stale(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "sgemm_dispatch-new.so",
         "sgemm_dispatch-other.so",
@@ -95,7 +109,7 @@ def test_another_versions_build_stays_until_unused_for_two_weeks(monkeypatch, tm
 CHECK = """
 import json, sys
 import mlx.core as mx, numpy as np
-from runner import blas
+from runner.native import build, preload
 from runner.backend import Backend
 rng = np.random.default_rng(0)
 worst = 0.0
@@ -131,7 +145,7 @@ pid = os.fork()
 if pid == 0:
     os._exit(0 if np.abs(sgemm(A, W) - A @ W.T).max() < 1e-3 else 1)
 forked = os.waitpid(pid, 0)[1] == 0
-print(json.dumps({"active": blas.dispatch_active(), "gemv": Backend.cpu().gemv, "worst": worst,
+print(json.dumps({"active": preload.dispatch_active(), "gemv": Backend.cpu().gemv, "worst": worst,
                   "forked": forked}))
 """
 
@@ -141,13 +155,13 @@ def test_the_dispatch_computes_what_the_blas_computes(monkeypatch, tmp_path):
     every transposition, with and without a beta (addmm), equal float64 products; and the
     backend then leaves decode's one-row products to it."""
     monkeypatch.undo()
-    library = blas.optimised_blas()
+    library = preload.optimised_blas()
     if library is None or not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("needs Linux, OpenBLAS and a C compiler")
-    dispatch = blas.sgemm_dispatch(tmp_path)
+    dispatch = build.library(tmp_path)
     assert dispatch is not None and os.path.exists(dispatch)
-    assert blas.sgemm_dispatch(tmp_path) == dispatch  # built once
-    env = {**os.environ, "LD_PRELOAD": f"{dispatch}:{library}", blas.MARKER: library}
+    assert build.library(tmp_path) == dispatch  # built once
+    env = {**os.environ, "LD_PRELOAD": f"{dispatch}:{library}", preload.MARKER: library}
     run = subprocess.run(
         [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
     )
@@ -173,9 +187,9 @@ def test_every_instruction_set_path_of_the_dispatch_builds(march, half, tmp_path
     the half-panel path defined, used outside it, once broke the build on every CPU without
     AVX2 + F16C (the runner then ran on OpenBLAS alone, silently)."""
     assert COMPILER is not None
-    flags = [f"-march={march}" if f == "-march=native" else f for f in blas.DISPATCH_FLAGS]
+    flags = [f"-march={march}" if f == "-march=native" else f for f in build.DISPATCH_FLAGS]
     built = tmp_path / "dispatch.so"
-    command = [COMPILER, *flags, "-o", str(built), str(blas.DISPATCH_SOURCE), "-ldl", "-lm"]
+    command = [COMPILER, *flags, "-o", str(built), str(build.DISPATCH_SOURCE), "-ldl", "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL)  # loaded, not run: only a constant

@@ -11,9 +11,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from runner.loader import load_local_dir
 from runner.models import Model, build_model
-from runner.store import load_store_model
+from runner.sources.loader import load_local_dir
+from runner.sources.ollama_store import load_store_model
 from tests.ollama_store import dequantized, write_ollama_model
 from tests.tiny import tiny_config, write_tiny_model
 

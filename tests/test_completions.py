@@ -20,10 +20,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from runner.app import build_app
-from runner.go_json import DecodeError
+from runner.protocol.go_json import DecodeError
+from runner.protocol.wire import CompletionResponse, decode_completion_request, encode_json
+from runner.server.app import build_app
 from runner.service import Runner
-from runner.wire import CompletionResponse, decode_completion_request, encode_json
 
 KEYS = [
     "Content",

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from runner.score import Row
+from runner.score.validate import Row
 from runner.service import Runner
 from tests.golden.default_model import GOLDEN, reference_rows, rows_spec
 

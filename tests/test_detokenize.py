@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.detokenize import Detokenizer, go_string, valid_prefix_length
-from runner.tokenizer import Tokenizer
+from runner.generate.detokenize import Detokenizer, go_string, valid_prefix_length
+from runner.text.tokenizer import Tokenizer
 from tests.tiny import TOKENIZER_CONFIG, tokenizer_json
 
 

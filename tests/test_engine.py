@@ -9,7 +9,7 @@ import time
 import pytest
 
 from runner.engine import Engine, EngineStopped
-from runner.errors import Cancelled
+from runner.protocol.errors import Cancelled
 
 
 @pytest.fixture

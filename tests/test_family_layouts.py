@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from runner.loader import load_local_dir, load_model_source
 from runner.models import Model, build_model
-from runner.source import ModelLoadError, ModelSource
+from runner.sources.loader import load_local_dir, load_model_source
+from runner.sources.source import ModelLoadError, ModelSource
 from tests.ollama_store import write_ollama_model
 from tests.tiny import tiny_config, write_tiny_model
 

@@ -33,9 +33,9 @@ from bench.fuzz import (
     send,
     spawn,
 )
-from runner import app as runner_app
-from runner import score as runner_score
-from runner import wire
+from runner.protocol import wire
+from runner.score import validate as runner_score
+from runner.server import app as runner_app
 from tests.test_score_validation import single_token_candidates
 
 # --- the document ---------------------------------------------------------------------------

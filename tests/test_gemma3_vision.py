@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from runner.loader import load_local_dir
 from runner.media.images import decode_image
 from runner.models import build_model, gemma3_vision
 from runner.models.gemma3_vision import Gemma3Multimodal
-from runner.source import ModelLoadError
-from runner.store import load_store_model
-from runner.tokenizer import Tokenizer
+from runner.sources.loader import load_local_dir
+from runner.sources.ollama_store import load_store_model
+from runner.sources.source import ModelLoadError
+from runner.text.tokenizer import Tokenizer
 from tests.golden.make_gemma3_vision_goldens import (
     ARCH,
     EOS_ID,
@@ -445,8 +445,8 @@ def score_body(prompt: str, images: dict[int, bytes]) -> bytes:
 def test_scores_through_the_runner_equal_the_one_shot_forward_and_restore_the_image(
     served, engine
 ) -> None:
-    from runner.endpoints import ScoreEndpoint
-    from runner.wire import decode_score_request
+    from runner.protocol.wire import decode_score_request
+    from runner.server.endpoints import ScoreEndpoint
 
     images = all_image_bytes()
     endpoint = ScoreEndpoint(served)
@@ -485,8 +485,8 @@ def test_scores_through_the_runner_equal_the_one_shot_forward_and_restore_the_im
 def test_greedy_completion_after_an_image_equals_the_forward(served, engine) -> None:
     import base64
 
-    from runner.endpoints import CompletionEndpoint
-    from runner.wire import decode_completion_request
+    from runner.protocol.wire import decode_completion_request
+    from runner.server.endpoints import CompletionEndpoint
 
     images = all_image_bytes()
     body = {

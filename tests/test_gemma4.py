@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.loader import load_local_dir, load_model_source
 from runner.models import build_model, gemma4
 from runner.models.gemma4 import Gemma4
-from runner.source import ModelLoadError
+from runner.sources.loader import load_local_dir, load_model_source
+from runner.sources.source import ModelLoadError
 from tests.ollama_store import write_ollama_model
 from tests.test_golden import assert_matches, stored_golden
 from tests.tiny import tiny_config, write_tiny_model
@@ -73,7 +73,7 @@ def test_kv_sharing_layers_read_the_donors_batched_prefix(
 ) -> None:
     """The KV-sharing layers keep no K/V weights and no caches; over rows batched on a shared
     prefix they must attend to the donor's prefix: without the shared view the load-time check
-    (runner/cache/batch.py) finds the batched rows wrong and refuses the model."""
+    (runner/models/build.py) finds the batched rows wrong and refuses the model."""
     path = write_tiny_model(CAUSAL, tmp_path)
     model = build_model(load_local_dir(path))
     layers = model.module.model.layers

@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-from runner.cache.prefix_cache import PrefixCache
 from tests.test_generate_golden import generate, tiny_generator
-from tests.tiny import TINY_ARCHITECTURES
+from tests.tiny import TINY_ARCHITECTURES, prefix_cache
 
 GREEDY = {"temperature": 0.0}
 
@@ -21,7 +20,7 @@ def test_extending_a_conversation_restores_it_and_generates_the_same(tmp_path, a
     fresh = tiny_generator(tmp_path / "b", arch)
 
     def uncached(prompt: list[int]) -> list[int]:
-        fresh.cache = PrefixCache(fresh.model, name="fresh")  # empty: nothing to restore
+        fresh.cache = prefix_cache(fresh.model, name="fresh")  # empty: nothing to restore
         return generate(fresh, prompt, 6, GREEDY)[0]
 
     turn1 = [5, 17, 42, 99, 23, 8, 61, 7, 19, 33, 71, 12]

@@ -17,16 +17,15 @@ from typing import Any
 import pytest
 
 from runner.cache import trie
-from runner.cache.prefix_cache import PrefixCache
 from runner.engine import Job
-from runner.errors import Cancelled
-from runner.generate import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator, Stats
-from runner.loader import load_local_dir
+from runner.generate.pipeline import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator, Stats
+from runner.generate.sampling import SamplerOptions
 from runner.models import build_model
-from runner.sampling import SamplerOptions
-from runner.tokenizer import Tokenizer
+from runner.protocol.errors import Cancelled
+from runner.sources.loader import load_local_dir
+from runner.text.tokenizer import Tokenizer
 from tests.golden.make_generate_goldens import reference_cases
-from tests.tiny import GOLDEN, TINY_ARCHITECTURES, write_tiny_model
+from tests.tiny import GOLDEN, TINY_ARCHITECTURES, prefix_cache, write_tiny_model
 
 
 def tiny_generator(path: Path, arch: str) -> Generator:
@@ -38,7 +37,7 @@ def tiny_generator(path: Path, arch: str) -> Generator:
         generation_config=source.generation_config,
     )
     model = build_model(source)
-    return Generator(model, tokenizer, PrefixCache(model, name="generate"))
+    return Generator(model, tokenizer, prefix_cache(model, name="generate"))
 
 
 def generate(generator: Generator, prompt: list[int], n: int, options: dict) -> tuple[list, Stats]:

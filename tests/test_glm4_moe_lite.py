@@ -12,10 +12,10 @@ import pytest
 from mlx_lm.models import glm4_moe_lite as glm
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from runner.loader import load_local_dir
 from runner.models import Model, build_model
-from runner.source import ModelLoadError
-from runner.store import load_store_model
+from runner.sources.loader import load_local_dir
+from runner.sources.ollama_store import load_store_model
+from runner.sources.source import ModelLoadError
 from tests.ollama_store import dequantized, write_ollama_model
 from tests.tiny import load_tiny_model, write_tiny_model
 

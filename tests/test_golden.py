@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from runner.backend import Backend
-from runner.loader import load_local_dir
 from runner.models import Model, build_model
-from runner.source import ModelLoadError, ModelSource
+from runner.sources.loader import load_local_dir
+from runner.sources.source import ModelLoadError, ModelSource
 from tests.golden.make_goldens import (
     golden_sequences,
     reference_logits,

@@ -50,7 +50,7 @@ async def test_a_huge_body_decodes_off_the_loop_while_status_answers(client, mon
     Proven without a clock: the decoder waits until a /v1/status answer arrives after it
     started. Run on the loop, it would block the only thread that could answer, and the
     wait would run out (the flag stays unset)."""
-    import runner.app as app_module
+    import runner.server.app as app_module
 
     started, answered_during = threading.Event(), threading.Event()
     waits: list[bool] = []

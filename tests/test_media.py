@@ -17,14 +17,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.cache.prefix_cache import PrefixCache
-from runner.endpoints import CompletionEndpoint, ScoreEndpoint
-from runner.errors import BadRequest
 from runner.media.prepare import FOLD_BIT, Item, PreparedPrompt, fold_value, prepare_prompt
 from runner.media.request import RequestMedia
+from runner.protocol.errors import BadRequest
+from runner.protocol.wire import decode_completion_request, decode_score_request
+from runner.server.endpoints import CompletionEndpoint, ScoreEndpoint
 from runner.service import Runner
-from runner.wire import decode_completion_request, decode_score_request
 from tests.image_model import BOI, EOI, IMG, TinyImageModel
+from tests.tiny import prefix_cache
 
 TOLERANCE = 1e-4
 RED = b"\x89PNG red pixels"  # 15 bytes: k = 2 + 15 % 4 = 5 image tokens
@@ -213,7 +213,7 @@ def logits_of(runner: Runner, prompt: PreparedPrompt, **cache_kwargs) -> tuple[n
     """Last-position logits through a scoring prefix cache (fresh unless given)."""
 
     def run(job):
-        cache = cache_kwargs.pop("cache", None) or PrefixCache(
+        cache = cache_kwargs.pop("cache", None) or prefix_cache(
             runner.model, name="t", keep_hidden=True, **cache_kwargs
         )
         media = RequestMedia(runner.model, prompt)
@@ -264,7 +264,7 @@ def test_a_causal_image_may_split(image_runner):
 
 def test_the_same_image_restores_past_its_expansion_and_other_bytes_diverge_there(image_runner):
     runner = image_runner()
-    cache = PrefixCache(runner.model, name="t", keep_hidden=True)
+    cache = prefix_cache(runner.model, name="t", keep_hidden=True)
     first = prepared(runner, "Is the sky[img-0] blue?", (0, RED))
     logits_of(runner, first, cache=cache)
     again = prepared(runner, "Is the sky[img-0] red?", (0, RED))
@@ -285,7 +285,7 @@ def test_a_restore_backs_off_to_the_start_of_an_atomic_image(image_runner):
     runner = image_runner()
     p = prepared(runner, "Is the sky[img-0] blue?", (0, RED))
     it = p.items[0]
-    cache = PrefixCache(runner.model, name="t", keep_hidden=True)
+    cache = prefix_cache(runner.model, name="t", keep_hidden=True)
 
     def store_text_prefix(job):
         keys = p.keys[: it.start + 2]

@@ -20,7 +20,7 @@ from runner.models.llama import Llama
 from runner.models.qwen3 import Qwen3
 from runner.models.qwen3_5_moe import Qwen3_5Moe
 from runner.models.qwen3_moe import Qwen3Moe
-from runner.source import ModelLoadError, ModelSource, config_json
+from runner.sources.source import ModelLoadError, ModelSource, config_json
 from tests.tiny import TINY_ARCHITECTURES, edit_text_config, tiny_config, write_tiny_model
 from tools.spawned import SpawnedRunner
 

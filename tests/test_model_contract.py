@@ -20,11 +20,17 @@ from mlx_lm.models import (
 from mlx_lm.utils import load_model
 
 from runner.backend import Backend, install
-from runner.cache.prefix_cache import PrefixCache
 from runner.models import CachedScorer, CandidateUnembedder, Model
-from runner.score import Row, Scorer
-from runner.source import ModelLoadError
-from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, score_uncached, write_tiny_model
+from runner.score.scorer import Scorer
+from runner.score.validate import Row
+from runner.sources.source import ModelLoadError
+from tests.tiny import (
+    TINY_ARCHITECTURES,
+    load_tiny_model,
+    prefix_cache,
+    score_uncached,
+    write_tiny_model,
+)
 
 # --- nothing in mlx-lm is rebound ------------------------------------------------------------
 
@@ -147,7 +153,7 @@ def test_a_model_without_candidate_unembedding_scores_through_full_logits(engine
     for a, b in zip(full.logits, candidates.logits, strict=True):
         assert a == pytest.approx(b, abs=1e-4)
     # ...and through a cache that restores, the same numbers again.
-    cache = engine.call(lambda job: PrefixCache(plain, name="plain", keep_hidden=True))
+    cache = engine.call(lambda job: prefix_cache(plain, name="plain", keep_hidden=True))
     engine.call(lambda job: Scorer(plain, cache).score(rows, job.check))
     again = engine.call(lambda job: Scorer(plain, cache).score(rows, job.check))
     assert again.cached_tokens == sum(len(r.tokens) for r in rows)

@@ -14,11 +14,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from runner.backend import Backend
-from runner.loader import load_local_dir
 from runner.models import Model, build_model, registered_architectures
 from runner.models.glm4_moe_lite import LatentKVCache
 from runner.models.registry import register
-from runner.source import ModelLoadError, ModelSource
+from runner.sources.loader import load_local_dir
+from runner.sources.source import ModelLoadError, ModelSource
 from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, text_part, tiny_config, write_tiny_model
 
 CACHE_KINDS = {

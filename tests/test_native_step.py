@@ -17,12 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner import blas
 from runner.backend import Backend
-from tests.tiny import load_tiny_model, tiny_config
+from runner.native import preload
+from tests.tiny import load_tiny_model, prefix_cache, tiny_config
 
 pytestmark = pytest.mark.skipif(
-    not blas.dispatch_active(), reason="needs the runner's dispatch library preloaded"
+    not preload.dispatch_active(), reason="needs the runner's dispatch library preloaded"
 )
 
 
@@ -36,7 +36,7 @@ def half_weights() -> bool:
 
 
 needs_half = pytest.mark.skipif(
-    blas.dispatch_active() and not half_weights(), reason="no AVX2 + F16C on this CPU"
+    preload.dispatch_active() and not half_weights(), reason="no AVX2 + F16C on this CPU"
 )
 
 
@@ -320,8 +320,8 @@ def test_growing_real_sized_caches_round_after_round(default_model_dir):
     """The same with the default model's buffer sizes, where MLX's allocator hands a freed
     cache buffer out again within one growth (bench/native_step.py once stopped on it: a
     check took the reused address for an alias). Rewound forwards are deterministic."""
-    from runner.loader import load_model_source
     from runner.models import build_model
+    from runner.sources.loader import load_model_source
 
     model = build_model(
         load_model_source(str(default_model_dir)),
@@ -578,7 +578,6 @@ def test_trie_restores_write_into_the_steps_own_buffers(pair):
     installed as new arrays: the caches keep their buffers, and what the forwards after it
     compute equals MLX's path over the same requests. Without owned buffers (a model with no
     native step, or a fresh cache) the install runs as before."""
-    from runner.cache.prefix_cache import PrefixCache
 
     native, plain = pair
     rng = np.random.default_rng(7)
@@ -589,7 +588,7 @@ def test_trie_restores_write_into_the_steps_own_buffers(pair):
     real = native.restore_kv
     native.restore_kv = lambda *args: restored.append(real(*args)) or restored[-1]
     for model in (native, plain):
-        cache = PrefixCache(model, name="t")
+        cache = prefix_cache(model, name="t")
         rows = []
         for prompt in (a, b, [*a, 10], [*b, 11, 12]):  # each after the other: restores
             with cache.begin(prompt) as session:
@@ -618,7 +617,6 @@ def test_a_restore_copies_only_what_the_live_state_lacks(pair):
     so reading it would spoil the answer; what is computed still equals MLX's path with an
     intact trie."""
     from runner.cache.kinds import Snap
-    from runner.cache.prefix_cache import PrefixCache
 
     native, plain = pair
     rng = np.random.default_rng(9)
@@ -626,7 +624,7 @@ def test_a_restore_copies_only_what_the_live_state_lacks(pair):
     a, b, c = [*shared, 5, 6, 7], [*shared, 8, 9], [*shared, 5, 6, 7, 10]
     rows = []
     for model in (native, plain):
-        cache = PrefixCache(model, name="t")
+        cache = prefix_cache(model, name="t")
         for prompt in (a, b):
             with cache.begin(prompt) as session:
                 session.last_hidden(lambda: None)
@@ -648,13 +646,12 @@ def test_a_restore_that_fails_halfway_leaves_nothing_half_switched(pair):
     """A restore from the trie that fails after some layers were switched (here the second
     layer's copy raises) resets the live state: the request fails, and the next ones compute
     what a fresh cache computes."""
-    from runner.cache.prefix_cache import PrefixCache
 
     native, _ = pair
     rng = np.random.default_rng(8)
     shared = rng.integers(3, 300, size=20).tolist()
     a, b = [*shared, 5, 6, 7], [*shared, 8, 9]
-    cache = PrefixCache(native, name="t")
+    cache = prefix_cache(native, name="t")
     for prompt in (a, b):
         with cache.begin(prompt) as session:
             session.last_hidden(lambda: None)
@@ -674,6 +671,6 @@ def test_a_restore_that_fails_halfway_leaves_nothing_half_switched(pair):
     for prompt in ([*a, 10], [*b, 11]):
         with cache.begin(prompt) as session:
             got = np.array(session.last_hidden(lambda: None))
-        with PrefixCache(native, name="fresh").begin(prompt) as session:
+        with prefix_cache(native, name="fresh").begin(prompt) as session:
             want = np.array(session.last_hidden(lambda: None))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from runner.loader import load_local_dir
 from runner.models import build_model
 from runner.models.nemotron_h import NemotronH, layer_kinds, time_step_limit
-from runner.source import ModelLoadError, config_json
+from runner.sources.loader import load_local_dir
+from runner.sources.source import ModelLoadError, config_json
 from tests.tiny import tiny_config, write_tiny_model
 
 ARCH = "NemotronHForCausalLM"

@@ -16,8 +16,9 @@ import pytest
 
 from runner.cache import trie
 from runner.cache.prefix_cache import ByteBudget, PrefixCache
-from runner.errors import Cancelled
+from runner.protocol.errors import Cancelled
 from tests.fakes import LAYOUTS, FakeModel, Tracker
+from tests.tiny import prefix_cache
 
 
 class Clock:
@@ -32,7 +33,7 @@ class Clock:
 def make(layout: str, *, hidden=False, limit=1 << 40, interval=8192, chunk=3, defer=False):
     tracker = Tracker()
     model = FakeModel(layout, tracker)
-    pc = PrefixCache(
+    pc = prefix_cache(
         model,
         name="test",
         budget=ByteBudget(limit),
@@ -333,10 +334,12 @@ def test_eviction_merges_a_single_child_node_into_its_child():
 def test_two_caches_share_one_budget_and_evict_only_their_own():
     tracker = Tracker()
     budget = ByteBudget(1 << 40)
-    score_cache = PrefixCache(
+    score_cache = prefix_cache(
         FakeModel("kv", tracker), name="score", budget=budget, keep_hidden=True, clock=Clock()
     )
-    gen_cache = PrefixCache(FakeModel("kv", tracker), name="generate", budget=budget, clock=Clock())
+    gen_cache = prefix_cache(
+        FakeModel("kv", tracker), name="generate", budget=budget, clock=Clock()
+    )
     score(score_cache, [1, 2, 3, 4])
     score(score_cache, [5, 6, 7, 8])
     generate(gen_cache, [1, 2, 3, 4, 5, 6, 7, 8], [9])

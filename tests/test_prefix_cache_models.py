@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from runner.cache.prefix_cache import PrefixCache
-from runner.score import Row, Scorer
-from tests.tiny import TINY_ARCHITECTURES, score_uncached
+from runner.score.scorer import Scorer
+from runner.score.validate import Row
+from tests.tiny import TINY_ARCHITECTURES, prefix_cache, score_uncached
 
 SHARED = "You are a careful judge. Answer each question with Yes or No. " * 22
 
@@ -24,7 +24,7 @@ def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
     model = runner.model
     rng = random.Random(7)
     cache = engine.call(
-        lambda job: PrefixCache(model, name="prop", keep_hidden=True, chunk_tokens=5)
+        lambda job: prefix_cache(model, name="prop", keep_hidden=True, chunk_tokens=5)
     )
     cached_scorer = Scorer(model, cache)
     alphabet = [5, 17, 42, 99]
@@ -83,7 +83,7 @@ def test_batched_suffixes_equal_rows_one_by_one(
     shared = rng.choices(range(3, 300), k=40)  # past Gemma3's window of 8
     suffixes = [rng.choices(range(3, 300), k=n) for n in (1, 5, 12, 3, 12, 0)]
     rows = [Row(shared + s, [3, 7, 11]) for s in suffixes]
-    cache = engine.call(lambda job: PrefixCache(model, name="batch", keep_hidden=True))
+    cache = engine.call(lambda job: prefix_cache(model, name="batch", keep_hidden=True))
     batched = engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
     alone = [engine.call(lambda job, r=r: score_uncached(model, [r], job.check)) for r in rows]
     for got, want in zip(batched.logits, alone, strict=True):
@@ -111,7 +111,7 @@ def test_rows_sharing_more_than_the_batch_prefix_store_whole_nodes(engine, loade
         Row([*shared, a, b, b], [3, 7, 11]),  # cuts the first row's node after [a, b]
         Row([*shared, c], [3, 7, 11]),
     ]
-    cache = engine.call(lambda job: PrefixCache(model, name="cut", keep_hidden=True))
+    cache = engine.call(lambda job: prefix_cache(model, name="cut", keep_hidden=True))
     engine.call(lambda job: Scorer(model, cache).score(rows, job.check))
     later = [Row([*shared, a, b, a], [3, 7, 11]), Row([*shared, a, c], [3, 7, 11])]
     for row in [*later, *rows]:
@@ -132,7 +132,7 @@ def test_memory_held_is_the_memory_counted(engine, loaded_models):
 
     def run(job):
         mx.clear_cache()
-        cache = PrefixCache(model, name="memory", keep_hidden=True)
+        cache = prefix_cache(model, name="memory", keep_hidden=True)
         before = mx.get_active_memory()
         for _ in range(20):
             shared = rng.choices(range(3, 300), k=150)
@@ -161,8 +161,8 @@ def test_rows_over_latent_caches_are_scored_one_by_one(engine, loaded_models, mo
     rng = random.Random(5)
     shared = rng.choices(range(3, 300), k=30)
     rows = [Row(shared + rng.choices(range(3, 300), k=n), [3, 7, 11]) for n in (4, 9, 1)]
-    cache = engine.call(lambda job: PrefixCache(model, name="latent", keep_hidden=True))
-    with caplog.at_level(logging.INFO, logger="runner.score"):
+    cache = engine.call(lambda job: prefix_cache(model, name="latent", keep_hidden=True))
+    with caplog.at_level(logging.INFO, logger="runner.score.scorer"):
         scorer = Scorer(model, cache)
     assert "one by one: latent kv caches cannot be batched" in caplog.text
     result = engine.call(lambda job: scorer.score(rows, job.check))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runner.score import Row
+from runner.score.validate import Row
 from runner.service import Runner
 from tests.ollama_store import write_ollama_model
 from tests.test_server import full_vocab_logits

@@ -20,8 +20,8 @@ import pytest
 
 from runner.models import Model, build_model
 from runner.models.quantized import ScaledQuantizedEmbedding, ScaledQuantizedLinear
-from runner.source import ModelLoadError
-from runner.store import load_store_model
+from runner.sources.ollama_store import load_store_model
+from runner.sources.source import ModelLoadError
 from tests.ollama_store import (
     add_tensor_layer,
     dequantized,

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 import tests.test_qwen3_5_vision as dense
-from runner.loader import load_local_dir
 from runner.models import ImageModel, build_model
 from runner.models.qwen3_5_moe import Qwen3_5MoeMultimodal
 from runner.models.qwen3_5_vision import Qwen3_5ImageModel, Qwen3_5Multimodal, VisionModel
+from runner.sources.loader import load_local_dir
 from tests.golden.make_qwen3_5_vision_goldens import FAMILIES, MOE_ARCH, write_model
 
 

@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from runner.loader import load_local_dir
 from runner.media.prepare import Item
 from runner.models import ImageModel, build_model
 from runner.models.qwen3_5_vision import (
@@ -41,7 +40,8 @@ from runner.models.qwen3_5_vision import (
     Qwen3_5Multimodal,
     mrope_layout,
 )
-from runner.source import ModelLoadError
+from runner.sources.loader import load_local_dir
+from runner.sources.source import ModelLoadError
 from tests.golden.make_gemma3_vision_goldens import image_bytes
 from tests.golden.make_qwen3_5_vision_goldens import (
     ARCH,
@@ -286,7 +286,7 @@ def test_media_that_does_not_fit_the_block_is_refused(model: Qwen3_5Multimodal) 
 
 def test_loads_from_an_ollama_store(model_dir: Path, golden: dict, tmp_path: Path) -> None:
     """The store's layers (weights, config, preprocessor_config.json) give the same model."""
-    from runner.store import load_store_model
+    from runner.sources.ollama_store import load_store_model
     from tests.ollama_store import write_ollama_model
 
     write_ollama_model(tmp_path, "tiny-qwen3_5-vision", model_dir)
@@ -397,8 +397,8 @@ def expected_scores(served, engine, plan, images_of_rows) -> list[np.ndarray]:
 
 
 def test_scores_restore_the_same_image_and_diverge_at_other_bytes(served, engine) -> None:
-    from runner.endpoints import ScoreEndpoint
-    from runner.wire import decode_score_request
+    from runner.protocol.wire import decode_score_request
+    from runner.server.endpoints import ScoreEndpoint
 
     images = all_image_bytes()
     endpoint = ScoreEndpoint(served)
@@ -448,8 +448,8 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
     layout gives every row's positions (index + the same delta past the images)."""
     from runner.cache import session
     from runner.cache.batch import forward_suffixes
-    from runner.endpoints import ScoreEndpoint
-    from runner.wire import decode_score_request
+    from runner.protocol.wire import decode_score_request
+    from runner.server.endpoints import ScoreEndpoint
 
     images = all_image_bytes()
     rows = ["Look:[img-1] Is it blue?", "Look:[img-1] Is it a dog or a cat?", "Look:[img-1]"]
@@ -475,8 +475,8 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
 def test_rows_with_their_own_images_each_get_their_own_layout(served, engine) -> None:
     """Rows whose images differ (and so their positions after them) are computed one by
     one, each with its prompt's layout."""
-    from runner.endpoints import ScoreEndpoint
-    from runner.wire import decode_score_request
+    from runner.protocol.wire import decode_score_request
+    from runner.server.endpoints import ScoreEndpoint
 
     images = all_image_bytes()
     rows = ["Look:[img-1] Is it blue?", "Look:[img-2] Is it blue?"]
@@ -513,8 +513,8 @@ def expected_completion(served, engine, plan, images: list[bytes], n: int) -> li
 def test_greedy_completion_after_an_image_equals_the_forward_and_restores_it(
     served, engine
 ) -> None:
-    from runner.endpoints import CompletionEndpoint
-    from runner.wire import decode_completion_request
+    from runner.protocol.wire import decode_completion_request
+    from runner.server.endpoints import CompletionEndpoint
 
     images = all_image_bytes()
     body = completion_body("Describe[img-0] please", {0: images["small"]}, 6)
@@ -537,9 +537,9 @@ def test_greedy_completion_after_an_image_equals_the_forward_and_restores_it(
 async def test_over_http_a_completion_and_scores_give_the_in_process_numbers(
     served, engine, make_client
 ) -> None:
-    from runner.detokenize import go_string
-    from runner.endpoints import CompletionEndpoint, ScoreEndpoint
-    from runner.wire import decode_completion_request, decode_score_request
+    from runner.generate.detokenize import go_string
+    from runner.protocol.wire import decode_completion_request, decode_score_request
+    from runner.server.endpoints import CompletionEndpoint, ScoreEndpoint
 
     images = all_image_bytes()
     client = await make_client(served)

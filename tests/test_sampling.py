@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.sampling import Sampler, SamplerOptions, log_softmax, splitmix64, top_sorted
+from runner.generate.sampling import Sampler, SamplerOptions, log_softmax, splitmix64, top_sorted
 
 CONTEXT = 4096
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.score import prepare_rows
-from runner.wire import ScoreRequest, ScoreRow
+from runner.protocol.wire import ScoreRequest, ScoreRow
+from runner.score.validate import prepare_rows
 
 GOOD = {"rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes", " No"]}], "max_tokens": 64}
 
@@ -165,7 +165,7 @@ def test_rule6_candidate_outside_the_model_vocabulary(llama_runner):
     (word,) = single_token_candidates(tokenizer, "Is it", 1)
     token = tokenizer.encode("Is it" + word)[-1]
     request = ScoreRequest(rows=[ScoreRow("Is it", [word])], maxtokens=64)
-    from runner.errors import BadRequest
+    from runner.protocol.errors import BadRequest
 
     with pytest.raises(BadRequest, match="prompt 0 has invalid or duplicate candidate tokens"):
         prepare_rows(request, tokenizer, 128, vocab_size=token)
@@ -230,8 +230,8 @@ def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
     tokenized before its candidates, which are never tokenized when a row up to it is refused:
     a prompt of a million tokens is tokenized once, not once more per candidate. Whichever
     batch a row's candidates go in, the rows are the same."""
-    from runner import score
-    from runner.errors import BadRequest
+    from runner.protocol.errors import BadRequest
+    from runner.score import validate as score
 
     long_prompt = "Is the sky blue? " * 60
     k = len(llama_runner.tokenizer.encode(long_prompt))
@@ -260,7 +260,7 @@ def test_candidates_of_a_long_prompt_are_not_tokenized_when_it_is_refused(
 
 
 def test_a_candidate_longer_than_any_token_is_refused_without_tokenizing_it(llama_runner):
-    from runner.errors import BadRequest
+    from runner.protocol.errors import BadRequest
 
     huge = " the" * 250_000
     rows = [ScoreRow("Is it", [" Yes", huge])]
@@ -300,7 +300,7 @@ async def test_huge_body_is_400_and_runner_keeps_serving(make_client, llama_runn
 def test_a_prompt_past_the_limit_is_counted_not_listed(llama_runner):
     """What the length check needs of a prompt past max_tokens is its count: the message
     says it exactly (as Go's does), though its ids are never listed."""
-    from runner.errors import BadRequest
+    from runner.protocol.errors import BadRequest
 
     prompt = "Is the sky blue? " * 50
     k = len(llama_runner.tokenizer.encode(prompt))

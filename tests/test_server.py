@@ -9,11 +9,12 @@ import time
 import mlx.core as mx
 import pytest
 
-from runner.cache.prefix_cache import PrefixCache
-from runner.errors import Cancelled
-from runner.score import Row, Scorer, prepare_rows
-from runner.wire import ScoreRequest, ScoreRow
+from runner.protocol.errors import Cancelled
+from runner.protocol.wire import ScoreRequest, ScoreRow
+from runner.score.scorer import Scorer
+from runner.score.validate import Row, prepare_rows
 from tests.test_score_validation import single_token_candidates
+from tests.tiny import prefix_cache
 
 PREFIX = "Answer with Yes or No. Is the sky blue? Is grass green? Is the sea wet? Q:"
 
@@ -189,7 +190,7 @@ def score_with(engine, model, cache, rows, check=None):
     """Score through `cache` (None: a fresh cache, so nothing is restored)."""
 
     def work(job):
-        scorer = Scorer(model, cache or PrefixCache(model, name="fresh", keep_hidden=True))
+        scorer = Scorer(model, cache or prefix_cache(model, name="fresh", keep_hidden=True))
         return scorer.score(rows, check or job.check)
 
     return engine.call(work)
@@ -209,7 +210,7 @@ def test_chunked_prefill_equals_one_shot(engine, llama_runner):
     one_shot = score_with(engine, model, None, rows)
     for chunk in (1, 3, 7):
         cache = engine.call(
-            lambda job, c=chunk: PrefixCache(model, name="t", chunk_tokens=c, keep_hidden=True)
+            lambda job, c=chunk: prefix_cache(model, name="t", chunk_tokens=c, keep_hidden=True)
         )
         chunked = score_with(engine, model, cache, rows)
         for a, b in zip(chunked.logits, one_shot.logits, strict=True):
@@ -235,7 +236,7 @@ def test_cancel_between_chunks_keeps_progress_and_next_request_is_exact(engine, 
     model = llama_runner.model
     tokens = tokenizer.encode(PREFIX)
     rows = [Row(tokens, [tokenizer.encode(PREFIX + " Yes")[-1]])]
-    cache = engine.call(lambda job: PrefixCache(model, name="t", chunk_tokens=2, keep_hidden=True))
+    cache = engine.call(lambda job: prefix_cache(model, name="t", chunk_tokens=2, keep_hidden=True))
     stop = StopAfter(4)  # one check per row, then one per chunk: 3 chunks pass
     with pytest.raises(Cancelled):
         score_with(engine, model, cache, rows, stop)
@@ -275,9 +276,9 @@ async def test_client_disconnect_cancels_queued_request(client, engine, llama_ru
 
 @pytest.mark.parametrize(("limit", "kept"), [(0, False), (1 << 40, True)])
 async def test_scratch_memory_above_the_limit_is_released(client, engine, monkeypatch, limit, kept):
-    import runner.service
+    from runner.server import memory
 
-    monkeypatch.setattr(runner.service, "SCRATCH_LIMIT_BYTES", limit)
+    monkeypatch.setattr(memory, "SCRATCH_LIMIT_BYTES", limit)
     body = {"rows": [{"prompt": PREFIX * 4, "candidates": [" Yes", " No"]}], "max_tokens": 512}
     assert (await client.post("/v1/score", json=body)).status == 200
     cached = engine.call(lambda job: mx.get_cache_memory())
@@ -291,7 +292,7 @@ async def test_a_cached_scorer_model_answers_score_with_cached_hidden_rows(
     llama_runner, make_client, engine
 ):
     from runner.models import CachedScorer
-    from runner.wire import ScoreResponse
+    from runner.protocol.wire import ScoreResponse
 
     class HookedModel(type(llama_runner.model)):
         """Scores the first candidate only, through the runner's hidden rows."""

@@ -1,4 +1,5 @@
-"""Ollama store resolution (runner/store.py) and local-directory loading (runner/loader.py)."""
+"""Ollama store resolution (runner/sources/ollama_store.py) and local-directory loading
+(runner/sources/loader.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tokenizer_models
 
-from runner import loader
-from runner.loader import load_local_dir, load_model_source
-from runner.source import ModelLoadError
-from runner.store import (
+from runner.sources import loader
+from runner.sources.loader import load_local_dir, load_model_source
+from runner.sources.ollama_store import (
     blob_path,
     infer_affine_from_shapes,
     load_manifest,
@@ -26,6 +26,7 @@ from runner.store import (
     models_dir,
     parse_name,
 )
+from runner.sources.source import ModelLoadError
 from tests.ollama_store import add_tensor_layer, quantized_blob_arrays, write_ollama_model
 from tools.spawned import SpawnedRunner
 
@@ -286,7 +287,7 @@ def test_other_tags_and_namespaces_do_not_match(models: Path, hf_dir: Path) -> N
             load_manifest(other)
 
 
-# ---- hostile stores: nothing outside $OLLAMA_MODELS is read (runner/store.py) ----
+# ---- hostile stores: nothing outside $OLLAMA_MODELS is read (runner/sources/ollama_store.py) ----
 
 
 def edit_manifest(models: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -687,7 +688,7 @@ def test_infer_affine_from_shapes(packed: int, scale: int, hint: str, want) -> N
     assert infer_affine_from_shapes(packed, scale, hint) == want
 
 
-# ---- local directories (runner/loader.py) ----
+# ---- local directories (runner/sources/loader.py) ----
 
 
 def test_local_dir(hf_dir: Path) -> None:
@@ -822,8 +823,8 @@ def test_malformed_safetensors_are_refused(hf_dir: Path, data: bytes, problem: s
 
 
 def test_default_alias_uses_the_prepared_dir(hf_dir: Path, monkeypatch: pytest.MonkeyPatch):
-    import runner.default_model
+    from runner.sources import default_model
 
-    monkeypatch.setattr(runner.default_model, "resolve_default_model", lambda: hf_dir)
+    monkeypatch.setattr(default_model, "resolve_default_model", lambda: hf_dir)
     source = load_model_source(loader.DEFAULT_ALIAS)
     assert source.name == "default" and source.config == CONFIG

@@ -1,6 +1,6 @@
 """Every tiny architecture loads from an Ollama store with the logits it has from its
-directory (runner/store.py: manifests, config layers, safetensors blobs; the Go runner's
-import layout), so each family is proven on both of the runner's loading paths."""
+directory (runner/sources/ollama_store.py: manifests, config layers, safetensors blobs; the
+Go runner's import layout), so each family is proven on both of the runner's loading paths."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.loader import load_local_dir
 from runner.models import build_model
-from runner.store import load_store_model
+from runner.sources.loader import load_local_dir
+from runner.sources.ollama_store import load_store_model
 from tests.ollama_store import write_ollama_model
 from tests.tiny import TINY_ARCHITECTURES, write_tiny_model
 

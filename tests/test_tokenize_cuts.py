@@ -1,4 +1,4 @@
-"""Cuts (runner/tokenize_cuts.py): positions where a text's ids are its two parts' ids, and
+"""Cuts (runner/text/cuts.py): positions where a text's ids are its two parts' ids, and
 `Tokenizer.encode_extended`, which tokenizes prompts and prompt + candidate texts from them.
 
 The property behind everything: wherever `CutRule.is_cut(X, m)` says yes, encode(X) ==
@@ -17,8 +17,8 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runner.tokenize_cuts import LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN, CutRule
-from runner.tokenizer import Tokenizer
+from runner.text.cuts import LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN, CutRule
+from runner.text.tokenizer import Tokenizer
 
 FRAGMENTS = [
     "the",
@@ -306,7 +306,7 @@ def test_the_default_models_tokenizer_allows_cuts_and_they_hold(default_model_di
 def test_what_is_kept_of_a_prompt_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the first KEEP_CHARS characters of a prompt are kept to find shared beginnings:
     a long shared beginning is kept up to there, and tokenizing still gives the same ids."""
-    from runner import tokenize_cuts
+    from runner.text import cuts as tokenize_cuts
 
     monkeypatch.setattr(tokenize_cuts, "KEEP_CHARS", 40)
     tokenizer, reference = Tokenizer(PIPELINES["gpt2"]()), Tokenizer(PIPELINES["gpt2"]())

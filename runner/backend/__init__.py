@@ -10,7 +10,7 @@ measured (docs/DESIGN.md §4 has the figures), and the runner computes them anot
   lazy graph (`backend.host`);
 - causal attention in query blocks that skip the keys the mask hides (`backend.attention`);
 - one-row products (decode) through a gemv: the runner's sgemm dispatch under MLX
-  (runner/blas.py) where it could be built, else numpy's gemv (`backend.gemv`);
+  (runner/native/preload.py) where it could be built, else numpy's gemv (`backend.gemv`);
 - narrower batches of scoring rows (wide ones fall out of the CPU's caches);
 - short forwards of Llama-shaped models in one native call (`backend.native_step`), reading
   exact half-precision copies of a half-precision checkpoint's weights.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from runner import blas
+from runner.native import preload
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ class Backend:
             # A 20-token forward's SwiGLU ([20, 1536] on SmolLM2) took 0.83 ms a layer in MLX.
             host_activation_min_elements=8192,
             table_rope=True,
-            gemv=not blas.dispatch_active(),
+            gemv=not preload.dispatch_active(),
             # After 480 cached tokens, native against MLX (bench/native_step.py), SmolLM2: 1
             # token 38/54 ms, 16: 68/87, 64: 178/251, 128: 364/455, 512 (a prompt chunk, its
             # products in OpenBLAS): 1590/2138; Qwen3-0.6B shape: 1: 157/199, 128: 1535/1942.
-            native_step_max_tokens=512 if blas.dispatch_active() else None,
+            native_step_max_tokens=512 if preload.dispatch_active() else None,
             # SmolLM2 (a float16 checkpoint), decode steps after 512 tokens in process: 30-41
             # tok/s against 20-22 from the float32 weights, the same minutes.
             native_half_formats=("float16", "bfloat16"),

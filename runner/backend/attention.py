@@ -4,7 +4,7 @@ mlx-lm's attention layers end in one call, `scaled_dot_product_attention(queries
 values, cache, scale, mask, sinks)`. `Attention(backend)` is a drop-in for it, installed on
 our instances only (runner/backend/install.py), with two additions:
 
-1. Rows batched over one shared prefix (`SharedPrefixKV`, runner/cache/batch.py): the cache
+1. Rows batched over one shared prefix (`SharedPrefixKV`, runner/cache/shared_prefix.py): the cache
    hands the layer only the rows' own suffix K/V, and this call attends to the prefix too.
    Broadcasting the prefix KV into an ordinary cache would make every layer write B copies
    of it and attend to them one row at a time (measured on Qwen3-0.6B, CPU: 0.16 s per
@@ -13,7 +13,7 @@ our instances only (runner/backend/install.py), with two additions:
    that is combined with the causal attention over the suffix through a shared softmax
    maximum (the log-sum-exp split). This is a correctness dependency: run through mlx-lm's own
    call, such a batch attends to its suffixes alone, which is why loading checks that the
-   call is in place (runner/cache/batch.py: `verify_batched_rows`).
+   call is in place (runner/models/build.py: `verify_batched_rows`).
 2. Where the backend asks for it (the CPU, decode steps included): causal attention in query
    blocks that only read the keys each block may see, each KV head's query heads stacked into
    one product (one BLAS call per KV head, not per query head), with the softmax numerators
@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models import base as mlx_lm_base
 
 from runner.backend import Backend, host
-from runner.cache.batch import SharedPrefixKV
+from runner.cache.shared_prefix import SharedPrefixKV
 
 _LOG2E = math.log2(math.e)
 

@@ -14,8 +14,8 @@ Invariants:
   318 vs 338 ms for a 16-token step).
 - Weights are read in place (numpy views of the evaluated MLX parameters, no copy); the
   one-row input is evaluated first, so a step using this runs synchronously.
-- numpy's BLAS has its own thread pool: runner/blas.py makes idle OpenBLAS threads sleep at
-  once (`OPENBLAS_THREAD_TIMEOUT`) so the two pools do not spin against each other.
+- numpy's BLAS has its own thread pool: runner/native/preload.py makes idle OpenBLAS threads
+  sleep at once (`OPENBLAS_THREAD_TIMEOUT`) so the two pools do not spin against each other.
 """
 
 from __future__ import annotations

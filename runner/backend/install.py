@@ -28,7 +28,7 @@ import mlx.nn as nn
 from runner.backend import Backend, gemv, rope
 from runner.backend.attention import Attention
 from runner.backend.host import Activations
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 ATTENTION_CALL = "scaled_dot_product_attention"
 SWIGLU_CALL = "swiglu"

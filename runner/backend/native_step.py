@@ -4,7 +4,7 @@ A decode step or a few-token forward on MLX's CPU backend pays ~5 us for each of
 ~3,000 primitive operations (SmolLM2: 100 a layer) on top of reading the weights once;
 llama.cpp runs the same step as a few hundred fused operations. `NativeStep` runs all the
 decoder layers of such a forward in one call into the runner's compiled library
-(runner/native/decoder_step.c, built with the sgemm dispatch: runner/blas.py), with the
+(runner/native/decoder_step.c, built with the sgemm dispatch: runner/native/preload.py), with the
 dispatch's product tiles and thread pool, and MLX does the rest (embedding rows, the head).
 
 It also runs rows batched over one shared prefix (runner/cache/batch.py): every row's
@@ -60,7 +60,7 @@ from mlx_lm.models.cache import KVCache
 
 from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
-from runner.cache.batch import SharedPrefixKV
+from runner.cache.shared_prefix import SharedPrefixKV
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,7 @@ class NativeStep:
         """The final hidden states [B, T, H] of `tokens` [B, T] after the caches, appending
         to them; None when MLX's path must run this forward (nothing changed then). One row
         continues plain `KVCache`s; several rows continue one shared prefix each
-        (`SharedPrefixKV`, runner/cache/batch.py, before their suffixes are written)."""
+        (`SharedPrefixKV`, runner/cache/shared_prefix.py, before their suffixes are written)."""
         if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.max_tokens:
             return None
         if not caches or len(caches) != self.layers:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from runner.cache.batch import SharedPrefixKV
+from runner.cache.shared_prefix import SharedPrefixKV
 
 
 @dataclass
@@ -334,12 +334,18 @@ RECURRENT = RecurrentKind()
 HIDDEN = HiddenKind()
 
 
+@runtime_checkable
+class OwnKind(Protocol):
+    """A cache object that names its own kind (GLM's latent caches, the test fakes)."""
+
+    prefix_kind: Kind
+
+
 def kind_of(cache: Any) -> Kind:
-    """The kind of an mlx-lm cache object (checked most specific first). A cache may name
-    its own kind (`prefix_kind`), as the test fakes do."""
-    own = getattr(cache, "prefix_kind", None)
-    if isinstance(own, Kind):
-        return own
+    """The kind of an mlx-lm cache object (checked most specific first): its own, where it
+    names one (`OwnKind`)."""
+    if isinstance(cache, OwnKind) and isinstance(cache.prefix_kind, Kind):
+        return cache.prefix_kind
     if isinstance(cache, SharedPrefixKV):
         raise TypeError("a batched cache is never a prefix cache's live cache")
     if isinstance(cache, RotatingKVCache):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .kinds import HiddenRows, Kind, kind_of
+from runner.cache.kinds import HiddenRows, Kind, kind_of
 
 if TYPE_CHECKING:
     from runner.media.request import RequestMedia

@@ -33,18 +33,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from runner.models.base import KVRestorer
-
-from . import trie
-from .budget import ByteBudget
-from .kinds import HIDDEN, Kind, KVKind, Snap
-from .live import LiveState
-from .session import PREFILL_CHUNK_TOKENS, PrefixSession
-from .trie import Node
+from runner.cache import trie
+from runner.cache.budget import ByteBudget
+from runner.cache.kinds import HIDDEN, Kind, KVKind, Snap
+from runner.cache.live import LiveState
+from runner.cache.session import PrefixSession
+from runner.cache.trie import Node
 
 if TYPE_CHECKING:
     from runner.media.request import RequestMedia
@@ -52,7 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_INTERVAL_TOKENS = 8192
-BATCH_TOKENS = 512  # suffix tokens per batched forward, unless the owner says otherwise
+
+
+@runtime_checkable
+class KVRestorer(Protocol):
+    """A model that pages a prefix into a plain `KVCache` itself (runner/models/base.py):
+    `restore_kv(cache, segments, target, kept)` makes the cache hold [0, target) from the
+    trie's KV segments (`Snap`s of (keys, values), in order from 0) in buffers the model owns
+    for that cache, positions [0, kept) already held; False when it cannot (nothing changed:
+    the cache installs the segments as usual). Equal to `KVKind.install` in what the cache
+    then holds."""
+
+    def restore_kv(self, cache: Any, segments: list[Any], target: int, kept: int) -> bool: ...
 
 
 class PrefixCache:
@@ -60,7 +69,8 @@ class PrefixCache:
 
     `keep_hidden` (scoring) also keeps the final hidden rows, so a prompt stored whole is
     scored without computing. `chunk_tokens` bounds a prefill forward; `batch_tokens` the
-    suffix tokens of one batched forward (runner/backend: the backend's policy).
+    suffix tokens of one batched forward: the backend's policy decides both
+    (runner/backend/__init__.py), the one place they are set.
     """
 
     def __init__(
@@ -71,8 +81,8 @@ class PrefixCache:
         budget: ByteBudget | None = None,
         keep_hidden: bool = False,
         interval: int = SNAPSHOT_INTERVAL_TOKENS,
-        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-        batch_tokens: int = BATCH_TOKENS,
+        chunk_tokens: int,
+        batch_tokens: int,
         defer_stores: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):

@@ -2,7 +2,7 @@
 
 `PrefixCache.begin(tokens)` returns a session whose live caches already hold the first
 `offset` tokens of `tokens` (restored, not computed). The session is everything a request
-pipeline needs to compute: callers (runner/score.py, runner/generate.py) never touch
+pipeline needs to compute: callers (runner/score/scorer.py, runner/generate/pipeline.py) never touch
 caches, kinds or token bookkeeping.
 
 - `prefill(end, check)`: feed tokens[offset:end] in chunks (the one prefill loop), cut at
@@ -27,27 +27,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
-from runner.errors import Cancelled
-
-from .batch import broadcast, forward_suffixes
+from runner.cache.batch import broadcast, forward_suffixes
+from runner.cache.live import LiveState
+from runner.protocol.errors import Cancelled
 
 if TYPE_CHECKING:
     from runner.media.request import RequestMedia
 
-    from .prefix_cache import PrefixCache
-
-PREFILL_CHUNK_TOKENS = 2048
 BATCH_BYTES = 1 << 30  # the batched caches of one forward of rows
+
+
+class SessionOwner(Protocol):
+    """What a session needs of the prefix cache that opened it (runner/cache/prefix_cache.py):
+    its live state, the sizes of its forwards, and where what was computed is stored."""
+
+    model: Any
+    live: LiveState
+    chunk_tokens: int  # prompt tokens per prefill forward
+    batch_tokens: int  # suffix tokens per batched forward of rows
+
+    def store_live(self) -> Any:
+        """Store the live state as a node (a capture point was reached)."""
+
+    def evict(self) -> None:
+        """Bring the byte budget under its limit."""
+
+    def store_rows(self, rows: list[list[int]], prefix: int, batch: list[Any], hidden: Any) -> None:
+        """Store rows computed as a batch over the live state's `prefix` tokens."""
+
+    def session_ended(self) -> None:
+        """The session closed: store the live state (now, or at the next settle)."""
 
 
 class PrefixSession:
     def __init__(
         self,
-        owner: PrefixCache,
+        owner: SessionOwner,
         tokens: list[int],
         offset: int,
         captures: list[int],
@@ -117,7 +136,7 @@ class PrefixSession:
         assert all(suffixes), "every row continues the prefix"
         owner.store_live()  # rows are stored below the prefix's node
         # The prefix's position layout serves every row: rows batched here have all their
-        # images in the shared prefix (runner/score.py), so past it each row's positions are
+        # images in the shared prefix (runner/score/scorer.py), so past it each row's positions are
         # its indices plus the same delta, which the prefix's layout gives.
         layout = self.media.layout if self.media is not None else None
         out: list[mx.array | None] = [None] * len(suffixes)

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from runner.models.config import number
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
+from runner.sources.values import number
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class PixelRules:
                 f"preprocessor_config.json: resample {show(chosen)} is not a PIL filter"
             ) from None
         factor = (
-            number(p.get("rescale_factor", rescale), "rescale_factor")
+            number(
+                p.get("rescale_factor", rescale), "rescale_factor", file="preprocessor_config.json"
+            )
             if p.get("do_rescale", True)
             else 1.0
         )

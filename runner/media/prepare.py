@@ -31,13 +31,13 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from runner.errors import BadRequest
-from runner.tokenizer import Tokenizer
-from runner.wire import MediaItem
+from runner.protocol.errors import BadRequest
+from runner.protocol.wire import MediaItem
+from runner.text.tokenizer import Tokenizer
 
 TAG = re.compile(r"\[img-(\d+)\]")
 FOLD_BIT = 1 << 31
@@ -111,6 +111,15 @@ class Item:
     fold: int
     source: int  # the media segment (tag) it came from, in prompt order
     opaque: Any = None
+
+
+@runtime_checkable
+class PositionLayouts(Protocol):
+    """An image model whose token positions stop being their indices once a prompt has
+    images (runner/models/base.py): the layout of a prompt with items, deterministic, made
+    here off the MLX thread and passed with every forward of the request."""
+
+    def position_layout(self, tokens: list[int], items: list[Item]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -187,8 +196,9 @@ def prepare_prompt(
             )
         tokens += expansion.tokens
     check_items(items, len(tokens), sum(1 for p in parts if isinstance(p, int)))
-    make_layout = getattr(model, "position_layout", None)
-    layout = make_layout(tokens, items) if make_layout is not None and items else None
+    layout = None
+    if items and isinstance(model, PositionLayouts):
+        layout = model.position_layout(tokens, items)
     return PreparedPrompt(tokens, items, tail_start, layout)
 
 

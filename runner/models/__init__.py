@@ -20,7 +20,8 @@ from runner.models import (  # noqa: F401
     qwen3_moe,
 )
 from runner.models.base import CachedScorer, CandidateUnembedder, HiddenRows, ImageModel, Model
-from runner.models.registry import build_model, registered_architectures
+from runner.models.build import build_model
+from runner.models.registry import registered_architectures
 
 __all__ = [
     "CachedScorer",

@@ -16,7 +16,7 @@ A model wraps one mlx-lm model instance. The runner never calls the mlx-lm model
   (final-logit soft-capping, logit scale, ...), in the model's dtype.
 
 Optional capabilities, named as the Go runner names them and checked with `isinstance` where
-scoring is dispatched (runner/endpoints.py, runner/score.py):
+scoring is dispatched (runner/server/endpoints.py, runner/score/scorer.py):
 - `CandidateUnembedder`: `unembed_candidates(hidden, ids)` computes only the rows `ids` of
   the output projection, in float32, then the same post-processing as `unembed`: hidden is
   [N, H], ids [K] int32, the result [N, K] float32, equal to `unembed(hidden)[:, ids]` up to
@@ -27,12 +27,13 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   the scoring prefix cache with `hidden_rows(tokens)` -> (the last token's hidden row [1, H],
   tokens restored from the cache); that call checks for cancellation between chunks.
 
-- `KVRestorer`: `restore_kv(cache, segments, target, kept)` makes one plain `KVCache` hold
-  [0, target) from the trie's KV segments (`Snap`s of (keys, values), in order from 0)
-  without new buffers, writing them into buffers the model already owns for that cache;
-  positions [0, kept) already hold the prefix (the live state shares them) and need not be
-  written. False when it cannot (nothing changed: the prefix cache installs them as usual).
-  Equal to `KVKind.install` in what the cache then holds.
+- `KVRestorer` (declared by its user, runner/cache/prefix_cache.py): `restore_kv(cache,
+  segments, target, kept)` makes one plain `KVCache` hold [0, target) from the trie's KV
+  segments (`Snap`s of (keys, values), in order from 0) without new buffers, writing them
+  into buffers the model already owns for that cache; positions [0, kept) already hold the
+  prefix (the live state shares them) and need not be written. False when it cannot
+  (nothing changed: the prefix cache installs them as usual). Equal to `KVKind.install` in
+  what the cache then holds.
 - `ImageModel`: the model takes images in prompts. `prepare_image(data)` (off the MLX
   thread, deterministic) decodes and preprocesses one image's bytes into the `Expansion` its
   `[img-N]` tag becomes: tokens, and items (token ranges with pixels, causal or atomic),
@@ -41,16 +42,23 @@ scoring is dispatched (runner/endpoints.py, runner/score.py):
   the features for this block: (position in the block, rows) pairs that replace those
   positions' embeddings. An atomic item is always whole inside one block
   (runner/media/request.py). A model whose token positions are not their indices once a
-  prompt has images (Qwen3.5's 3-channel rotary positions) also defines
-  `position_layout(tokens, items)` (off the MLX thread, deterministic; called only for
-  prompts with items), and its `hidden` takes `layout=`: the runner passes the prompt's
+  prompt has images (Qwen3.5's 3-channel rotary positions) is also a `PositionLayouts`
+  (declared by its user, runner/media/prepare.py): `position_layout(tokens, items)` (off
+  the MLX thread, deterministic; called only for prompts with items), and its `hidden`
+  takes `layout=`: the runner passes the prompt's
   layout with every forward of that request (prefill chunks, batched rows over a shared
   prefix, decode steps), and the model reads its block's absolute indices from its caches'
   offset. Models without `position_layout` are never given one.
 
-A family that reads generation_config.json (Gemma 4's `suppress_tokens`) defines
-`use_generation_config(generation_config)`; `build_model` calls it once, before the model
-serves, with the file's contents or None.
+Load-time capabilities, which `build_model` (runner/models/build.py) calls once, before the
+model serves:
+- `SourceReader`: `bind_source(source)` reads more of the model's files than the config and
+  the weights (an image model's preprocessor_config.json);
+- `GenerationConfigReader`: `use_generation_config(generation_config)` with
+  generation_config.json's contents or None (Gemma 4's `suppress_tokens`);
+- `MLXPathSwitch`: `mlx_only()`, a context manager inside which every forward takes MLX's
+  path, for a model whose forwards usually take another (the native decoder step): the
+  load-time checks run both paths.
 
 Every method except `prepare_image` runs on the MLX thread and builds lazy graphs; callers
 evaluate.
@@ -58,6 +66,7 @@ evaluate.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -65,8 +74,9 @@ import mlx.core as mx
 
 if TYPE_CHECKING:
     from runner.media.prepare import Expansion, Item
-    from runner.tokenizer import Tokenizer
-    from runner.wire import ScoreRequest, ScoreResponse
+    from runner.protocol.wire import ScoreRequest, ScoreResponse
+    from runner.sources.source import ModelSource
+    from runner.text.tokenizer import Tokenizer
 
 
 @runtime_checkable
@@ -98,11 +108,6 @@ class CachedScorer(Protocol):
 
 
 @runtime_checkable
-class KVRestorer(Protocol):
-    def restore_kv(self, cache: Any, segments: list[Any], target: int, kept: int) -> bool: ...
-
-
-@runtime_checkable
 class ImageModel(Protocol):
     def prepare_image(self, data: bytes) -> Expansion: ...
 
@@ -111,3 +116,18 @@ class ImageModel(Protocol):
     def hidden(
         self, tokens: mx.array, caches: list[Any], media: list[tuple[int, mx.array]] | None = None
     ) -> mx.array: ...
+
+
+@runtime_checkable
+class SourceReader(Protocol):
+    def bind_source(self, source: ModelSource) -> None: ...
+
+
+@runtime_checkable
+class GenerationConfigReader(Protocol):
+    def use_generation_config(self, generation_config: dict[str, Any] | None) -> None: ...
+
+
+@runtime_checkable
+class MLXPathSwitch(Protocol):
+    def mlx_only(self) -> contextlib.AbstractContextManager[None]: ...

@@ -48,7 +48,7 @@ from runner.models.decoder import (
     switch_mlp_weights,
 )
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 Cohere2MoeConfig defaults.
 COHERE2_MOE_DEFAULTS: dict[str, Any] = {

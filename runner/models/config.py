@@ -24,7 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
+from runner.sources.values import flag, integer, json_object, number
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -50,40 +51,6 @@ DECODER_SIZES = (
     "num_key_value_heads",
     "head_dim",
 )
-
-
-def integer(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """A JSON integer (not a float, not a boolean) in [minimum, maximum]."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
-        raise ModelLoadError(f"config.json: {name} must be {kind}, not {show(value)}")
-    if maximum is not None and value > maximum:
-        raise ModelLoadError(f"config.json: {name} {value} is more than {maximum}")
-    return value
-
-
-def number(value: Any, name: str) -> float:
-    """A positive, finite JSON number (Python's json also reads NaN and Infinity)."""
-    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
-    if isinstance(value, bool) or not finite or value <= 0:
-        raise ModelLoadError(f"config.json: {name} must be a positive number, not {show(value)}")
-    return float(value)
-
-
-def flag(value: Any, name: str) -> bool:
-    """A JSON boolean: a string such as "false" would be read as true."""
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"config.json: {name} must be true or false, not {show(value)}")
-    return value
-
-
-def json_object(value: Any, name: str) -> dict[str, Any]:
-    """A JSON object; null or absent is an empty one."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"config.json: {name} must be an object, not {show(value)}")
-    return value
 
 
 def check_decoder(

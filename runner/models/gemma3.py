@@ -38,7 +38,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, add_attention_bias, layer_caches, run_layers
 from runner.models.registry import register
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 # transformers 5 Gemma3TextConfig defaults, where mlx-lm's differ or are missing.
 GEMMA3_DEFAULTS: dict[str, Any] = {

@@ -38,8 +38,8 @@ from runner.models import gemma3
 from runner.models.config import SLIDING, flag, integer, json_object, number
 from runner.models.gemma3 import GEMMA3_DEFAULTS, Gemma3
 from runner.models.registry import register
-from runner.source import ModelLoadError, ModelSource, show
-from runner.tokenizer import Tokenizer
+from runner.sources.source import ModelLoadError, ModelSource, show
+from runner.text.tokenizer import Tokenizer
 
 # transformers 5's Gemma3Config and SiglipVisionConfig defaults (the released checkpoints
 # write most of them; sparse configs rely on these).

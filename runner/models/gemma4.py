@@ -39,7 +39,7 @@ from mlx_lm.models.rope_utils import ProportionalRoPE
 
 from runner.backend import Backend
 from runner.backend.install import Kernels
-from runner.cache.batch import SharedPrefixKV
+from runner.cache.shared_prefix import SharedPrefixKV
 from runner.models.config import (
     FULL,
     SLIDING,
@@ -54,7 +54,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU, layer_caches
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 Gemma4TextConfig defaults, where mlx-lm's differ or are missing.
 GEMMA4_DEFAULTS: dict[str, Any] = {

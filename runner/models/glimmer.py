@@ -40,7 +40,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, add_attention_bias
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 MuseGlimmerTextConfig defaults.
 GLIMMER_DEFAULTS: dict[str, Any] = {

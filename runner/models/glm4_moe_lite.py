@@ -17,7 +17,7 @@ The KV cache holds the latent keys ([latent] as keys, [rope part] as values) as 
 does (docs/DESIGN.md §3.1 snapshots them like any KV cache). mlx-lm's attention scores the
 rope part against every cached position itself, so rows cannot run over a shared prefix that
 keeps only their suffixes: the cache's kind says it does not batch, and scoring runs such
-rows one by one (runner/score.py).
+rows one by one (runner/score/scorer.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from runner.models.config import (
 from runner.models.decoder import DecoderModel, FloatSwitchGLU, switch_mlp_weights
 from runner.models.quantized import dequantize_weight
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 Glm4MoeLiteConfig defaults (mlx-lm's agree except where keys are new).
 GLM4_MOE_LITE_DEFAULTS: dict[str, Any] = {

@@ -41,7 +41,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU, run_layers
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 LagunaConfig defaults, where mlx-lm's differ or are missing.
 LAGUNA_DEFAULTS: dict[str, Any] = {

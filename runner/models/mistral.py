@@ -45,7 +45,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, LayerKinds, layer_caches
 from runner.models.registry import register
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 # transformers 5 MistralConfig defaults where mlx-lm's llama differs (or has none).
 MISTRAL_DEFAULTS: dict[str, Any] = {

@@ -22,7 +22,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from runner.backend import Backend
 from runner.models.config import integer
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 _PARTS = ("weight", "scales", "biases", "bias")
 

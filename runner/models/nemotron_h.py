@@ -48,7 +48,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel, Float32ExpertsOnCPU
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _LEGACY_KINDS = {"mamba": MAMBA, "conv": MAMBA, "attention": ATTENTION}

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import infer_quant_config
 
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 GLOBAL_SCALE = "global_scale"
 

@@ -36,7 +36,7 @@ from runner.models.config import (
 )
 from runner.models.decoder import DecoderModel
 from runner.models.registry import register
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 LINEAR = "linear_attention"
 # The gated-delta layers' sizes.

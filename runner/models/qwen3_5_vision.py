@@ -52,7 +52,7 @@ from runner.models.config import flag, integer, json_object, number
 from runner.models.decoder import DecoderModel
 from runner.models.qwen3_5 import ImageTextModel, Qwen3_5, image_text_config
 from runner.models.registry import register
-from runner.source import ModelLoadError, ModelSource, show
+from runner.sources.source import ModelLoadError, ModelSource, show
 
 # transformers 5's Qwen3_5Config / Qwen3_5VisionConfig defaults.
 MULTIMODAL_DEFAULTS: dict[str, Any] = {

@@ -37,7 +37,7 @@ from runner.models.config import (
 from runner.models.decoder import DecoderModel, LayerKinds, add_attention_bias, layer_caches
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
 from runner.models.registry import register
-from runner.source import ModelLoadError, show
+from runner.sources.source import ModelLoadError, show
 
 # transformers 5 Qwen3MoeConfig defaults for the keys mlx-lm requires or reads differently.
 QWEN3_MOE_DEFAULTS: dict[str, Any] = {

@@ -1,6 +1,6 @@
 /*
  * cblas_sgemm for MLX's CPU backend, preloaded ahead of the BLAS that does the rest
- * (runner/blas.py builds it once with the machine's C compiler, -O3 -march=native).
+ * (runner/native/preload.py builds it once with the machine's C compiler, -O3 -march=native).
  *
  * MLX's CPU backend hands every float32 product to cblas_sgemm. OpenBLAS (0.3.21, Debian 12)
  * packs both operands of every product, which pays off for many rows and is ruinous for few:

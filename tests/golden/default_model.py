@@ -42,8 +42,8 @@ def reference_rows(model_dir: Path, rows: list[dict], tokenizer) -> list[dict]:
 
 
 def main() -> None:
-    from runner.loader import load_model_source
-    from runner.tokenizer import Tokenizer
+    from runner.sources.loader import load_model_source
+    from runner.text.tokenizer import Tokenizer
     from tools.default_model import prepare_default_model
 
     model_dir = prepare_default_model()

@@ -119,7 +119,7 @@ def all_image_bytes() -> dict[str, bytes]:
 def expansion(config: dict[str, Any]) -> tuple[list[int], int]:
     """Gemma3Processor's image sequence in the tiny tokenizer's ids, and where the soft
     tokens start (the runner's tokenizer for "\\n\\n", as the model binds it)."""
-    from runner.tokenizer import Tokenizer
+    from runner.text.tokenizer import Tokenizer
 
     newline = Tokenizer(tokenizer_json()).encode("\n\n")
     soft = [config["image_token_index"]] * config["mm_tokens_per_image"]

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .tokenize_cuts import CutRule, Heads
+from runner.text.cuts import CutRule, Heads
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -148,7 +148,7 @@ class Tokenizer:
         """For each (text, appended): `encode_within` of text, and of text + a for each a in
         appended (None for None), all in one parallel batch.
 
-        Where the tokenizer allows cuts (runner/tokenize_cuts.py), text and each text + a are
+        Where the tokenizer allows cuts (runner/text/cuts.py), text and each text + a are
         tokenized from the last cut of text that holds for all of them (the same ids: that
         is what a cut is), and text from the longest beginning kept from earlier prompts:
         a decision request's prompt + " Yes" and + " No" cost a few words each, not the

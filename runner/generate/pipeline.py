@@ -30,16 +30,16 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache.prefix_cache import PrefixCache
-from .cache.session import PrefixSession
-from .detokenize import Detokenizer, go_string
-from .engine import Job
-from .media.prepare import PreparedPrompt
-from .media.request import RequestMedia
-from .models import Model
-from .sampling import Draw, Sampler, SamplerOptions, top_sorted
-from .tokenizer import Tokenizer
-from .wire import CompletionResponse, Logprob, TopLogprob
+from runner.cache.prefix_cache import PrefixCache
+from runner.cache.session import PrefixSession
+from runner.engine import Job
+from runner.generate.detokenize import Detokenizer, go_string
+from runner.generate.sampling import Draw, Sampler, SamplerOptions, top_sorted
+from runner.media.prepare import PreparedPrompt
+from runner.media.request import RequestMedia
+from runner.models import Model
+from runner.protocol.wire import CompletionResponse, Logprob, TopLogprob
+from runner.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from .errors import BadRequest
-from .generate import GenerateOptions
-from .media.prepare import PreparedPrompt, prepare_prompt
-from .models import ImageModel
-from .sampling import SamplerOptions
-from .tokenizer import Tokenizer
-from .wire import CompletionRequest
+from runner.generate.pipeline import GenerateOptions
+from runner.generate.sampling import SamplerOptions
+from runner.media.prepare import PreparedPrompt, prepare_prompt
+from runner.models import ImageModel
+from runner.protocol.errors import BadRequest
+from runner.protocol.wire import CompletionRequest
+from runner.text.tokenizer import Tokenizer
 
 
 def prepare_completion(
@@ -30,7 +30,7 @@ def prepare_completion(
     if request.media:
         prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
     else:  # past the context, only the count: a prompt of millions of tokens is not listed
-        # (a beginning kept from earlier prompts is not tokenized again: runner/tokenizer.py)
+        # (a beginning kept from earlier prompts is not tokenized again: runner/text/tokenizer.py)
         ((ids, _),) = tokenizer.encode_extended([(request.prompt, [])], context_length)
         bos = tokenizer.bos(tokenizer.add_bos)
         if isinstance(ids, int):

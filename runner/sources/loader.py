@@ -1,5 +1,5 @@
 """Turn `--model NAME` into a `ModelSource`: the default model, a local Hugging Face / mlx-lm
-directory, or a name in the Ollama model store (runner/store.py).
+directory, or a name in the Ollama model store (runner/sources/ollama_store.py).
 
 Nothing is built here: `runner.models.build_model` consumes the `ModelSource`. A directory is
 read as given, symlinks followed; the shards its index names must be plain file names in it.
@@ -13,10 +13,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelLoadError, ModelSource, config_json
-from runner.store import load_safetensors, load_store_model
+from runner.sources.ollama_store import load_safetensors, load_store_model
+from runner.sources.source import ModelLoadError, ModelSource, config_json
 
-# `--model default` means the prepared default model (runner/default_model.py).
+# `--model default` means the prepared default model (runner/sources/default_model.py).
 DEFAULT_ALIAS = "default"
 
 
@@ -24,7 +24,7 @@ def load_model_source(name_or_path: str) -> ModelSource:
     """`default`, an existing directory, or an Ollama model name, in that order."""
     if name_or_path == DEFAULT_ALIAS:
         # Imported here so that ordinary loads never touch the preparation code.
-        from runner.default_model import resolve_default_model
+        from runner.sources.default_model import resolve_default_model
 
         source = load_local_dir(resolve_default_model())
         source.name = DEFAULT_ALIAS

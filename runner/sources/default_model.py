@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.source import ModelLoadError
+from runner.sources.source import ModelLoadError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

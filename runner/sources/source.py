@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
+if TYPE_CHECKING:  # importing MLX here would load it before runner/environment.py settles
+    import mlx.core as mx  # the library path (runner/native/build.py reads default_model)
 
 
 class ModelLoadError(Exception):

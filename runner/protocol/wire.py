@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .go_json import GoBytes, decode, fold_key, media_bytes
+from runner.protocol.go_json import GoBytes, decode, fold_key, media_bytes
 
 # Halfway between float32's largest value and the next power of two: what rounds below it is
 # finite in float32 (Go's ParseFloat(s, 32)), what reaches it rounds to infinity.

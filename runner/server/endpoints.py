@@ -18,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .completions import prepare_completion
-from .engine import Job
-from .generate import GenerateOptions
-from .media.prepare import PreparedPrompt
-from .models import CachedScorer
-from .score import Row, prepare_rows
-from .service import Runner, scratch_released
-from .wire import CompletionRequest, CompletionResponse, ScoreRequest, ScoreResponse
+from runner.engine import Job
+from runner.generate.pipeline import GenerateOptions
+from runner.generate.prepare import prepare_completion
+from runner.media.prepare import PreparedPrompt
+from runner.models import CachedScorer
+from runner.protocol.wire import CompletionRequest, CompletionResponse, ScoreRequest, ScoreResponse
+from runner.score.validate import Row, prepare_rows
+from runner.server.memory import scratch_released
+from runner.service import Runner
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The HTTP face of the runner: routes, decoding, encoding, cancellation (docs/PROTOCOL.md).
 
-Handlers only decode bodies, hand them to the endpoint façades (runner/endpoints.py:
+Handlers only decode bodies, hand them to the endpoint façades (runner/server/endpoints.py:
 `prepare` in a CPU executor, never on the loop; `execute` as an engine job) and encode what
 comes back; the loop never touches MLX. One mechanism cancels: `cancelled_on_disconnect`
 sets the job's flag when the client goes away (a transport watcher) or the handler task is
@@ -21,12 +21,10 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from .endpoints import CompletionEndpoint, ScoreEndpoint
-from .engine import EngineStopped, Job
-from .errors import BadRequest, Cancelled, RequestError
-from .go_json import DecodeError
-from .service import Runner
-from .wire import (
+from runner.engine import EngineStopped, Job
+from runner.protocol.errors import BadRequest, Cancelled, RequestError
+from runner.protocol.go_json import DecodeError
+from runner.protocol.wire import (
     CompletionResponse,
     StatusError,
     StatusResponse,
@@ -35,6 +33,9 @@ from .wire import (
     encode_json,
     go_encodable,
 )
+from runner.server.endpoints import CompletionEndpoint, ScoreEndpoint
+from runner.server.memory import StatusMemory
+from runner.service import Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +43,7 @@ T = TypeVar("T")
 RUNNER_KEY: web.AppKey[Runner] = web.AppKey("runner", Runner)
 SCORE_KEY: web.AppKey[ScoreEndpoint] = web.AppKey("score", ScoreEndpoint)
 COMPLETIONS_KEY: web.AppKey[CompletionEndpoint] = web.AppKey("completions", CompletionEndpoint)
+MEMORY_KEY: web.AppKey[StatusMemory] = web.AppKey("memory", StatusMemory)
 MAX_BODY_BYTES = 64 << 20
 DISCONNECT_POLL_SECONDS = 0.05
 
@@ -94,9 +96,8 @@ async def go_errors(request: web.Request, handler: Callable[[web.Request], Await
 
 
 async def status(request: web.Request) -> web.Response:
-    runner = request.app[RUNNER_KEY]
-    memory = await runner.memory.read()
-    return json_response(StatusResponse(0, 100, runner.context_length, memory))
+    memory = await request.app[MEMORY_KEY].read()
+    return json_response(StatusResponse(0, 100, request.app[RUNNER_KEY].context_length, memory))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -283,6 +284,7 @@ def build_app(runner: Runner, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
     app[RUNNER_KEY] = runner
     app[SCORE_KEY] = ScoreEndpoint(runner)
     app[COMPLETIONS_KEY] = CompletionEndpoint(runner)
+    app[MEMORY_KEY] = StatusMemory(runner.engine)
     app.router.add_get("/v1/status", status)
     app.router.add_route("*", "/v1/models", models)
     app.router.add_post("/v1/tokenize", tokenize)

@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from runner.source import ModelLoadError, ModelSource, config_json, show
+from runner.sources.source import ModelLoadError, ModelSource, config_json, show
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"

@@ -23,17 +23,13 @@ sets it too, unless it is already set.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from runner.native import build
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +40,6 @@ CANDIDATES = (
 )
 MARKER = "OLLAMA_MLX_RUNNER_BLAS"
 THREAD_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
-DISPATCH_SOURCE = Path(__file__).parent / "native" / "sgemm_dispatch.c"
-DISPATCH_SYMBOL = "runner_sgemm_dispatch_version"
-DISPATCH_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-pthread")
 
 
 def optimised_blas() -> str | None:
@@ -56,71 +49,14 @@ def optimised_blas() -> str | None:
     return next((path for path in CANDIDATES if Path(path).exists()), None)
 
 
-def sgemm_dispatch(cache_dir: Path | None = None) -> str | None:
-    """The compiled sgemm dispatch library, building it on first use; None when no C
-    compiler is found or the build fails (the reason is logged)."""
-    from runner.default_model import cache_root
-
-    # Built for this CPU (-march=native): the name keys the source, the flags and the CPU.
-    sources = sorted(DISPATCH_SOURCE.parent.glob("*.c"))  # the dispatch and what it includes
-    source = b"".join(path.read_bytes() for path in sources)
-    source += " ".join(DISPATCH_FLAGS).encode() + _cpu().encode()
-    digest = hashlib.sha256(source).hexdigest()[:12]
-    target = (cache_dir or cache_root() / "native") / f"sgemm_dispatch-{digest}.so"
-    if target.exists():
-        with contextlib.suppress(OSError):
-            os.utime(target)  # in use: not stale for another version's clean-up below
-        return str(target)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: MLX's one-row products stay in OpenBLAS's sgemm")
-        return None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            command = [compiler, *DISPATCH_FLAGS, "-o", str(built), str(DISPATCH_SOURCE)]
-            subprocess.run([*command, "-ldl", "-lm"], check=True, capture_output=True, timeout=120)
-            built.replace(target)  # atomic: a concurrent build leaves one complete file
-        _remove_stale(target)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("could not build the sgemm dispatch (%s); using OpenBLAS alone", e)
-        return None
-    return str(target)
-
-
-STALE_AFTER_S = 14 * 24 * 3600
-
-
-def _remove_stale(target: Path) -> None:
-    """Remove other builds (an older source's, another CPU's) unused for two weeks: another
-    installed version of the runner sharing the cache directory keeps its own (each use
-    refreshes a build's time), and a running process keeps its mapped copy anyway."""
-    now = time.time()
-    for stale in target.parent.glob("sgemm_dispatch-*.so"):
-        with contextlib.suppress(OSError):
-            if stale != target and now - stale.stat().st_mtime > STALE_AFTER_S:
-                stale.unlink()
-
-
-def _cpu() -> str:
-    """What identifies this CPU's instruction set (the model name and flags on Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    wanted = ("model name", "flags", "Features")
-    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
-
-
 def preload_libraries() -> list[str]:
     """What to preload, in order: the dispatch (when OpenBLAS is there and it builds), then
     OpenBLAS; empty when the reference BLAS is kept or no OpenBLAS is installed."""
-    library = optimised_blas()
-    if library is None:
+    blas = optimised_blas()
+    if blas is None:
         return []
-    dispatch = sgemm_dispatch()
-    return [dispatch, library] if dispatch else [library]
+    dispatch = build.library()
+    return [dispatch, blas] if dispatch else [blas]
 
 
 def preload_env(env: dict[str, str]) -> dict[str, str] | None:
@@ -154,7 +90,7 @@ def reexec_preloaded(module: str, argv: list[str]) -> None:
 def dispatch_active() -> bool:
     """Whether the runner's sgemm dispatch is in this process (preloaded)."""
     try:
-        return hasattr(ctypes.CDLL(None), DISPATCH_SYMBOL)
+        return hasattr(ctypes.CDLL(None), build.DISPATCH_SYMBOL)
     except OSError:
         return False
 

@@ -1,0 +1,3 @@
+"""Generation: preparing a completion request, the decode pipeline, Go's sampler, UTF-8 hold-
+back.
+"""

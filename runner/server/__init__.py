@@ -1,0 +1,1 @@
+"""HTTP: the routes, the endpoint façades, MLX memory as requests see it."""

@@ -1,0 +1,1 @@
+"""Tokenization with the Go runner's semantics over `tokenizers`."""
