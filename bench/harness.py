@@ -8,6 +8,11 @@ variant k (bench/workloads.py `Variants`), and the answers kept for checking are
 which every system runs. Given `sample_rows`, a system whose rows are independent
 (`sampled_ok`) times only that many rows and its median is scaled to the whole workload
 (marked `sampled`).
+
+A trial's time is its work alone: the sum of its requests' own times where the system times
+each request (every scoring system does), else the wall time of the call. Whatever the
+harness or a system does between requests (our runner's matmul-rate probes, bookkeeping) is
+in the wall time kept beside it (`wall_trials`), never in `seconds` or a ratio.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from bench.workloads import Variants, Workload
 WARMUP_ROWS = 2
 WARMUP_NEW_TOKENS = 2
 
+clock = time.perf_counter  # the harness's clock (a test replaces it)
+
 
 @dataclass
 class Result:
@@ -42,7 +49,8 @@ class Result:
     reason: str = ""
     description: str = ""
     setup_seconds: float | None = None
-    trials: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)  # each trial's work (`work_seconds`)
+    wall_trials: list[float] = field(default_factory=list)  # each trial's call, wall clock
     measured_seconds: float | None = None  # median of the trials
     seconds: float | None = None  # the same, scaled to the whole workload when sampled
     sampled: bool = False
@@ -51,9 +59,22 @@ class Result:
     outcome: ScoreOutcome | GenerateOutcome | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # filled in by bench/report.py
 
+    @property
+    def wall_seconds(self) -> float | None:
+        return statistics.median(self.wall_trials) if self.wall_trials else None
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def work_seconds(outcome: Any, wall: float) -> float:
+    """A trial's work: the sum of its requests' own times where the system timed every
+    request it sent (what happened between them is not the system's work), else the call's
+    wall time."""
+    if isinstance(outcome, ScoreOutcome) and outcome.request_seconds:
+        return sum(outcome.request_seconds)
+    return wall
 
 
 def run_system(
@@ -78,7 +99,7 @@ def run_system(
                 prepared = False
             setup = None
             if not prepared:
-                started = time.perf_counter()
+                started = clock()
                 failure = _prepare(system, ctx)
                 if failure is not None:
                     results += [
@@ -86,7 +107,7 @@ def run_system(
                     ]
                     return results
                 prepared = True
-                setup = time.perf_counter() - started
+                setup = clock() - started
             results.append(_run_one(system, variants, repeats, sample_rows, setup, ctx))
         return results
     finally:
@@ -142,16 +163,18 @@ def _run_one(
         for trial in range(1, repeats + 1):
             # probes between requests add to the trial's wall time, not to its requests'
             system.rate_probe = ctx.probe_rate if beside is not None else None
-            started = time.perf_counter()
+            started = clock()
             try:
                 outcome = _call(system, variants.get(trial), limit, warmup=False)
             finally:
                 system.rate_probe = None
-            result.trials.append(time.perf_counter() - started)
+            wall = clock() - started
+            result.trials.append(work_seconds(outcome, wall))
+            result.wall_trials.append(wall)
             result.outcome = result.outcome or outcome
             log(
                 f"[{system.name}] {workload.name} trial {trial}/{repeats}: "
-                f"{result.trials[-1]:.3f} s"
+                f"{result.trials[-1]:.3f} s (wall {wall:.3f} s)"
             )
     except Unavailable as e:
         log(f"[{system.name}] {workload.name} unavailable: {e}")

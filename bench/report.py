@@ -1,7 +1,9 @@
 """Check every system against ours, compute rates and ratios, print tables, write JSON.
 
 Per workload the reference is `ours` (scoring) or `ours-http` (generation: ours generates
-only over HTTP). ratio = system seconds / reference seconds, so > 1 means ours is faster.
+only over HTTP). ratio = system seconds / reference seconds, so > 1 means ours is faster;
+seconds are the requests' own times (bench/harness.py `work_seconds`), so nothing the bench
+does between requests is in a ratio.
 Answers are checked against the reference where it ran, else against the first system that
 did: candidate logits (max |Δ| and the share of rows whose best candidate agrees), logprobs
 after removing each row's mean over the candidates both have (a constant per row separates
@@ -270,6 +272,18 @@ def _notes(workload: Workload, r: Result) -> str:
     notes = []
     if r.sampled:
         notes.append(f"{m['rows_timed']}/{len(workload.rows)} rows timed, scaled")  # type: ignore[union-attr]
+    wall = r.wall_seconds
+    if wall is not None and r.measured_seconds is not None:
+        between = wall - r.measured_seconds
+        if between > max(0.01, 0.02 * r.measured_seconds):
+            probed = (
+                "rate probes and the bench's own work"
+                if m.get("request_gflops_range")
+                else ("the bench's own work")
+            )
+            notes.append(
+                f"wall {wall:.2f} s: {between:.2f} s between requests ({probed}, not counted)"
+            )
     if m.get("checked_against") and m["checked_against"] != REFERENCE[workload.kind]:
         notes.append(f"checked vs {m['checked_against']}")
     if m.get("centered"):
@@ -337,6 +351,7 @@ def result_json(r: Result) -> dict[str, Any]:
         "seconds": r.seconds,
         "measured_seconds": r.measured_seconds,
         "trials": r.trials,
+        "wall_trials": r.wall_trials,
         "sampled": r.sampled,
         "memory_bytes": r.memory_bytes,
         **r.metrics,
