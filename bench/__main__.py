@@ -16,13 +16,17 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.native import preload
 
 if TYPE_CHECKING:
+    from bench.base import Context, System
+    from bench.harness import Result
     from bench.models import Shape
+    from bench.workloads import Variants
 
 DEFAULT_REPEATS = 3
 
@@ -129,6 +133,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="a directory holding llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_SRC, "
         "else the installed llama-cpp-python's sdist, downloaded once)",
     )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long any one call to a system (prepare, warm-up, trial, close) may take "
+        "before it is recorded as stopped answering (default 1800; 0: no limit)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results here")
     args = p.parse_args(argv)
@@ -149,6 +161,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.model = _model_dir(p, args.model)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.deadline is not None and args.deadline < 0:
+        p.error("--deadline must be at least 0")
     if args.sample_rows is not None and args.sample_rows < 1:
         p.error("--sample-rows must be at least 1")
     return args
@@ -179,17 +193,62 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, Path(tmp))
 
 
-def run(args: argparse.Namespace, tmp: Path) -> int:
+def run_systems(
+    systems: list[System],
+    workloads: list[Variants],
+    ctx: Context,
+    args: argparse.Namespace,
+    results: dict[str, list[Result]],
+) -> bool:
+    """Every system on every workload, each row into `results` as it finishes; a failure of
+    the bench itself while running a system becomes that system's rows. True when the run
+    was interrupted (Ctrl-C): the systems not run yet then have rows that say so."""
+    from bench.harness import Result, log, run_system
+
+    for index, system in enumerate(systems):
+        rows: list[Result] = []
+        try:
+            repeats = args.repeats_for.get(system.name, args.repeats)
+            run_system(system, workloads, ctx, repeats, args.sample_rows, into=rows)
+        except KeyboardInterrupt:
+            log("interrupted: the report has what finished")
+            for later in systems[index:]:
+                done = {r.workload for r in rows} if later is system else set()
+                rows += [
+                    Result(v.name, later.name, "skipped", "not run: the run was interrupted")
+                    for v in workloads
+                    if v.name not in done
+                ]
+            return True
+        except Exception as e:  # the bench's own failure, not the system's
+            traceback.print_exc()
+            done = {r.workload for r in rows}
+            rows += [
+                Result(v.name, system.name, "error", f"bench: {e!r}")
+                for v in workloads
+                if v.name not in done
+            ]
+        finally:
+            for r in rows:
+                results[r.workload].append(r)
+    return False
+
+
+def run(args: argparse.Namespace, tmp: Path, systems: list[System] | None = None) -> int:
+    """The run `args` describes (on `systems` instead of `args.systems` when given): the
+    report is printed, and written to `--json`, whatever happened to the systems; 130 when
+    it was interrupted, else 0."""
     from bench import machine, report
-    from bench.base import Context
-    from bench.harness import log, run_system
+    from bench.base import DEADLINE_S, Context
+    from bench.harness import log
     from bench.models import load_tokenizer
     from bench.systems import make_systems
     from bench.workloads import build_workloads
     from runner.engine import Engine
 
     started = time.perf_counter()
-    systems = make_systems(args.systems)
+    systems = make_systems(args.systems) if systems is None else systems
+    deadline = getattr(args, "deadline", None)
     shape, model_dir, described = _model(args, tmp)
     engine = Engine()
     try:
@@ -201,6 +260,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             baseline_url=args.baseline_url,
             baseline_mode=args.baseline_mode,
             llama_cpp_src=args.llama_cpp_src,
+            deadline_s=DEADLINE_S if deadline is None else (deadline or None),
         )
         tokenizer = load_tokenizer(model_dir)
         overrides: dict[str, dict[str, int]] = {}
@@ -216,16 +276,18 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         params = shape.params(embedding=False)
         header = [*machine.format_machine(info, rates), described]
         print("\n".join(header), flush=True)
-        results = {w.name: [] for w in workloads}
-        for system in systems:
-            repeats = args.repeats_for.get(system.name, args.repeats)
-            for r in run_system(system, workloads, ctx, repeats, args.sample_rows):
-                results[r.workload].append(r)
+        results: dict[str, list[Result]] = {w.name: [] for w in workloads}
+        interrupted = run_systems(systems, workloads, ctx, args, results)
         peak = machine.peak_gflops(rates)
         sections = []
         for variants in workloads:
             w = variants.get(1)
-            report.compute_metrics(w, results[w.name], shape, peak)
+            try:
+                report.compute_metrics(w, results[w.name], shape, peak)
+            except Exception:  # the table still lists every row, without figures
+                traceback.print_exc()
+                for r in results[w.name]:
+                    r.metrics.clear()
             print("\n" + "\n".join(report.format_workload(w, results[w.name])), flush=True)
             sections.append((w, results[w.name]))
         setups: dict[str, float] = {}
@@ -256,13 +318,14 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                     },
                     "options": options,
                     "elapsed_seconds": elapsed,
+                    "interrupted": interrupted,
                 },
                 sections,
             )
             log(f"wrote {args.json}")
     finally:
         engine.stop(timeout=10)
-    return 0
+    return 130 if interrupted else 0
 
 
 def _model(args: argparse.Namespace, tmp: Path) -> tuple[Shape, Path, str]:

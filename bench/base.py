@@ -11,6 +11,7 @@ up to the whole workload, which is then exact up to noise.
 from __future__ import annotations
 
 import itertools
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,23 @@ class Skipped(Exception):
 
 class Unavailable(Exception):
     """The system runs, but not this workload (e.g. its endpoint answers 501)."""
+
+
+class Died(Exception):
+    """The system's own process ended under a call (a signal, an exit): its message says how,
+    e.g. "llama.cpp process died: SIGILL" (`exit_reason`)."""
+
+
+def exit_reason(process: str, returncode: int) -> str:
+    """How a process ended, from its return code as subprocess and multiprocessing give it
+    (negative: the signal that killed it)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"{process} process died: {name}"
+    return f"{process} process exited with status {returncode}"
 
 
 @dataclass
@@ -70,6 +88,10 @@ class GenerateOutcome:
 # cache bookkeeping), since their arithmetic runs at MLX's float32 matmul rate measured here.
 RUNNER_SYSTEMS = ("ours", "ours-rows", "ours-http")
 
+# The default per-call deadline (`Context.deadline_s`, `--deadline`): longer than any trial of
+# the default workloads on the 2-core VM (transformers' 64-row decisions take minutes).
+DEADLINE_S = 1800.0
+
 
 @dataclass
 class Context:
@@ -86,6 +108,9 @@ class Context:
     # the float32 matmul rate at this moment, in a few tens of milliseconds (bench/machine.py
     # `RateProbe`): taken between our runner's requests of a latency workload
     probe_rate: Callable[[], float | None] | None = None
+    # how long the harness waits for any one call to a system (prepare, a warm-up, a trial,
+    # close) before it records the system as stopped answering; None: no limit
+    deadline_s: float | None = DEADLINE_S
 
     def load_runner(self) -> Runner:
         """A fresh Runner over the benchmark model: each in-process system has its own, so
@@ -101,6 +126,9 @@ class System:
     one_by_one = False
     sampled_ok = False
     fresh_per_workload = False
+    # What runs in a process of its own, for messages ("llama.cpp process died: SIGILL");
+    # empty when the system runs in the bench's process.
+    process_name = ""
     # Set by the harness on our runner's systems for a latency workload's timed trials: the
     # float32 matmul rate now (GFLOP/s), to be taken before the first request and after each
     # one, outside its timed span (`RateProbes`).
@@ -110,7 +138,14 @@ class System:
         """Load or start; raise Skipped when the system cannot run on this machine."""
 
     def close(self) -> None:
-        """Release what `prepare` took."""
+        """Release what `prepare` took (also after a failed or partial `prepare`, or after
+        its process died; the harness catches what it raises)."""
+
+    def exit_code(self, wait: float = 0.0) -> int | None:
+        """The return code of the system's own process once it has ended (negative: the
+        signal), waiting at most `wait` seconds for it to end; None while it runs, or for a
+        system without a process of its own."""
+        return None
 
     def memory_bytes(self) -> int | None:
         """Memory the system holds now (model, caches), where it can say; None otherwise."""

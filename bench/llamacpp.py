@@ -24,10 +24,15 @@ convert_hf_to_gguf.py (it needs torch and transformers: the reference extra) fro
 downloaded once with pip into the cache (only the converter, its `gguf-py` and `conversion`
 are kept). llama-cpp-python itself is optional (`pip install '.[llama]'`): without it both
 systems are skipped.
+
+A llama.cpp process that dies under a call (a signal, an exit) is noticed while the bench
+waits for its answer, and the call raises `Died` with how it ended: "llama.cpp process died:
+SIGILL".
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -47,10 +52,12 @@ import numpy as np
 
 from bench.base import (
     Context,
+    Died,
     GenerateOutcome,
     ScoreOutcome,
     Skipped,
     System,
+    exit_reason,
     limited,
     score_rows,
 )
@@ -64,6 +71,8 @@ SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
 F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
 STAMP = "source.json"
+POLL_S = 0.2  # how often a wait for the llama.cpp process's answer checks that it lives
+REAP_S = 5.0  # how long its pipe's end waits for the process to be reaped
 
 # Runs convert_hf_to_gguf.py with argv[1] on sys.path (for its `conversion` package); when
 # argv[2] names a pre-tokenizer, the converter's recognition by token hash is replaced by it
@@ -324,36 +333,75 @@ class LlamaCpp(System):
     name = "llama.cpp-f32"
     description = "llama-cpp-python in its own process, f32 GGUF, f32 KV cache; prefix reuse"
     one_by_one = True
+    process_name = "llama.cpp"
     gguf = F32
     kv_type: str | None = "GGML_TYPE_F32"  # None: llama.cpp's default (f16)
+    serve = staticmethod(_serve)  # what runs in the process (a test gives its own)
+    process: Any = None
 
     def prepare(self, ctx: Context) -> None:
         llama_cpp = import_llama_cpp()
         path = cached_gguf(llama_cpp, ctx, self.gguf)
+        self.start(str(path), ctx.max_tokens)
+
+    def start(self, path: str, max_tokens: int) -> None:
+        """Spawn the process serving `path` and wait until it is ready."""
         spawn = multiprocessing.get_context("spawn")  # a clean process: no MLX, no torch
         self.connection, child = spawn.Pipe()
         self.process = spawn.Process(
-            target=_serve, args=(child, str(path), ctx.max_tokens, self.kv_type), daemon=True
+            target=self.serve, args=(child, path, max_tokens, self.kv_type), daemon=True
         )
         self.process.start()
         child.close()
         self._answer()
 
+    def _died(self) -> Died:
+        code = self.exit_code(REAP_S)
+        if code is None:
+            return Died(f"{self.process_name} process closed its pipe but still runs")
+        return Died(exit_reason(self.process_name, code))
+
     def _answer(self) -> Any:
-        status, value = self.connection.recv()
+        """The process's answer, checking every POLL_S that it still lives: a process that
+        dies under a call raises Died rather than leaving the bench waiting."""
+        try:
+            while not self.connection.poll(POLL_S):
+                if not self.process.is_alive():
+                    raise self._died()
+            status, value = self.connection.recv()
+        except (EOFError, OSError):  # its end of the pipe closed: it died
+            raise self._died() from None
         if status == "error":
             raise RuntimeError(value)
         return value
 
     def _call(self, method: str, *args: Any) -> Any:
-        self.connection.send((method, args))
+        try:
+            self.connection.send((method, args))
+        except OSError:  # BrokenPipeError: it is gone
+            raise self._died() from None
         return self._answer()
 
+    def exit_code(self, wait: float = 0.0) -> int | None:
+        if self.process is None:
+            return None
+        if wait > 0 and self.process.is_alive():
+            self.process.join(wait)
+        return self.process.exitcode
+
     def close(self) -> None:
-        self.connection.send(None)
-        self.process.join(timeout=30)
+        """Stop the process, whatever state it is in (dead, hung, half started)."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, ValueError):
+                self.connection.send(None)
+            self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
+            self.process.join(timeout=REAP_S)
+        with contextlib.suppress(OSError):
+            self.connection.close()
 
     def score(self, requests: list[list[Row]], limit: int | None) -> ScoreOutcome:
         return self._call("score", limited(requests, limit))

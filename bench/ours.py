@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -207,6 +208,7 @@ class OursHTTP(System):
     name = "ours-http"
     description = "python -m runner spawned as a supervisor would; /v1/score, /v1/completions"
     fresh_per_workload = FRESH_PER_WORKLOAD
+    process_name = "runner"
 
     def prepare(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -221,6 +223,15 @@ class OursHTTP(System):
 
     def close(self) -> None:
         self.process.stop()
+
+    def exit_code(self, wait: float = 0.0) -> int | None:
+        process = getattr(self, "process", None)
+        if process is None:
+            return None
+        try:
+            return process.wait(timeout=wait) if wait > 0 else process.process.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def memory_bytes(self) -> int | None:
         return self.process.memory_bytes()

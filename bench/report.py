@@ -3,7 +3,8 @@
 Per workload the reference is `ours` (scoring) or `ours-http` (generation: ours generates
 only over HTTP). ratio = system seconds / reference seconds, so > 1 means ours is faster;
 seconds are the requests' own times (bench/harness.py `work_seconds`), so nothing the bench
-does between requests is in a ratio.
+does between requests is in a ratio. A system that failed is a row with its status and
+reason (error, died, timeout) in the table and the JSON.
 Answers are checked against the reference where it ran, else against the first system that
 did: candidate logits (max |Δ| and the share of rows whose best candidate agrees), logprobs
 after removing each row's mean over the candidates both have (a constant per row separates
@@ -308,7 +309,12 @@ def _notes(workload: Workload, r: Result) -> str:
             f" s (median): cold/warm {m['cold_over_warm']:.1f}"
         )
     notes += [f"{k} {v}" for k, v in (m.get("notes") or {}).items()]
+    notes += r.warnings
     return "; ".join(notes)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def format_workload(workload: Workload, results: list[Result]) -> list[str]:
@@ -320,8 +326,10 @@ def format_workload(workload: Workload, results: list[Result]) -> list[str]:
     cols = ("system", "seconds", *_columns(workload), *COMMON_COLUMNS, "notes")
     table = [cols]
     for r in results:
-        if r.status != "ok":
-            table.append((r.system, r.status, *["-"] * (len(cols) - 3), r.reason[:100]))
+        if r.status != "ok" or "ratio" not in r.metrics:
+            reason = "; ".join(_one_line(t) for t in (r.reason, *r.warnings) if t)
+            status = r.status if r.status != "ok" else "ok (no metrics)"
+            table.append((r.system, status, *["-"] * (len(cols) - 3), reason))
             continue
         seconds = ("~" if r.sampled else "") + _f(r.seconds, ".2f")
         table.append((r.system, seconds, *_cells(workload, r), _notes(workload, r)))
@@ -353,6 +361,7 @@ def result_json(r: Result) -> dict[str, Any]:
         "trials": r.trials,
         "wall_trials": r.wall_trials,
         "sampled": r.sampled,
+        "warnings": r.warnings,
         "memory_bytes": r.memory_bytes,
         **r.metrics,
     }
