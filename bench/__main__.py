@@ -274,7 +274,10 @@ def run(args: argparse.Namespace, tmp: Path, systems: list[System] | None = None
         ctx.measure_peak = lambda: machine.peak_gflops(machine.matmul_rates(engine, args.size))
         ctx.probe_rate = machine.RateProbe(engine, args.size)
         params = shape.params(embedding=False)
-        header = [*machine.format_machine(info, rates), described]
+        llama_cpp = None
+        if any(system.process_name == "llama.cpp" for system in systems):
+            llama_cpp = machine.llama_cpp_info()
+        header = [*machine.format_machine(info, rates, llama_cpp), described]
         print("\n".join(header), flush=True)
         results: dict[str, list[Result]] = {w.name: [] for w in workloads}
         interrupted = run_systems(systems, workloads, ctx, args, results)
@@ -309,6 +312,7 @@ def run(args: argparse.Namespace, tmp: Path, systems: list[System] | None = None
                 {
                     "machine": info,
                     "matmul_gflops": rates,
+                    "llama_cpp": llama_cpp,
                     "model": {
                         "dir": str(model_dir) if args.model else None,
                         "random": args.model is None,

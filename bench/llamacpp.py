@@ -27,7 +27,10 @@ systems are skipped.
 
 A llama.cpp process that dies under a call (a signal, an exit) is noticed while the bench
 waits for its answer, and the call raises `Died` with how it ended: "llama.cpp process died:
-SIGILL".
+SIGILL", with one more clause where the cause is known, e.g. the AMX kernels of a native
+build whose tile loads fault on a VM that lists the AMX flags (bench/README.md, "llama.cpp
+builds", gives the build that runs there). The process reports its `llama_print_system_info()`
+when it is ready, for that clause.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -314,15 +318,33 @@ class LlamaCppProcess:
 
 
 def _serve(connection: Any, path: str, max_tokens: int, kv_type: str | None) -> None:
-    """The llama.cpp process: answer (method, args) calls until told to stop."""
+    """The llama.cpp process: say it is ready (with llama.cpp's system info), then answer
+    (method, args) calls until told to stop."""
     engine = LlamaCppProcess(path, max_tokens, kv_type)
-    connection.send(("ready", None))
+    info = import_llama_cpp().llama_print_system_info().decode(errors="replace")
+    connection.send(("ready", " ".join(info.split())))
     while (call := connection.recv()) is not None:
         method, args = call
         try:
             connection.send(("ok", getattr(engine, method)(*args)))
         except Exception as e:  # reported to the bench, which fails this workload
             connection.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def fault_hint(returncode: int, system_info: str) -> str:
+    """What a llama.cpp process's death says about its build, in one clause ("" if
+    nothing): a SIGILL is an instruction the build uses that faults here."""
+    if returncode != -signal.SIGILL:
+        return ""
+    if "AMX_INT8 = 1" in system_info:
+        return (
+            "; its build runs AMX kernels (AMX_INT8 = 1), whose tile loads fault on this"
+            " machine: build llama-cpp-python without AMX (bench/README.md, llama.cpp builds)"
+        )
+    return (
+        "; its build uses an instruction this CPU does not run: build llama-cpp-python for"
+        " this machine (bench/README.md, llama.cpp builds)"
+    )
 
 
 class LlamaCpp(System):
@@ -338,6 +360,7 @@ class LlamaCpp(System):
     kv_type: str | None = "GGML_TYPE_F32"  # None: llama.cpp's default (f16)
     serve = staticmethod(_serve)  # what runs in the process (a test gives its own)
     process: Any = None
+    system_info = ""
 
     def prepare(self, ctx: Context) -> None:
         llama_cpp = import_llama_cpp()
@@ -353,13 +376,13 @@ class LlamaCpp(System):
         )
         self.process.start()
         child.close()
-        self._answer()
+        self.system_info = self._answer() or ""
 
     def _died(self) -> Died:
         code = self.exit_code(REAP_S)
         if code is None:
             return Died(f"{self.process_name} process closed its pipe but still runs")
-        return Died(exit_reason(self.process_name, code))
+        return Died(exit_reason(self.process_name, code) + fault_hint(code, self.system_info))
 
     def _answer(self) -> Any:
         """The process's answer, checking every POLL_S that it still lives: a process that

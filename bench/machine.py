@@ -1,18 +1,25 @@
 """The machine a run happened on, and its measured float32 matmul rate in MLX.
 
-`describe()` is a plain dict (CPU model, cores, backend, BLAS as runner/blas.py reports it,
-package versions, the runner's git commit); `matmul_rates(engine)` times square matmuls on
-the MLX thread and returns GFLOP/s per case (2·n³ FLOPs each).
+`describe()` is a plain dict (CPU model, cores, backend, BLAS as runner/native/preload.py
+reports it, package versions, the runner's git commit); `matmul_rates(engine)` times square
+matmuls on the MLX thread and returns GFLOP/s per case (2·n³ FLOPs each).
+`dispatch_level()` is the instruction-set level of the runner's native dispatch in this
+process (in `describe()` too), `llama_cpp_info()` llama.cpp's own account of its build
+(`llama_print_system_info()`), read in a process of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.metadata
+import importlib.util
 import math
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,6 +70,100 @@ def _git_commit() -> str | None:
     return f"{head}{' (modified)' if dirty else ''}" if head else None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (x86 `flags`, Arm `Features`); empty
+    elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# The dispatch's levels (runner_native.h `runner_native_level()`), in words.
+LEVELS = {
+    "avx512": "AVX-512 (256-bit vectors and half panels, 512-bit wide panel tiles)",
+    "avx2": "AVX2 (256-bit vectors, half panels)",
+    "avx": "AVX (256-bit vectors, no half panels)",
+    "sse": "SSE2 (128-bit vectors, no half panels)",
+    "neon": "NEON (128-bit vectors, no half panels)",
+    "generic": "generic vectors, no half panels",
+}
+# What tells that the runner's library is in the process, newest first.
+VERSION_SYMBOLS = ("runner_native_abi_version", "runner_sgemm_dispatch_version")
+
+
+def dispatch_level(flags: set[str] | None = None, library: object | None = None) -> str:
+    """The instruction-set level of the runner's native dispatch in this process (its
+    library, built with -march=native), in words, and where the level came from.
+
+    A library that exports `runner_native_level()` says it. An older one exports only its
+    version and whether its products read half-precision panels (`runner_half_weights`:
+    AVX2 + F16C with 256-bit vectors); the rest is then derived from the CPU's flags the way
+    its compile-time choice follows the macros -march=native defines: 256-bit vectors
+    wherever there is AVX (AVX-512 CPUs included), with AVX-512F the wide (512-bit) panel
+    tiles beside them, 128-bit vectors otherwise."""
+    if library is None:
+        try:
+            library = ctypes.CDLL(None)
+        except OSError:
+            return "not loaded"
+    symbol = next((name for name in VERSION_SYMBOLS if hasattr(library, name)), None)
+    if symbol is None:
+        return "not loaded (OpenBLAS or the reference BLAS alone)"
+    version = getattr(library, symbol)()
+    if hasattr(library, "runner_native_level"):
+        level_of = library.runner_native_level
+        with contextlib.suppress(AttributeError):  # a ctypes function: it returns a string
+            level_of.restype = ctypes.c_char_p
+        level = level_of()
+        level = level.decode() if isinstance(level, bytes) else str(level)
+        source = "runner_native_level()"
+    else:
+        half = hasattr(library, "runner_half_weights") and bool(library.runner_half_weights())
+        flags = cpu_flags() if flags is None else flags
+        if half:
+            level = "avx512" if "avx512f" in flags else "avx2"
+        elif "avx" in flags:
+            level = "avx"
+        elif "sse2" in flags:
+            level = "sse"
+        elif flags & {"asimd", "neon"}:
+            level = "neon"
+        else:
+            level = "generic"
+        source = "derived from the CPU's flags"
+    return f"{LEVELS.get(level, level)}; {symbol}() {version}, level {source}"
+
+
+LLAMA_CPP_INFO = """
+import llama_cpp
+print(llama_cpp.__version__)
+print(llama_cpp.llama_print_system_info().decode(errors="replace").strip())
+"""
+
+
+def llama_cpp_info() -> dict[str, str] | None:
+    """llama-cpp-python's version and llama.cpp's `llama_print_system_info()` (the features
+    its build uses: AVX512, AMX_INT8, REPACK, ...), from a process of its own as the llama.cpp
+    systems run; None when llama-cpp-python is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", LLAMA_CPP_INFO], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"version": "?", "system_info": f"not read: {e!r}"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = " ".join((done.stderr or "").strip().splitlines()[-1:])
+        return {"version": "?", "system_info": f"not read (exit {done.returncode}): {tail}"}
+    return {"version": lines[0], "system_info": " ".join(" ".join(lines[1:]).split())}
+
+
 def describe() -> dict[str, object]:
     import mlx.core as mx
 
@@ -77,6 +178,7 @@ def describe() -> dict[str, object]:
         "blas": preload.describe(),
         "versions": versions,
         "runner_commit": _git_commit(),
+        "dispatch": dispatch_level(),
     }
 
 
@@ -142,7 +244,11 @@ def peak_gflops(rates: dict[str, float]) -> float | None:
     return max((v for k, v in rates.items() if k.startswith("float32")), default=None)
 
 
-def format_machine(info: dict[str, object], rates: dict[str, float]) -> list[str]:
+def format_machine(
+    info: dict[str, object], rates: dict[str, float], llama_cpp: dict[str, str] | None = None
+) -> list[str]:
+    """The header: the machine, the BLAS, versions, then the matmul rates with the runner's
+    dispatch level and llama.cpp's build beside them."""
     versions = info["versions"]
     assert isinstance(versions, dict)
     shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
@@ -154,4 +260,10 @@ def format_machine(info: dict[str, object], rates: dict[str, float]) -> list[str
     ]
     if rates:
         lines.append("matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in rates.items()))
+    if info.get("dispatch"):
+        lines.append(f"dispatch: {info['dispatch']}")
+    if llama_cpp is not None:
+        lines.append(
+            f"llama.cpp: llama-cpp-python {llama_cpp['version']}; {llama_cpp['system_info']}"
+        )
     return lines

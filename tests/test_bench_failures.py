@@ -25,7 +25,8 @@ from bench import harness, report
 from bench.__main__ import parse_args, run
 from bench.base import Context, Died, GenerateOutcome, ScoreOutcome, System, exit_reason
 from bench.harness import run_system
-from bench.llamacpp import LlamaCpp
+from bench.llamacpp import LlamaCpp, fault_hint
+from bench.machine import LEVELS, dispatch_level, format_machine
 from bench.models import SHAPES, load_tokenizer, write_model_dir
 from bench.ours import Ours
 from bench.peers import MlxLm
@@ -152,6 +153,8 @@ def test_failing_systems_are_rows_and_the_run_goes_on(model_dir, tmp_path, capsy
     assert run(args, tmp_path, systems) == 0
 
     document = json.loads(out.read_text())
+    dispatch = document["machine"]["dispatch"]
+    assert dispatch.startswith("not loaded") or ", level " in dispatch, dispatch
     assert [w["name"] for w in document["workloads"]] == WORKLOADS
     for section in document["workloads"]:
         rows = {r["system"]: r for r in section["results"]}
@@ -235,7 +238,7 @@ def test_a_slow_probe_leaves_seconds_unchanged(model_dir, bench_engine, tmp_path
 
 class FaultingLlamaCpp(LlamaCpp):
     """bench/llamacpp.py's system, its process serving a stand-in that dies of SIGILL on its
-    second call."""
+    second call, after saying its build has AMX kernels."""
 
     name = "llama.cpp-q4"
     serve = staticmethod(bench_children.serve_then_fault)
@@ -246,22 +249,77 @@ class FaultingLlamaCpp(LlamaCpp):
 
 def test_llama_cpp_process_death_says_the_signal_and_the_build(model_dir, bench_engine, tmp_path):
     """llama.cpp's process dying under a call is noticed while the bench waits (not at the
-    deadline) and says its signal; the next workload gets a fresh process (which dies again),
-    and close() of a dead process raises nothing."""
+    deadline), says its signal and what the build has to do with it; the next workload gets a
+    fresh process (which dies again), and close() of a dead process raises nothing."""
     workloads = build_workloads(["requests", "generate"], "small", load_tokenizer(model_dir).encode)
     ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context, deadline_s=600)
     system = FaultingLlamaCpp()
     results = run_system(system, workloads, ctx, repeats=1, sample_rows=None)
     assert [r.status for r in results] == ["died", "died"], results
     for r in results:
-        assert r.reason.startswith("llama.cpp process died: SIGILL")
+        assert r.reason.startswith("llama.cpp process died: SIGILL; its build runs AMX kernels")
+        assert "bench/README.md" in r.reason
         assert r.warnings == []
     assert system.exit_code() == -signal.SIGILL
     with pytest.raises(Died, match="SIGILL"):  # and a call after it died says so at once
         system.score([], None)
 
 
-def test_exit_reasons():
+def test_exit_reasons_and_fault_hints():
     assert exit_reason("llama.cpp", -signal.SIGILL) == "llama.cpp process died: SIGILL"
     assert exit_reason("runner", -signal.SIGKILL) == "runner process died: SIGKILL"
     assert exit_reason("runner", 3) == "runner process exited with status 3"
+    amx = bench_children.AMX_BUILD
+    assert "AMX" in fault_hint(-signal.SIGILL, amx)
+    assert "instruction" in fault_hint(-signal.SIGILL, "CPU : AVX2 = 1 | AMX_INT8 = 0 |")
+    assert fault_hint(-signal.SIGKILL, amx) == ""
+
+
+def test_the_header_has_the_dispatch_level_and_the_llama_cpp_build():
+    """Beside the matmul rates: the runner's dispatch level (what its library says, or
+    derived from what it exports and the CPU's flags) and llama.cpp's system info."""
+
+    class Older:  # exports its version and whether it reads half panels
+        def runner_sgemm_dispatch_version(self) -> int:
+            return 6
+
+        def runner_half_weights(self) -> int:
+            return 1
+
+    class NoHalves(Older):
+        def runner_half_weights(self) -> int:
+            return 0
+
+    class Newer:  # says its level
+        def runner_native_abi_version(self) -> int:
+            return 7
+
+        def runner_native_level(self) -> bytes:
+            return b"avx2"
+
+    avx512 = {"sse2", "avx", "avx2", "f16c", "avx512f"}
+    derived = "runner_sgemm_dispatch_version() 6, level derived from the CPU's flags"
+    assert dispatch_level(avx512, Older()) == f"{LEVELS['avx512']}; {derived}"
+    assert dispatch_level({"avx", "avx2", "f16c"}, Older()) == f"{LEVELS['avx2']}; {derived}"
+    assert dispatch_level({"sse2", "avx"}, NoHalves()).startswith("AVX (256-bit vectors")
+    assert dispatch_level(avx512, Newer()) == (
+        f"{LEVELS['avx2']}; runner_native_abi_version() 7, level runner_native_level()"
+    )
+    assert dispatch_level(avx512, object()).startswith("not loaded")
+    info = {
+        "cpu": "CPU",
+        "cores": 2,
+        "platform": "Linux x86_64",
+        "python": "3.12",
+        "backend": "Device(cpu, 0)",
+        "blas": "OpenBLAS",
+        "versions": {"mlx": "1"},
+        "runner_commit": "abc",
+        "dispatch": "AVX2 (256-bit vectors, half panels); ...",
+    }
+    llama = {"version": "0.3.36", "system_info": bench_children.AMX_BUILD}
+    lines = format_machine(info, {"float32 1024^3": 100.0}, llama)
+    assert lines[-3].startswith("matmul: float32 1024^3 100.0 GFLOP/s")
+    assert lines[-2] == "dispatch: AVX2 (256-bit vectors, half panels); ..."
+    assert lines[-1] == f"llama.cpp: llama-cpp-python 0.3.36; {bench_children.AMX_BUILD}"
+    assert not format_machine(info, {}, None)[-1].startswith("llama.cpp")
