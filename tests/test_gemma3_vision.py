@@ -27,8 +27,8 @@ import pytest
 from PIL import Image
 
 from runner.media.images import decode_image
-from runner.models import build_model, gemma3_vision
-from runner.models.gemma3_vision import Gemma3Multimodal
+from runner.models import build_model
+from runner.models.gemma3_vision import Gemma3Multimodal, vision
 from runner.sources.loader import load_local_dir
 from runner.sources.ollama_store import load_store_model
 from runner.sources.source import ModelLoadError
@@ -374,7 +374,7 @@ def test_tower_attention_in_query_blocks_is_the_same(
 ) -> None:
     pixels = mx.array(model.preprocess(all_image_bytes()["large"]))[None]
     whole = np.array(model.encode_image(pixels))
-    monkeypatch.setattr(gemma3_vision, "QUERY_BLOCK", 10)  # 64 patches: 7 blocks
+    monkeypatch.setattr(vision, "QUERY_BLOCK", 10)  # 64 patches: 7 blocks
     blocked = np.array(model.encode_image(pixels))
     assert np.abs(blocked - whole).max() <= 1e-6
 

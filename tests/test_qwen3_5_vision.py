@@ -264,11 +264,11 @@ def test_greedy_generation_equals_transformers(model: Qwen3_5Multimodal, golden:
 def test_tower_attention_in_query_blocks_is_the_same(
     model: Qwen3_5Multimodal, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runner.models import qwen3_5_vision
+    from runner.models.qwen3_5_vision import vision
 
     pixels, grid = model.preprocess(all_image_bytes()["square"])  # 64 patches
     whole = np.array(model.encode_image(mx.array(pixels), grid))
-    monkeypatch.setattr(qwen3_5_vision, "QUERY_BLOCK", 10)  # 7 blocks
+    monkeypatch.setattr(vision, "QUERY_BLOCK", 10)  # 7 blocks
     blocked = np.array(model.encode_image(mx.array(pixels), grid))
     assert np.abs(blocked - whole).max() <= 1e-6
 

@@ -5,6 +5,8 @@ A decoder-only mlx-lm `Model` has `.model` (embeddings, layers, final norm) and 
 contract and `CandidateUnembedder` (runner/models/base.py) over it: `hidden` is the inner
 model's output, `unembed` the head with the family's `postprocess`, and
 `unembed_candidates` gathers only the requested rows of the head (dequantizing only those).
+Among the shared pieces, `splice_features` writes an image family's features over its image
+tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ def run_layers(
     for layer, kind, c in zip(layers, kinds, cache, strict=True):
         h = layer(h, masks[kind], c)
     return h
+
+
+def splice_features(h: mx.array, media: list[tuple[int, mx.array]]) -> mx.array:
+    """Embeddings [1, n, H] with each (pos, rows) of image features written over positions
+    pos .. pos + len(rows): what an image model's tokens of an image embed as."""
+    b, n, width = h.shape
+    if b != 1:
+        raise ValueError("media is computed one row at a time")
+    parts, at = [], 0
+    for pos, rows in sorted(media, key=lambda m: m[0]):
+        length = rows.shape[0]
+        if pos < at or pos + length > n or tuple(rows.shape[1:]) != (width,):
+            raise ValueError(
+                f"media at {pos} with features {list(rows.shape)} does not fit a chunk of "
+                f"{n} tokens and hidden size {width}"
+            )
+        parts += [h[:, at:pos], rows[None].astype(h.dtype)]
+        at = pos + length
+    return mx.concatenate([*parts, h[:, at:]], axis=1)
 
 
 def layer_caches(kinds: list[str], window: int | None) -> list[Any]:

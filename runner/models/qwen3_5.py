@@ -128,7 +128,7 @@ def image_text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 class ImageTextModel(qwen3_5.TextModel):
     """The text model of `Qwen3_5ForConditionalGeneration`'s checkpoint (the tower is
-    runner/models/qwen3_5_vision.py's)."""
+    runner/models/qwen3_5_vision/vision.py's)."""
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return super().sanitize(image_text_weights(weights))

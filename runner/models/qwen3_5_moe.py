@@ -6,7 +6,7 @@ Served as the text model (`Qwen3_5MoeForCausalLM`, model_type qwen3_5_moe_text) 
 image-text model (`Qwen3_5MoeForConditionalGeneration`, model_type qwen3_5_moe): its config
 nests the text model's under `text_config`, its weights are under `model.language_model.`
 and `model.visual.`, and its top-level `tie_word_embeddings` decides the tying, as
-transformers reads it. Its images are dense Qwen3.5's (runner/models/qwen3_5_vision.py:
+transformers reads it. Its images are dense Qwen3.5's (runner/models/qwen3_5_vision/:
 transformers' two image-text models differ only in their text models, the vision config,
 tower, processor and 3-channel rotary positions are the same). The cache layout is
 Qwen3.5's: recurrent on linear-attention layers, KV on full-attention layers.
@@ -35,7 +35,7 @@ from runner.models.config import integer
 from runner.models.decoder import DecoderModel
 from runner.models.moe import check_routing, gather_in_float32, split_gate_up, stack_experts
 from runner.models.qwen3_5 import build_text_module, image_text_weights
-from runner.models.qwen3_5_vision import Qwen3_5ImageModel, VisionWeights
+from runner.models.qwen3_5_vision.model import Qwen3_5ImageModel, VisionWeights
 from runner.models.registry import register
 
 # transformers 5 Qwen3_5MoeTextConfig defaults, where mlx-lm's differ.
