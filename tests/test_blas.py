@@ -4,10 +4,8 @@ computing what OpenBLAS computes."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -18,7 +16,7 @@ import pytest
 from runner.native import build, preload
 
 LIBRARY = "/opt/lib/libblas.so.3"
-DISPATCH = "/cache/native/sgemm_dispatch-0.so"
+DISPATCH = "/cache/native/runner_native-0.so"
 
 
 @pytest.fixture(autouse=True)
@@ -91,16 +89,20 @@ def test_another_versions_build_stays_until_unused_for_two_weeks(monkeypatch, tm
     """Two runner versions sharing the cache directory do not delete each other's build (each
     would rebuild its own at every start); a build unused for two weeks goes."""
     monkeypatch.undo()
-    target = tmp_path / "sgemm_dispatch-new.so"
-    recent, old = tmp_path / "sgemm_dispatch-other.so", tmp_path / "sgemm_dispatch-old.so"
-    for path in (target, recent, old):
+    target = tmp_path / "runner_native-new.so"
+    recent, old = tmp_path / "runner_native-other.so", tmp_path / "runner_native-old.so"
+    # an earlier version's build, under the library's earlier name
+    earlier, earlier_old = tmp_path / "sgemm_dispatch-a.so", tmp_path / "sgemm_dispatch-b.so"
+    for path in (target, recent, old, earlier, earlier_old):
         path.write_bytes(b"")
     weeks_ago = time.time() - build.STALE_AFTER_S - 60
-    os.utime(old, (weeks_ago, weeks_ago))
+    for path in (old, earlier_old):
+        os.utime(path, (weeks_ago, weeks_ago))
     build._remove_stale(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "sgemm_dispatch-new.so",
-        "sgemm_dispatch-other.so",
+        "runner_native-new.so",
+        "runner_native-other.so",
+        "sgemm_dispatch-a.so",
     ]
 
 
@@ -170,28 +172,3 @@ def test_the_dispatch_computes_what_the_blas_computes(monkeypatch, tmp_path):
     assert result["active"] and not result["gemv"]
     assert result["worst"] < 1e-5
     assert result["forked"]
-
-
-COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-@pytest.mark.skipif(
-    platform.machine() != "x86_64" or COMPILER is None, reason="needs x86-64 and a C compiler"
-)
-@pytest.mark.parametrize(
-    "march, half", [("x86-64", 0), ("x86-64-v2", 0), ("x86-64-v3", 1), ("x86-64-v4", 1)]
-)
-def test_every_instruction_set_path_of_the_dispatch_builds(march, half, tmp_path):
-    """The dispatch builds for every x86-64 level, not only this CPU's (-march=native picks
-    one path): no SIMD, AVX2 + F16C (half panels), AVX-512 (wide tiles too). A macro only
-    the half-panel path defined, used outside it, once broke the build on every CPU without
-    AVX2 + F16C (the runner then ran on OpenBLAS alone, silently)."""
-    assert COMPILER is not None
-    flags = [f"-march={march}" if f == "-march=native" else f for f in build.DISPATCH_FLAGS]
-    built = tmp_path / "dispatch.so"
-    command = [COMPILER, *flags, "-o", str(built), str(build.DISPATCH_SOURCE), "-ldl", "-lm"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL)  # loaded, not run: only a constant
-    assert library.runner_half_weights() == half
-    assert hasattr(library, "runner_decoder_step") and hasattr(library, "cblas_sgemm")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from runner.backend import Backend
-from runner.native import preload
+from runner.native import abi, preload
 from tests.tiny import load_tiny_model, prefix_cache, tiny_config
 
 pytestmark = pytest.mark.skipif(
@@ -29,9 +29,8 @@ pytestmark = pytest.mark.skipif(
 def half_weights() -> bool:
     """Whether the dispatch's products read half-precision weights on this CPU (AVX2 + F16C:
     every x86-64 machine this project runs on; elsewhere the step keeps float32 only)."""
-    from runner.backend import native_step
 
-    functions = native_step._library()
+    functions = abi.load()
     return functions is not None and functions.half_weights
 
 
@@ -485,14 +484,14 @@ def test_half_copies_only_where_every_value_is_exact():
     bit (at any position of a panel, in the last, partly filled panel too)."""
     from runner.backend import native_step
 
-    functions = native_step._library()
+    functions = abi.load()
     assert functions is not None
 
     def narrow(values: list[float], fmt: str, n: int = 1) -> bool:
         src = np.array(values, np.float32).reshape(n, -1)
         out = np.empty(functions.panel_halves(*src.shape), np.uint16)
         code = functions.narrow_panels(
-            native_step._pointer(src), *src.shape, out.ctypes.data, native_step.HALF_FORMATS[fmt]
+            native_step._pointer(src), *src.shape, out.ctypes.data, abi.HALF_FORMATS[fmt]
         )
         return bool(code)
 
@@ -522,12 +521,12 @@ def _panel_product(functions, a: np.ndarray, w: np.ndarray, fmt: str) -> np.ndar
     (n, k), m = w.shape, a.shape[0]
     panels = np.empty(functions.panel_halves(n, k), np.uint16)
     code = functions.narrow_panels(
-        native_step._pointer(w), n, k, panels.ctypes.data, native_step.HALF_FORMATS[fmt]
+        native_step._pointer(w), n, k, panels.ctypes.data, abi.HALF_FORMATS[fmt]
     )
     assert code == 1
     c = np.empty((m, n), np.float32)
     code = functions.weight_product(
-        m, n, k, native_step._pointer(a), panels.ctypes.data, native_step.HALF_FORMATS[fmt],
+        m, n, k, native_step._pointer(a), panels.ctypes.data, abi.HALF_FORMATS[fmt],
         native_step._pointer(c),
     )  # fmt: skip
     assert code == 0
@@ -540,9 +539,8 @@ def test_half_panels_products_sum_in_order():
     multiply-add a step, whatever the rows: any row alone (a decode step's one-row tiles),
     any number of rows (row groups of 1-6), columns past the last whole panel (n % 16) and
     past the one-row tiles' four panels (n % 64)."""
-    from runner.backend import native_step
 
-    functions = native_step._library()
+    functions = abi.load()
     assert functions is not None
     rng = np.random.default_rng(3)
 

@@ -4,8 +4,9 @@ A decode step or a few-token forward on MLX's CPU backend pays ~5 us for each of
 ~3,000 primitive operations (SmolLM2: 100 a layer) on top of reading the weights once;
 llama.cpp runs the same step as a few hundred fused operations. `NativeStep` runs all the
 decoder layers of such a forward in one call into the runner's compiled library
-(runner/native/decoder_step.c, built with the sgemm dispatch: runner/native/preload.py), with the
-dispatch's product tiles and thread pool, and MLX does the rest (embedding rows, the head).
+(runner/native/decoder_step.c; its ABI runner/native/runner_native.h, bound and checked by
+runner/native/abi.py), with the library's product tiles and thread pool, and MLX does the
+rest (embedding rows, the head).
 
 It also runs rows batched over one shared prefix (runner/cache/batch.py): every row's
 tokens attend to the prefix's cached keys and to their own, as the runner's batched
@@ -61,44 +62,14 @@ from mlx_lm.models.cache import KVCache
 from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
 from runner.cache.shared_prefix import SharedPrefixKV
+from runner.native import abi
 
 log = logging.getLogger(__name__)
 
-_P = ctypes.POINTER(ctypes.c_float)
+_P = abi.F32
 # The head through its half copy for at most this many rows (a decode step is one; scoring
 # takes candidates' rows, prefill only its last position's).
 HEAD_ROWS = 40
-
-
-_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        *(
-            (name, _P)
-            for name in (
-                "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
-                "q_norm", "k_norm", "post_norm", "gate", "up", "down",
-            )
-        ),
-        *((f"{name}_half", ctypes.c_void_p) for name in _PRODUCTS),
-    ]  # fmt: skip
-
-
-# The native products' weight formats (W_F16, W_BF16 in runner/native/sgemm_dispatch.c): the
-# half-precision formats tried, in order, for exact copies of the float32 weights.
-HALF_FORMATS = {"float16": 1, "bfloat16": 2}
-
-
-class _Cache(ctypes.Structure):
-    _fields_ = [
-        ("keys", ctypes.c_void_p),
-        ("values", ctypes.c_void_p),
-        ("head_stride", ctypes.c_long),
-        ("append_keys", ctypes.c_void_p),
-        ("append_values", ctypes.c_void_p),
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,71 +86,6 @@ class _Owned:
 
     def holds(self, cache: KVCache) -> bool:
         return self.keys() is cache.keys and self.values() is cache.values
-
-
-class _Args(ctypes.Structure):
-    _fields_ = [
-        *(
-            (name, ctypes.c_int)
-            for name in (
-                "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                "layers", "offset", "rope_dims", "half_format",
-            )
-        ),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("cos", _P),
-        ("sin", _P),
-        ("layer", ctypes.POINTER(_Layer)),
-        ("cache", ctypes.POINTER(_Cache)),
-        ("final_norm", _P),
-        ("x", _P),
-        ("new_keys", _P),
-        ("new_values", _P),
-        ("scratch", _P),
-    ]  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class _Functions:
-    """The preloaded dispatch library's entry points."""
-
-    step: Any
-    scratch: Any
-    half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
-    narrow_panels: Any
-    panel_halves: Any
-    weight_product: Any
-
-
-def _library() -> _Functions | None:
-    """The preloaded dispatch library's functions, or None (no dispatch, or an older one)."""
-    try:
-        process = ctypes.CDLL(None)
-        step, scratch = process.runner_decoder_step, process.runner_step_scratch_floats
-        half, narrow_panels = process.runner_half_weights, process.runner_narrow_panels
-        panel_halves = process.runner_panel_halves
-        weight_product = process.runner_weight_product
-    except (OSError, AttributeError):
-        return None
-    step.argtypes = scratch.argtypes = [ctypes.POINTER(_Args)]
-    step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
-    half.restype = ctypes.c_int
-    narrow_panels.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    narrow_panels.restype = ctypes.c_int
-    panel_halves.argtypes = [ctypes.c_int, ctypes.c_int]
-    panel_halves.restype = ctypes.c_long
-    weight_product.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        _P,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        _P,
-    ]
-    weight_product.restype = ctypes.c_int
-    return _Functions(step, scratch, bool(half()), narrow_panels, panel_halves, weight_product)
 
 
 def available_memory() -> int | None:
@@ -201,20 +107,22 @@ HALF_COPIES_MEMORY_SHARE = 0.5
 
 
 def _half_copies(
-    functions: _Functions, weights: list[np.ndarray], formats: tuple[str, ...]
+    functions: abi.Functions, weights: list[np.ndarray], formats: tuple[str, ...]
 ) -> tuple[str, list[np.ndarray]] | None:
     """Copies of every float32 weight [n, k] in the first of `formats` that holds all of
     their values exactly, with its name; None when none does. A checkpoint stored in float16
     or bfloat16 (most are) and computed in float32 on the CPU passes; one stored in float32
     fails at its first inexact value. The copies are the dispatch's panels (16 rows of W
-    interleaved, runner/native/sgemm_dispatch.c), which its products read as sums of outer
+    interleaved, runner/native/panels.c), which its products read as sums of outer
     products."""
     for name in formats:
         copies = []
         for w in weights:
             n, k = w.shape
             copy = np.empty(functions.panel_halves(n, k), np.uint16)
-            if not functions.narrow_panels(_pointer(w), n, k, copy.ctypes.data, HALF_FORMATS[name]):
+            if not functions.narrow_panels(
+                _pointer(w), n, k, copy.ctypes.data, abi.HALF_FORMATS[name]
+            ):
                 break
             copies.append(copy)
         else:
@@ -264,7 +172,7 @@ class NativeStep:
         module: nn.Module,
         kernels: Kernels,
         max_tokens: int,
-        functions: _Functions,
+        functions: abi.Functions,
         half_formats: tuple[str, ...] = (),
     ):
         """`kernels`: the family's declared mlx-lm classes (runner/backend/install.py); every
@@ -280,8 +188,8 @@ class NativeStep:
         self._final_norm, eps = _norm(inner, "norm")
         layers = list(inner.layers)
         self._keep: list[np.ndarray] = [self._embed, self._final_norm]  # the views' lifetimes
-        structs = (_Layer * len(layers))()
-        matrices: list[np.ndarray] = []  # every layer's product weights, in _PRODUCTS order
+        structs = (abi.Layer * len(layers))()
+        matrices: list[np.ndarray] = []  # every layer's product weights, in abi.PRODUCTS order
         first = layers[0].self_attn
         self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
         self.scale = float(first.scale)
@@ -331,7 +239,7 @@ class NativeStep:
                 if view is not None:
                     self._keep.append(view)
                     setattr(structs[i], name, _pointer(view))
-            matrices += [fields[name] for name in _PRODUCTS]  # type: ignore[misc]
+            matrices += [fields[name] for name in abi.PRODUCTS]  # type: ignore[misc]
         # Exact half-precision copies of the products' weights and of the head, when the
         # checkpoint's values allow: decode steps and short forwards read half the bytes.
         self.half_format: str | None = None
@@ -356,7 +264,7 @@ class NativeStep:
                 )  # fmt: skip
             else:
                 half = _half_copies(functions, weights, half_formats)
-        # the copies, layer by layer in _PRODUCTS order, then the head's when it has one
+        # the copies, layer by layer in abi.PRODUCTS order, then the head's when it has one
         self.half_copies: list[np.ndarray] = []
         if half is not None:
             self.half_format, copies = half
@@ -368,8 +276,8 @@ class NativeStep:
             if head is not None:
                 self._head_half, self._head_vocab = copies[-1], head.shape[0]
             for i, struct in enumerate(structs):
-                for j, name in enumerate(_PRODUCTS):
-                    setattr(struct, f"{name}_half", copies[i * len(_PRODUCTS) + j].ctypes.data)
+                for j, name in enumerate(abi.PRODUCTS):
+                    setattr(struct, f"{name}_half", copies[i * len(abi.PRODUCTS) + j].ctypes.data)
         self.intermediate = int(fields["gate"].shape[0])  # type: ignore[union-attr]
         self.eps = eps
         self.layers = len(layers)
@@ -410,7 +318,7 @@ class NativeStep:
             return None
         if any(c.offset != offset for c in caches):
             return None
-        cache_structs = (_Cache * self.layers)()
+        cache_structs = (abi.Cache * self.layers)()
         keep: list[np.ndarray] = []  # the views' lifetimes: until the call returns
         if buffers:
             mx.eval(*(a for pair in buffers for a in pair))
@@ -442,11 +350,11 @@ class NativeStep:
         size = int(np.prod(shape))
         new_keys = self._workspace("keys", size).reshape(shape)
         new_values = self._workspace("values", size).reshape(shape)
-        args = _Args(
+        args = abi.Args(
             batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
             layers=self.layers, offset=offset, rope_dims=self._rope.dims,
-            half_format=HALF_FORMATS.get(self.half_format or "", 0), eps=self.eps,
+            half_format=abi.HALF_FORMATS.get(self.half_format or "", 0), eps=self.eps,
             scale=self.scale, cos=_pointer(cos_view), sin=_pointer(sin_view),
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
@@ -476,7 +384,7 @@ class NativeStep:
         out = np.empty((rows, vocab), np.float32)
         code = self._weight_product(
             rows, vocab, self.hidden, _pointer(x), self._head_half.ctypes.data,
-            HALF_FORMATS[self.half_format or ""], _pointer(out),
+            abi.HALF_FORMATS[self.half_format or ""], _pointer(out),
         )  # fmt: skip
         if code != 0:
             return None
@@ -617,12 +525,14 @@ def build(
     kernels: Kernels,
     max_tokens: int | None,
     half_formats: tuple[str, ...] = (),
+    functions: abi.Functions | None = None,
 ) -> NativeStep | None:
     """The native step for `module`, or None (not a module it serves, no library, or off);
-    `half_formats`: see `NativeStep`."""
+    `half_formats`: see `NativeStep`; `functions`: a library's (default: the one preloaded
+    into this process, if its ABI is the runner's)."""
     if not max_tokens:
         return None
-    functions = _library()
+    functions = abi.load() if functions is None else functions
     if functions is None:
         return None
     try:

@@ -6,7 +6,7 @@ float32 matmul here); libmlx resolves `cblas_sgemm` dynamically, so preloading O
 `LD_PRELOAD` only works at process start, so the runner re-executes itself once with it set.
 `OLLAMA_MLX_RUNNER_BLAS=reference` keeps the bundled BLAS.
 
-Ahead of OpenBLAS goes the runner's own `cblas_sgemm` (runner/native/sgemm_dispatch.c),
+Ahead of OpenBLAS goes the runner's own `cblas_sgemm` (runner/native/dispatch.c),
 which sends the products OpenBLAS handles badly (one row: decode; a few rows: short
 forwards) to the kernels that do them well, and passes everything else through. It is
 compiled once with the machine's C compiler into the runner's cache directory; without a

@@ -1,0 +1,195 @@
+"""The native library's ABI as ctypes sees it: the mirror of runner_native.h's structs, the
+entry points bound with their signatures, and the handshake that checks both sides agree.
+
+`load(library)` binds a library (default: the one preloaded into this process,
+runner/native/preload.py) and checks, before anything calls it, that its
+`runner_native_abi_version()` is `ABI_VERSION` and that every struct has the same size and
+the same fields, in the same order at the same offsets, as the mirror here
+(`runner_native_field`, runner/native/abi.c). On any difference it logs one line saying what
+differs and returns None: the decoder layers then stay on MLX's path (products still go
+through the library's cblas_sgemm, whose ABI is the BLAS's). A change to a struct or a
+signature is made on both sides, with the version bumped (runner_native.h says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 7  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+
+F32 = ctypes.POINTER(ctypes.c_float)
+
+# The weight formats of runner_native.h (W_F16, W_BF16): the half-precision formats tried, in
+# order, for exact copies of float32 weights.
+HALF_FORMATS = {"float16": 1, "bfloat16": 2}
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
+
+
+class Layer(ctypes.Structure):  # struct step_layer
+    _fields_ = [
+        *(
+            (name, F32)
+            for name in (
+                "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
+                "q_norm", "k_norm", "post_norm", "gate", "up", "down",
+            )
+        ),
+        *((f"{name}_half", ctypes.c_void_p) for name in PRODUCTS),
+    ]  # fmt: skip
+
+
+class Cache(ctypes.Structure):  # struct step_cache
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("head_stride", ctypes.c_long),
+        ("append_keys", ctypes.c_void_p),
+        ("append_values", ctypes.c_void_p),
+    ]
+
+
+class Args(ctypes.Structure):  # struct step_args
+    _fields_ = [
+        *(
+            (name, ctypes.c_int)
+            for name in (
+                "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                "layers", "offset", "rope_dims", "half_format",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", F32),
+        ("sin", F32),
+        ("layer", ctypes.POINTER(Layer)),
+        ("cache", ctypes.POINTER(Cache)),
+        ("final_norm", F32),
+        ("x", F32),
+        ("new_keys", F32),
+        ("new_values", F32),
+        ("scratch", F32),
+    ]  # fmt: skip
+
+
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "step_layer": Layer,
+    "step_cache": Cache,
+    "step_args": Args,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Functions:
+    """A checked library's entry points, with their signatures."""
+
+    step: Any  # runner_decoder_step
+    scratch: Any  # runner_step_scratch_floats
+    half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
+    narrow_panels: Any
+    panel_halves: Any
+    weight_product: Any
+
+
+def _layout(library: ctypes.CDLL, type_name: str) -> tuple[int, list[tuple[str, int]]]:
+    """The C side of struct `type_name`: its size and its (field, offset) pairs in order."""
+    field = library.runner_native_field
+    field.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_char_p),
+        ctypes.POINTER(ctypes.c_long),
+    ]
+    field.restype = ctypes.c_int
+    name, offset = ctypes.c_char_p(), ctypes.c_long()
+    if not field(type_name.encode(), -1, ctypes.byref(name), ctypes.byref(offset)):
+        return -1, []
+    size, fields = offset.value, []
+    for index in range(1000):
+        if not field(type_name.encode(), index, ctypes.byref(name), ctypes.byref(offset)):
+            break
+        fields.append(((name.value or b"").decode(), offset.value))
+    return size, fields
+
+
+def differences(
+    library: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] = STRUCTS
+) -> list[str]:
+    """What differs between `library`'s ABI and the mirror (`structs`), one line each."""
+    try:
+        version = library.runner_native_abi_version
+    except AttributeError:
+        return ["no runner_native_abi_version: not the runner's native library, or an old one"]
+    version.restype = ctypes.c_int
+    if version() != ABI_VERSION:
+        return [f"ABI version {version()}, the runner expects {ABI_VERSION}"]
+    found = []
+    for type_name, mirror in structs.items():
+        size, fields = _layout(library, type_name)
+        ours = [(name, getattr(mirror, name).offset) for name, *_ in mirror._fields_]
+        if size != ctypes.sizeof(mirror):
+            found.append(f"struct {type_name}: {size} bytes, the mirror {ctypes.sizeof(mirror)}")
+        if fields != ours:
+            theirs = dict(fields)
+            wrong = [f"{n}@{o} (C: {theirs.get(n, 'none')})" for n, o in ours if theirs.get(n) != o]
+            extra = [n for n, _ in fields if n not in dict(ours)]
+            found.append(
+                f"struct {type_name}: fields differ: {', '.join(wrong) or 'order'}"
+                + (f"; only in C: {', '.join(extra)}" if extra else "")
+            )
+    return found
+
+
+def level(library: ctypes.CDLL | None = None) -> str | None:
+    """The instruction-set path `library` (default: the preloaded one) computes with:
+    "avx512", "avx2", "avx", "sse" or "generic" (runner_native.h); None without one."""
+    try:
+        library = ctypes.CDLL(None) if library is None else library
+        function = library.runner_native_level
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_char_p
+    return (function() or b"").decode() or None
+
+
+def load(library: ctypes.CDLL | None = None) -> Functions | None:
+    """`library`'s entry points (default: the library preloaded into this process), or None
+    when there is none there, or when its ABI differs from the mirror (logged)."""
+    try:
+        library = ctypes.CDLL(None) if library is None else library
+        library.runner_native_abi_version  # noqa: B018  (present, or not the library)
+    except (OSError, AttributeError):
+        return None
+    problems = differences(library)
+    if problems:
+        log.warning(
+            "the native library's ABI differs from the runner's (%s): the decoder layers "
+            "stay on MLX's path",
+            "; ".join(problems),
+        )
+        return None
+    step, scratch = library.runner_decoder_step, library.runner_step_scratch_floats
+    half, narrow_panels = library.runner_half_weights, library.runner_narrow_panels
+    panel_halves, weight_product = library.runner_panel_halves, library.runner_weight_product
+    step.argtypes = scratch.argtypes = [ctypes.POINTER(Args)]
+    step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
+    half.restype = ctypes.c_int
+    narrow_panels.argtypes = [F32, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    narrow_panels.restype = ctypes.c_int
+    panel_halves.argtypes = [ctypes.c_int, ctypes.c_int]
+    panel_halves.restype = ctypes.c_long
+    weight_product.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        F32,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        F32,
+    ]
+    weight_product.restype = ctypes.c_int
+    return Functions(step, scratch, bool(half()), narrow_panels, panel_halves, weight_product)

@@ -1,0 +1,203 @@
+/*
+ * What the native library's sources share and nothing outside it sees: vector types and
+ * helpers, the product descriptor, and the functions one source calls in another (hidden:
+ * the library is built with -fvisibility=hidden; runner_native.h is the exported ABI).
+ *
+ * Each source has one job: dispatch.c (MLX's cblas_sgemm, routed), pool.c (the thread pool),
+ * products.c (a product C = A W^T in any weight format, split over the pool or sent to the
+ * BLAS), tiles.c (float32 dot-product tiles), panels.c (half-precision panels and their tiles),
+ * attention.c (a layer's attention), decoder_step.c (the decoder layers), hash.c (the image
+ * fold), abi.c (the ABI handshake).
+ */
+#ifndef RUNNER_NATIVE_INTERNAL_H
+#define RUNNER_NATIVE_INTERNAL_H
+
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include "runner_native.h"
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+enum { MAX_THREADS = 16 }; /* the pool's threads at most (pool.c), the caller included */
+/* How far ahead the next weights are fetched, in blocks (tiles.c, panels.c). */
+enum { PREFETCH_BLOCKS = 2 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+
+/* 256-bit vectors wherever there is AVX, AVX-512 machines included: the tiles, the half panels
+ * and the attention are written and tuned for them. Built with 512-bit vectors on an AVX-512
+ * EPYC (-march=native), the dispatch lost its half panels (HALF_WEIGHTS needs VBYTES 32) and
+ * a 15-token SmolLM2 step over 483 cached tokens took 31.1 ms against 21.9. */
+#if defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define VL (VBYTES / 4)
+typedef float vf __attribute__((vector_size(VBYTES)));
+/* The same vector, readable at any float's address (rows need not be vector-aligned). */
+typedef float vf_unaligned __attribute__((vector_size(VBYTES), aligned(4), may_alias));
+
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store_vec(float *p, vf v) { *(vf_unaligned *)p = v; }
+
+#if defined(__AVX2__) && defined(__F16C__) && VBYTES == 32
+#define HALF_WEIGHTS 1
+static inline vf load_f16(const unsigned short *p) {
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vf load_bf16(const unsigned short *p) { /* a bfloat16 is a float's high half */
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+#else
+#define HALF_WEIGHTS 0
+#endif
+/* Wide (512-bit) panel tiles beside the 256-bit ones where there is AVX-512 (see WIDE_TILE). */
+#if HALF_WEIGHTS && defined(__AVX512F__)
+#define WIDE_PANELS 1
+#else
+#define WIDE_PANELS 0
+#endif
+
+/* f in every lane: one broadcast (a loop over the lanes compiles to a chain of inserts). */
+static inline vf splat(float f) { return (vf){0} + f; }
+
+/* *p in every lane, loaded as a broadcast (no register for the zero `splat` adds to). */
+#if defined(__AVX__) && VBYTES == 32
+static inline vf splat_at(const float *p) { return (vf)_mm256_broadcast_ss(p); }
+#else
+static inline vf splat_at(const float *p) { return splat(*p); }
+#endif
+
+static inline int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* The product's operands: C[m, n] = alpha A[m, k] W[n, k]^T + beta C. */
+struct product {
+    int m, n, k, lda, ldw, ldc;
+    float alpha, beta;
+    const float *a;
+    const void *w; /* stored in `format` */
+    float *c;
+    int format;
+};
+
+static inline void store(const struct product *p, int i, int j, float dot) {
+    float *out = p->c + (size_t)i * p->ldc + j;
+    *out = p->beta == 0.0f ? p->alpha * dot : p->alpha * dot + p->beta * *out;
+}
+
+#if defined(__AVX__) && VBYTES == 32
+/* The lane sums of four vectors, stored to out[0..3]. */
+static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
+    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b), cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+#else
+static inline void sum4(float *out, vf a, vf b, vf c, vf d) {
+    out[0] = hsum(a); out[1] = hsum(b); out[2] = hsum(c); out[3] = hsum(d);
+}
+#endif
+
+/* Keeps a loaded vector in a register: without it the compiler folds the load into every
+ * FMA that uses it (one load per product instead of one per vector). */
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN(v) __asm__("" : "+x"(v))
+#else
+#define PIN(v) ((void)0)
+#endif
+
+#if WIDE_PANELS
+typedef float vw __attribute__((vector_size(64)));
+#endif
+
+typedef int vi __attribute__((vector_size(VBYTES)));
+
+
+static inline vf select_(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* e^x, Cephes' single-precision polynomial (about 1 ulp), VL lanes at a time. */
+static inline vf vexp(vf x) {
+    const vf one = splat(1.0f);
+    x = select_(x > splat(88.3762626647949f), splat(88.3762626647949f), x);
+    x = select_(x < splat(-88.3762626647949f), splat(-88.3762626647949f), x);
+    const vf fx = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+    n = n - select_(n > fx, one, splat(0.0f)); /* floor */
+    x = x - n * 0.693359375f - n * -2.12194440e-4f;
+    vf y = splat(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + x + one;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return y * (vf)e;
+}
+
+
+/* Half panels (panels.c): PANEL rows of W interleaved; a product's rows in groups of at most
+ * PANEL_ROWS; one row against ONE_ROW_PANELS panels at once. */
+enum { PANEL = 16, PANEL_ROWS = 6, ONE_ROW_PANELS = 4 };
+
+/* A weight in float32 and, where the caller has one, its exact half-precision copy. */
+struct weight {
+    const float *f32;
+    const void *half; /* NULL: none */
+    int format;       /* the copy's */
+};
+
+/* dispatch.c: the BLAS behind the library (OpenBLAS), found once; NULL when there is none. */
+sgemm_fn blas_sgemm(void);
+
+/* pool.c: fn(arg, i, n) for every i in [0, n), n the pool's threads, the caller taking i = 0;
+ * one job on the pool at a time. pool_threads: their number, the caller included. */
+typedef void (*task_fn)(const void *arg, int index, int count);
+void parallel(task_fn fn, const void *arg);
+int pool_threads(void);
+
+/* tiles.c: columns [j0, j1) of a product (W_F32 here, the half formats from panels.c); the
+ * dot-product tiles, which attention.c uses too. */
+void columns(const struct product *p, int j0, int j1);
+void tile_2x6(const float *const *a, const float *const *w, int kv, float *dot,
+              const char *ahead, int ahead_lines);
+void tile_1x8(const float *const *a, const float *const *w, int kv, float *dot,
+              const char *ahead, int ahead_lines);
+
+/* panels.c: columns [j0, j1) from W's half panels; how many columns a block of one is. */
+void panel_columns(const struct product *p, int j0, int j1);
+int panel_block(const struct product *p);
+
+/* products.c */
+void share_columns(const struct product *p, int index, int count, int *j0, int *j1);
+void product_share(const void *arg, int index, int count);
+void small_product(const struct product *p);
+struct product tiles_product(int m, int n, int k, const float *a, int lda, struct weight w,
+                             int ldw, float *c, int ldc);
+int to_blas(int m, struct weight w);
+void product(int m, int n, int k, const float *a, int lda, struct weight w, int ldw, float *c,
+             int ldc);
+void products_of(int m, int k, const float *a, int n_products, const int *n,
+                 const struct weight *w, float *const *c);
+
+/* attention.c: one layer's attention, and the scratch floats it needs. */
+void attention(const struct step_args *a, const struct step_cache *cache, const float *q,
+               const float *nk, const float *nv, float *out, float *scores);
+long attention_scratch_floats(const struct step_args *a);
+
+#endif

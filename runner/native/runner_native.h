@@ -1,0 +1,98 @@
+/*
+ * The native library's ABI: what runner/native/abi.py binds with ctypes. Everything the
+ * library exports is declared here (RUNNER_API; the sources are built with
+ * -fvisibility=hidden), and the structs it takes are defined here once.
+ *
+ * Changing a struct or a signature here changes the ABI: bump RUNNER_NATIVE_ABI_VERSION, and
+ * change runner/native/abi.py's mirror the same way. At load the runner checks the version and
+ * every struct's size and fields' names and offsets (runner_native_field, abi.c) against its
+ * mirror; on any difference it logs why and keeps the decoder layers on MLX's path.
+ */
+#ifndef RUNNER_NATIVE_H
+#define RUNNER_NATIVE_H
+
+#include <stddef.h>
+
+#define RUNNER_API __attribute__((visibility("default")))
+#define RUNNER_NATIVE_ABI_VERSION 7
+
+/* How a product's W is stored. The half formats hold float16 / bfloat16 copies of float32
+ * weights whose every value they represent exactly (made and checked by runner_narrow_panels),
+ * in panels (panels.c), so a product reads half the bytes and computes float32 sums of the same
+ * values: a checkpoint stored in half precision, which the runner computes in float32 on the
+ * CPU. */
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+
+struct step_layer {
+    const float *input_norm, *q, *k, *v, *o;
+    const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
+    const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
+    const float *post_norm, *gate, *up, *down;
+    /* NULL, or the same weights in the step's `half_format` (exact copies in panels:
+     * runner_narrow_panels), which the tiles' products read instead (`to_blas`) */
+    const void *q_half, *k_half, *v_half, *o_half, *gate_half, *up_half, *down_half;
+};
+
+struct step_cache {
+    const float *keys, *values; /* [kv_heads, capacity, head_dim]: head h at h * head_stride */
+    long head_stride;
+    /* NULL, or where this step's keys and values go (one row: keys + offset * head_dim,
+     * same head stride), written after they are computed (the attention reads only the
+     * positions below them) */
+    float *append_keys, *append_values;
+};
+
+struct step_args {
+    int batch, tokens, hidden, heads, kv_heads, head_dim, intermediate, layers, offset, rope_dims;
+    int half_format; /* W_F16 or W_BF16: the format of the layers' `*_half` weights */
+    float eps, scale;
+    const float *cos, *sin; /* [tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half) */
+    const struct step_layer *layer;
+    const struct step_cache *cache; /* per layer; unread when offset is 0 */
+    const float *final_norm;
+    float *x;                       /* [batch, tokens, hidden]: embeddings in, final hidden out */
+    float *new_keys, *new_values;   /* [layers, batch, kv_heads, tokens, head_dim] out */
+    float *scratch;                 /* runner_step_scratch_floats() floats */
+};
+
+/* The ABI version (RUNNER_NATIVE_ABI_VERSION); also what tells the runner the library is
+ * preloaded in its process (runner/native/preload.py). */
+RUNNER_API int runner_native_abi_version(void);
+/* Field `index` of struct `type` ("step_layer", "step_cache", "step_args"): its name and
+ * offset, returning 1; with index -1 the struct's size in *offset; 0 past the last field or
+ * for an unknown type. */
+RUNNER_API int runner_native_field(const char *type, int index, const char **name, long *offset);
+/* The instruction-set path this build computes with (internal.h chooses it at compile time
+ * from -march): "avx512" (256-bit tiles, half panels and 512-bit wide panel tiles), "avx2"
+ * (256-bit tiles, half panels: AVX2 + F16C), "avx" (256-bit tiles), "sse" or "generic"
+ * (128-bit vectors, no half panels). */
+RUNNER_API const char *runner_native_level(void);
+
+/* Which half formats products can read here: 1 when they can (AVX2 + F16C), else 0. */
+RUNNER_API int runner_half_weights(void);
+/* The panels of W [n, k] in a half format: this many halves. */
+RUNNER_API long runner_panel_halves(int n, int k);
+/* dst = the panels of src [n, k] in `format` (W_F16 or W_BF16) when that holds every one of
+ * its values exactly (bit for bit back in float32): returns 1; else 0, dst undefined. */
+RUNNER_API int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst,
+                                    int format);
+/* C[m, n] = A[m, k] W[n, k]^T with W in `format` (a head: W_F32, or an exact half copy);
+ * 0, or -1 for arguments it cannot take. */
+RUNNER_API int runner_weight_product(int m, int n, int k, const float *a, const void *w,
+                                     int format, float *c);
+
+/* Floats of scratch memory runner_decoder_step needs for `a`. */
+RUNNER_API long runner_step_scratch_floats(const struct step_args *a);
+/* The decoder layers for `a` (decoder_step.c); 0, or -1 for arguments it cannot take. */
+RUNNER_API int runner_decoder_step(const struct step_args *a);
+
+/* FNV-1a 64 of n bytes from h: the image fold of runner/media/prepare.py (Go's foldValue). */
+RUNNER_API unsigned long long runner_fnv1a64(const unsigned char *data, size_t n,
+                                             unsigned long long h);
+
+/* MLX's float32 products (dispatch.c): the library is preloaded ahead of the BLAS. */
+RUNNER_API void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
+                            const float *a, int lda, const float *b, int ldb, float beta,
+                            float *c, int ldc);
+
+#endif

@@ -1,0 +1,307 @@
+"""The native library's boundary (runner/native/runner_native.h, abi.py) and its
+instruction-set paths.
+
+- The handshake: a library whose structs differ from the ctypes mirror on either side, or
+  whose version differs, is refused at load with a line saying what differs, and the decoder
+  layers stay on MLX's path.
+- Every x86-64 level's build (-march=native picks one path per machine) is built and, where
+  this CPU can execute it, computes: its products equal float64 ones, and its decoder step
+  equals MLX's path on a tiny model. An arm64 build is compiled where a cross compiler is
+  installed (scripts/setup installs one when it can).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner.backend import Backend, native_step
+from runner.native import abi, build
+from tests.tiny import load_tiny_model
+
+COMPILER = build.compiler()
+needs_compiler = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
+X86 = platform.machine() == "x86_64"
+
+
+def compile_with(tmp: Path, flags: list[str], edit: dict[str, tuple[str, str]] | None = None):
+    """The library built from a copy of the sources (each `edit`: file -> (old, new) text),
+    with `flags`; its path."""
+    sources = tmp / "src"
+    shutil.copytree(build.SOURCE_DIR, sources, ignore=shutil.ignore_patterns("*.py", "__*"))
+    for name, (old, new) in (edit or {}).items():
+        text = (sources / name).read_text()
+        assert old in text, f"{name} has no {old!r}"
+        (sources / name).write_text(text.replace(old, new))
+    target = tmp / "library.so"
+    command = [COMPILER, *flags, f"-I{sources}", "-o", str(target)]
+    command += [str(p) for p in sorted(sources.glob("*.c"))] + ["-ldl", "-lm"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return target
+
+
+def native_flags(march: str = "native") -> list[str]:
+    return [f"-march={march}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+
+
+# --- the handshake ---------------------------------------------------------------------------
+
+
+@needs_compiler
+def test_the_library_and_the_mirror_agree(tmp_path: Path) -> None:
+    library = open_library(compile_with(tmp_path, native_flags()))
+    assert abi.differences(library) == []
+    assert abi.load(library) is not None
+
+
+def swapped(mirror: type[ctypes.Structure], a: str, b: str) -> type[ctypes.Structure]:
+    fields = list(mirror._fields_)
+    names = [f[0] for f in fields]
+    i, j = names.index(a), names.index(b)
+    fields[i], fields[j] = fields[j], fields[i]
+    return type(mirror.__name__, (ctypes.Structure,), {"_fields_": fields})
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("struct", "change", "said"),
+    [
+        ("step_args", lambda m: swapped(m, "eps", "scale"), "eps@48 (C: 44)"),
+        ("step_cache", lambda m: swapped(m, "keys", "values"), "keys@8 (C: 0)"),
+        (  # a field added on the Python side only
+            "step_layer",
+            lambda m: type(
+                "L", (ctypes.Structure,), {"_fields_": [*m._fields_, ("x", ctypes.c_int)]}
+            ),
+            "struct step_layer: 176 bytes, the mirror 184",
+        ),
+    ],
+)
+def test_a_mirror_changed_on_the_python_side_only_is_refused(
+    tmp_path: Path, struct: str, change: Any, said: str
+) -> None:
+    library = open_library(compile_with(tmp_path, native_flags()))
+    structs = {**abi.STRUCTS, struct: change(abi.STRUCTS[struct])}
+    found = abi.differences(library, structs)
+    assert any(said in line for line in found), found
+
+
+APPEND = "    float *append_keys, *append_values;\n};"
+VERSION = "#define RUNNER_NATIVE_ABI_VERSION"
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (  # a field added to a struct in C only (abi.c's table unchanged)
+            {"runner_native.h": (APPEND, APPEND.replace("\n};", "\n    int extra;\n};"))},
+            "struct step_cache: 48 bytes, the mirror 40",
+        ),
+        (  # two fields of one type swapped in C only: sizes agree, offsets do not
+            {"runner_native.h": ("float eps, scale;", "float scale, eps;")},
+            "struct step_args: fields differ: eps@",
+        ),
+        (  # the version moved without the mirror
+            {"runner_native.h": (f"{VERSION} 7", f"{VERSION} 8")},
+            "ABI version 8, the runner expects 7",
+        ),
+    ],
+)  # fmt: skip
+def test_a_struct_changed_on_the_c_side_only_is_refused(
+    tmp_path: Path, edit: dict, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    library = open_library(compile_with(tmp_path, native_flags(), edit))
+    assert any(said in line for line in abi.differences(library)), abi.differences(library)
+    with caplog.at_level(logging.WARNING, logger="runner.native.abi"):
+        assert abi.load(library) is None
+    assert "decoder layers stay on MLX's path" in caplog.text and said in caplog.text
+
+
+def test_a_library_without_the_handshake_is_not_bound() -> None:
+    libc = ctypes.CDLL(None)  # this process: the preloaded library may be in it, or not
+    assert abi.differences(ctypes.CDLL("libm.so.6"))[0].startswith("no runner_native_abi")
+    assert abi.load(ctypes.CDLL("libm.so.6")) is None
+    del libc
+
+
+# --- every instruction-set path ----------------------------------------------------------------
+
+# x86-64 levels, what this build computes with, and the CPU flags a machine needs to run it
+LEVELS = {
+    "x86-64": ("sse", set()),
+    "x86-64-v2": ("sse", {"sse4_2", "popcnt", "ssse3"}),
+    "x86-64-v3": ("avx2", {"avx2", "fma", "f16c", "bmi2", "movbe"}),
+    "x86-64-v4": ("avx512", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(match.group(1).split()) if match else set()
+
+
+@pytest.fixture(scope="module", params=list(LEVELS))
+def level_library(request, tmp_path_factory) -> tuple[str, ctypes.CDLL | None]:
+    """Each level's build; loaded when this CPU can execute it."""
+    if COMPILER is None or not X86:
+        pytest.skip("needs x86-64 and a C compiler")
+    march = request.param
+    path = compile_with(tmp_path_factory.mktemp(march), native_flags(march))
+    runs = LEVELS[march][1] <= cpu_flags()
+    return march, open_library(path) if runs else None
+
+
+def test_every_level_builds_with_its_path(level_library) -> None:
+    """Every x86-64 level builds, not only this CPU's: a macro only the half-panel path
+    defined, used outside it, once broke the build on every CPU without AVX2 + F16C."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    assert abi.level(library) == LEVELS[march][0]
+    functions = abi.load(library)
+    assert functions is not None
+    assert functions.half_weights == (LEVELS[march][0] in ("avx2", "avx512"))
+
+
+@pytest.mark.parametrize("m", [1, 3, 15, 40])
+def test_every_level_computes_products(level_library, m: int) -> None:
+    """runner_weight_product (the head; every product of the step goes the same way) and
+    the interposed cblas_sgemm on the shapes it computes itself, against float64."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    rng = np.random.default_rng(m)
+    n, k = 100, 72
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    expected = a.astype(np.float64) @ w.astype(np.float64).T
+    c = np.zeros((m, n), np.float32)
+    pointer = abi.F32
+    f32 = ctypes.c_void_p(w.ctypes.data)
+    assert (
+        functions.weight_product(
+            m, n, k, a.ctypes.data_as(pointer), f32, 0, c.ctypes.data_as(pointer)
+        )
+        == 0
+    )
+    assert np.abs(c - expected).max() < 1e-4
+    if functions.half_weights:  # the same values through exact float16 panels
+        w16 = w.astype(np.float16).astype(np.float32)
+        panels = np.empty(functions.panel_halves(n, k), np.uint16)
+        assert functions.narrow_panels(w16.ctypes.data_as(pointer), n, k, panels.ctypes.data, 1)
+        c16 = np.zeros((m, n), np.float32)
+        functions.weight_product(
+            m, n, k, a.ctypes.data_as(pointer), panels.ctypes.data, 1, c16.ctypes.data_as(pointer)
+        )
+        assert np.abs(c16 - a.astype(np.float64) @ w16.astype(np.float64).T).max() < 1e-4
+    sgemm = library.cblas_sgemm
+    sgemm.argtypes = [ctypes.c_int] * 6 + [
+        ctypes.c_float,
+        pointer,
+        ctypes.c_int,
+        pointer,
+        ctypes.c_int,
+        ctypes.c_float,
+        pointer,
+        ctypes.c_int,
+    ]
+    out = np.full((m, n), 2.0, np.float32)
+    sgemm(
+        101,
+        111,
+        112,
+        m,
+        n,
+        k,
+        0.5,
+        a.ctypes.data_as(pointer),
+        k,
+        w.ctypes.data_as(pointer),
+        k,
+        1.0,
+        out.ctypes.data_as(pointer),
+        n,
+    )
+    assert np.abs(out - (0.5 * expected + 2.0)).max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_level_computes_the_decoder_step(level_library, dtype: str, tmp_path: Path) -> None:
+    """A tiny Llama's prompt and decode steps through the level's decoder step equal MLX's
+    path (float32 rounding); half copies of a bfloat16 checkpoint where the level has them."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    plain = load_tiny_model(
+        "LlamaForCausalLM",
+        tmp_path,
+        # MLX's path as the runner takes it under the dispatch (no numpy gemv)
+        backend=Backend.cpu().replace(native_step_max_tokens=None, gemv=False),
+        dtype=dtype,
+    )
+    step = native_step.build(
+        plain.module, plain.KERNELS, 8, ("float16", "bfloat16"), functions=functions
+    )
+    assert step is not None
+    assert step.half_format == (dtype if functions.half_weights and dtype != "float32" else None)
+
+    def run(native: Any) -> list[np.ndarray]:
+        plain._native = native
+        caches, out = plain.make_caches(), []
+        for tokens in ([5, 6, 7, 8, 9, 10, 11], [12], [13], [14, 15]):
+            hidden = plain.hidden(mx.array([tokens], dtype=mx.int32), caches)
+            out.append(np.array(plain.unembed(hidden)))
+        return out
+
+    taken = []
+
+    def counted(tokens: mx.array, caches: list[Any]) -> Any:
+        result = step(tokens, caches)
+        taken.append(result is not None)
+        return result
+
+    counted.unembed = step.unembed  # type: ignore[attr-defined]
+    counted.half_format = step.half_format  # type: ignore[attr-defined]
+    native, mlx_path = run(counted), run(None)
+    assert all(taken) and len(taken) == 4
+    for got, want in zip(native, mlx_path, strict=True):
+        assert np.abs(got - want).max() < 1e-4
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no arm64 cross compiler")
+def test_the_library_compiles_for_arm64(tmp_path: Path) -> None:
+    """arm64 Linux (no AVX: 128-bit vectors, no half panels) at least compiles; nothing here
+    can execute it."""
+    flags = [f for f in build.DISPATCH_FLAGS if f != build.MARCH] + ["-march=armv8-a"]
+    global COMPILER
+    saved, COMPILER = COMPILER, "aarch64-linux-gnu-gcc"
+    try:
+        path = compile_with(tmp_path, flags)
+    finally:
+        COMPILER = saved
+    assert path.read_bytes()[:4] == b"\x7fELF" and path.read_bytes()[18] == 183  # EM_AARCH64
