@@ -15,6 +15,8 @@ const char *runner_native_level(void) {
     return "avx";
 #elif defined(__SSE2__)
     return "sse";
+#elif defined(__ARM_NEON)
+    return "neon";
 #else
     return "generic";
 #endif

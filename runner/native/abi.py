@@ -146,7 +146,7 @@ def differences(
 
 def level(library: ctypes.CDLL | None = None) -> str | None:
     """The instruction-set path `library` (default: the preloaded one) computes with:
-    "avx512", "avx2", "avx", "sse" or "generic" (runner_native.h); None without one."""
+    "avx512", "avx2", "avx", "sse", "neon" or "generic" (runner_native.h); None without one."""
     try:
         library = ctypes.CDLL(None) if library is None else library
         function = library.runner_native_level

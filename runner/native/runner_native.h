@@ -64,8 +64,8 @@ RUNNER_API int runner_native_abi_version(void);
 RUNNER_API int runner_native_field(const char *type, int index, const char **name, long *offset);
 /* The instruction-set path this build computes with (internal.h chooses it at compile time
  * from -march): "avx512" (256-bit tiles, half panels and 512-bit wide panel tiles), "avx2"
- * (256-bit tiles, half panels: AVX2 + F16C), "avx" (256-bit tiles), "sse" or "generic"
- * (128-bit vectors, no half panels). */
+ * (256-bit tiles, half panels: AVX2 + F16C), "avx" (256-bit tiles), "sse", "neon" or
+ * "generic" (128-bit vectors, no half panels). */
 RUNNER_API const char *runner_native_level(void);
 
 /* Which half formats products can read here: 1 when they can (AVX2 + F16C), else 0. */
