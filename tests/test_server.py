@@ -288,40 +288,72 @@ async def test_scratch_memory_above_the_limit_is_released(client, engine, monkey
 # --- a model's own scoring hook -----------------------------------------------------------
 
 
-async def test_a_cached_scorer_model_answers_score_with_cached_hidden_rows(
-    llama_runner, make_client, engine
-):
-    from runner.models import CachedScorer
+def row_by_row_scorer(base):
+    """`base` as a `CachedScorer` that takes /v1/score over, honestly: it validates with the
+    runner's own rules (as a family with prompts of its own would, before preparing them),
+    then scores each row through the runner's hidden rows, one row at a time, every
+    candidate through its own head rows. The runner's built-in scorer must give the same
+    answer (it batches rows and shares prefixes)."""
     from runner.protocol.wire import ScoreResponse
 
-    class HookedModel(type(llama_runner.model)):
-        """Scores the first candidate only, through the runner's hidden rows."""
-
+    class RowByRow(type(base)):
         def score(self, request, tokenizer, hidden_rows):
+            rows = prepare_rows(request, tokenizer, self.context_length, self.vocab_size, self)
             logits, cached = [], 0
-            for row in request.rows:
-                tokens = tokenizer.encode(row.prompt)
-                hidden, restored = hidden_rows(tokens)
+            for row in rows:
+                hidden, restored = hidden_rows(row.tokens)
                 cached += restored
-                ids = mx.array([tokenizer.encode(row.prompt + row.candidates[0])[-1]])
+                ids = mx.array(row.candidates, dtype=mx.int32)
                 logits.append(self.unembed_candidates(hidden, ids).reshape(-1).tolist())
-            return ScoreResponse(logits, len(request.rows), cached)
+            return ScoreResponse(logits, sum(len(r.tokens) for r in rows), cached)
 
-    base = llama_runner.model
-    hooked = HookedModel.__new__(HookedModel)
+    hooked = RowByRow.__new__(RowByRow)
     hooked.__dict__.update(base.__dict__)
-    assert isinstance(hooked, CachedScorer) and not isinstance(base, CachedScorer)
+    return hooked
+
+
+async def test_a_cached_scorer_model_answers_score_as_the_runner_would(
+    llama_runner, make_client, engine
+):
+    """The model contract's `CachedScorer` (runner/models/base.py): a model that takes whole
+    requests, asking for hidden rows through the scoring prefix cache, answers what the
+    runner's own scorer answers; its rows are restored from the cache on the next request;
+    a request it refuses is the same 400."""
+    from runner.models import CachedScorer
+
+    hooked = row_by_row_scorer(llama_runner.model)
+    assert isinstance(hooked, CachedScorer) and not isinstance(llama_runner.model, CachedScorer)
     runner = engine.call(
         lambda job: type(llama_runner)(engine, hooked, llama_runner.tokenizer, "hooked")
     )
-    client = await make_client(runner)
-    body = {"rows": [{"prompt": PREFIX, "candidates": [" Yes", " No"]}]}
-    first = await score(client, body["rows"])
-    assert len(first["logits"][0]) == 1 and first["cached_tokens"] == 0
-    plain = await score(await make_client(llama_runner), body["rows"])
-    assert first["logits"][0][0] == pytest.approx(plain["logits"][0][0], abs=1e-5)
-    again = await score(client, body["rows"])
-    assert again["cached_tokens"] == len(llama_runner.tokenizer.encode(PREFIX))
+    client, plain = await make_client(runner), await make_client(llama_runner)
+    rows = [
+        {"prompt": PREFIX + q, "candidates": [" Yes", " No", " A"]}
+        for q in (" Is it?", " Is it not?", " Why?")
+    ]
+    rows.append({"prompt": "Something else entirely:", "candidates": [" Yes"]})
+    first, want = await score(client, rows), await score(plain, rows)
+    assert first["input_tokens"] == want["input_tokens"]
+    # one row at a time, each restores what it shares with the rows before it; the runner's
+    # batch computes the shared prefix once, and counts it as cached for the rows it serves
+    tokens = [llama_runner.tokenizer.encode(r["prompt"]) for r in rows]
+
+    def shared(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    restored = [max((shared(t, u) for u in tokens[:i]), default=0) for i, t in enumerate(tokens)]
+    assert first["cached_tokens"] == want["cached_tokens"] == sum(restored) > 0
+    for got_row, want_row in zip(first["logits"], want["logits"], strict=True):
+        assert got_row == pytest.approx(want_row, abs=1e-5)
+    again = await score(client, rows)
+    assert again["logits"] == first["logits"]
+    assert again["cached_tokens"] == again["input_tokens"]  # every row stored whole
+    bad = {"rows": [{"prompt": PREFIX, "candidates": [" Yes", " Yes"]}], "max_tokens": 512}
+    refused, expected = (
+        await client.post("/v1/score", json=bad),
+        await plain.post("/v1/score", json=bad),
+    )
+    assert (refused.status, await refused.text()) == (400, await expected.text())
 
 
 async def test_the_runner_scores_rows_sharing_a_prefix_in_one_batch(
