@@ -11,7 +11,9 @@ tests/golden/make_gemma3_vision_goldens.py):
   position of the one-image prompt (the image's own rows included);
 - greedy generation after an image equals transformers' token for token;
 - the same model read from an Ollama store gives the same logits; bad configs are refused.
-`-m reference` recomputes everything live with transformers, on more image shapes.
+`-m reference` recomputes everything live with transformers, on more image shapes. Its text
+rows through the runner's caches are the shared cache tests' (tests/test_prefix_cache_models.py,
+tests/test_generate_cache.py, parametrized over tests/tiny.py's IMAGE_TEXT_ARCHITECTURES).
 """
 
 from __future__ import annotations
@@ -377,34 +379,6 @@ def test_tower_attention_in_query_blocks_is_the_same(
     monkeypatch.setattr(vision, "QUERY_BLOCK", 10)  # 64 patches: 7 blocks
     blocked = np.array(model.encode_image(pixels))
     assert np.abs(blocked - whole).max() <= 1e-6
-
-
-# --- text rows through the runner's caches (the families' shared tests, on this one) -------
-
-
-def test_text_rows_cached_equal_uncached(engine, loaded_models) -> None:
-    from tests.test_prefix_cache_models import test_random_requests_cached_equal_uncached
-
-    test_random_requests_cached_equal_uncached(engine, loaded_models, ARCH)
-
-
-@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])
-def test_text_rows_batched_equal_rows_one_by_one(
-    engine, loaded_models, monkeypatch, batch_bytes
-) -> None:
-    from tests.test_prefix_cache_models import test_batched_suffixes_equal_rows_one_by_one
-
-    test_batched_suffixes_equal_rows_one_by_one(
-        engine, loaded_models, monkeypatch, ARCH, batch_bytes
-    )
-
-
-def test_text_generation_restores_its_history(tmp_path: Path, caplog) -> None:
-    from tests.test_generate_cache import (
-        test_extending_a_conversation_restores_it_and_generates_the_same as extending,
-    )
-
-    extending(tmp_path, ARCH, caplog)
 
 
 def test_an_image_token_id_outside_the_vocabulary(tmp_path: Path, golden: dict) -> None:

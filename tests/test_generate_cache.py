@@ -9,12 +9,12 @@ import re
 import pytest
 
 from tests.test_generate_golden import generate, tiny_generator
-from tests.tiny import TINY_ARCHITECTURES, prefix_cache
+from tests.tiny import IMAGE_TEXT_ARCHITECTURES, TINY_ARCHITECTURES, prefix_cache
 
 GREEDY = {"temperature": 0.0}
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES + IMAGE_TEXT_ARCHITECTURES)
 def test_extending_a_conversation_restores_it_and_generates_the_same(tmp_path, arch, caplog):
     cached = tiny_generator(tmp_path / "a", arch)
     fresh = tiny_generator(tmp_path / "b", arch)

@@ -13,12 +13,12 @@ import pytest
 
 from runner.score.scorer import Scorer
 from runner.score.validate import Row
-from tests.tiny import TINY_ARCHITECTURES, prefix_cache, score_uncached
+from tests.tiny import IMAGE_TEXT_ARCHITECTURES, TINY_ARCHITECTURES, prefix_cache, score_uncached
 
 SHARED = "You are a careful judge. Answer each question with Yes or No. " * 22
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES + IMAGE_TEXT_ARCHITECTURES)
 def test_random_requests_cached_equal_uncached(engine, loaded_models, arch):
     runner = loaded_models(arch)
     model = runner.model
@@ -70,7 +70,7 @@ async def test_second_request_sharing_300_tokens_restores_them(fresh_runner, mak
         assert warm_row == pytest.approx(cold_row, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES + IMAGE_TEXT_ARCHITECTURES)
 @pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # one batch; one row per batch
 def test_batched_suffixes_equal_rows_one_by_one(
     engine, loaded_models, monkeypatch, arch, batch_bytes

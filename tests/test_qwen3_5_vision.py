@@ -1,7 +1,13 @@
-"""Qwen3_5ForConditionalGeneration with images vs transformers, on a tiny random model.
+"""Qwen3.5's image side vs transformers, on tiny random models of both text families.
 
-Default tier, against tests/data/golden/qwen3_5_vision.npz (written by
-tests/golden/make_qwen3_5_vision_goldens.py):
+Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration share one image side
+(runner/models/qwen3_5_vision/); the tests marked `every_arch` run on both (`ARCHES`), the
+others on the dense model, whose text model does not change what they test. The MoE model's
+text model is tests/golden's Qwen3.5-MoE (gated-delta and full-attention layers, 4 experts,
+top-2, a shared expert), its tower the dense model's. Default tier, against
+tests/data/golden/qwen3_5_vision.npz and qwen3_5_moe_vision.npz (written by
+tests/golden/make_qwen3_5_vision_goldens.py, the same prompts for both: their token ids are
+checked against each golden's, so the two tiny configs' image token ids must agree):
 - `preprocess` equals transformers' Qwen2-VL image processor (patches and grid) on images of
   several sizes and aspect ratios (grown to min_pixels, shrunk to max_pixels, with
   transparency, a JPEG), with the model's preprocessor_config.json;
@@ -14,14 +20,18 @@ tests/golden/make_qwen3_5_vision_goldens.py):
 - through the runner (prefill chunks of 5, inside every image): scores and a completion
   equal the in-process forward, the same image again restores past its expansion with the
   cold logits, other bytes diverge at the expansion, rows that share an image are batched
-  over it; and over HTTP.
+  over it; and over HTTP;
+- the model read from an Ollama store gives the same logits.
 `-m reference` recomputes the goldens live with transformers, on more image shapes, and
-compares the layout with transformers' `get_rope_index`.
+compares the layout with transformers' `get_rope_index`. The dense model's text rows
+through the runner's caches are the shared cache tests' (tests/test_prefix_cache_models.py,
+tests/test_generate_cache.py, parametrized over tests/tiny.py's IMAGE_TEXT_ARCHITECTURES).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 from pathlib import Path
@@ -34,6 +44,7 @@ from PIL import Image
 
 from runner.media.prepare import Item
 from runner.models import ImageModel, build_model
+from runner.models.qwen3_5_moe import Qwen3_5MoeMultimodal
 from runner.models.qwen3_5_vision import (
     MropeLayout,
     Qwen3_5ImageModel,
@@ -46,7 +57,8 @@ from tests.golden.make_gemma3_vision_goldens import image_bytes
 from tests.golden.make_qwen3_5_vision_goldens import (
     ARCH,
     EOS_ID,
-    GOLDEN_FILE,
+    FAMILIES,
+    MOE_ARCH,
     PREPROCESSOR,
     all_image_bytes,
     prompts,
@@ -58,22 +70,70 @@ TOLERANCE = 1e-4
 IMAGE, START, END = 380, 381, 382
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("qwen3_5-vision"))
+# The text families over the one image side, and each one's adapter class.
+ARCHES = {ARCH: Qwen3_5Multimodal, MOE_ARCH: Qwen3_5MoeMultimodal}
+every_arch = pytest.mark.parametrize("arch", list(ARCHES))
+
+
+class TinyFamily:
+    """One architecture's tiny image model, each part made on first use and kept for the
+    module: its directory, the loaded model, its goldens, and the runner serving it."""
+
+    def __init__(self, arch: str, root: Path, engine: Any):
+        self.arch, self.root, self.engine = arch, root, engine
+
+    @functools.cached_property
+    def model_dir(self) -> Path:
+        return write_model(self.root, self.arch)
+
+    @functools.cached_property
+    def model(self) -> Qwen3_5ImageModel:
+        loaded = build_model(load_local_dir(self.model_dir))
+        assert isinstance(loaded, ARCHES[self.arch]) and isinstance(loaded, ImageModel)
+        return loaded
+
+    @functools.cached_property
+    def golden(self) -> dict[str, np.ndarray]:
+        with np.load(FAMILIES[self.arch].golden) as data:
+            return dict(data)
+
+    @functools.cached_property
+    def served(self) -> Any:
+        """The model served with prefill chunks of 5 tokens: chunks end inside images."""
+        from runner.backend import Backend
+        from runner.service import Runner
+
+        backend = Backend.cpu().replace(prefill_chunk_tokens=5)
+        return Runner.load(self.engine, str(self.model_dir), backend=backend)
 
 
 @pytest.fixture(scope="module")
-def model(model_dir: Path) -> Qwen3_5Multimodal:
-    loaded = build_model(load_local_dir(model_dir))
-    assert isinstance(loaded, Qwen3_5Multimodal) and isinstance(loaded, ImageModel)
-    return loaded
+def families(tmp_path_factory: pytest.TempPathFactory, engine) -> dict[str, TinyFamily]:
+    return {arch: TinyFamily(arch, tmp_path_factory.mktemp(arch), engine) for arch in ARCHES}
+
+
+@pytest.fixture
+def tiny(families: dict[str, TinyFamily], arch: str) -> TinyFamily:
+    """The family of the test's `arch` (a test marked `every_arch`)."""
+    return families[arch]
+
+
+# The dense model, for the tests of what does not depend on the text model.
 
 
 @pytest.fixture(scope="module")
-def golden() -> dict[str, np.ndarray]:
-    with np.load(GOLDEN_FILE) as data:
-        return dict(data)
+def model_dir(families: dict[str, TinyFamily]) -> Path:
+    return families[ARCH].model_dir
+
+
+@pytest.fixture(scope="module")
+def model(families: dict[str, TinyFamily]) -> Qwen3_5ImageModel:
+    return families[ARCH].model
+
+
+@pytest.fixture(scope="module")
+def golden(families: dict[str, TinyFamily]) -> dict[str, np.ndarray]:
+    return families[ARCH].golden
 
 
 def grids(golden: dict) -> dict[str, tuple[int, int, int]]:
@@ -88,7 +148,7 @@ def golden_prompt(golden: dict, name: str) -> tuple[list[int], list[bytes]]:
     return ids, [images[s] for s in shown]
 
 
-def items_of(model: Qwen3_5Multimodal, ids: list[int], images: list[bytes]) -> list[Item]:
+def items_of(model: Qwen3_5ImageModel, ids: list[int], images: list[bytes]) -> list[Item]:
     """The runs of image pads in `ids`, one item per image (in order)."""
     items, i = [], 0
     while i < len(ids):
@@ -106,7 +166,7 @@ def items_of(model: Qwen3_5Multimodal, ids: list[int], images: list[bytes]) -> l
 
 
 def forward(
-    model: Qwen3_5Multimodal,
+    model: Qwen3_5ImageModel,
     ids: list[int],
     images: list[bytes],
     plan: list[tuple[int, int]] | None = None,
@@ -134,7 +194,7 @@ def forward(
     return np.array(mx.concatenate(out).astype(mx.float32)), caches, layout
 
 
-def greedy(model: Qwen3_5Multimodal, logits: np.ndarray, caches: list[Any], layout, n: int):
+def greedy(model: Qwen3_5ImageModel, logits: np.ndarray, caches: list[Any], layout, n: int):
     """n greedy tokens after a prefilled prompt whose last logits are `logits`."""
     out = [int(np.argmax(logits))]
     while len(out) < n:
@@ -198,10 +258,10 @@ def test_layout_is_get_rope_index() -> None:
 # --- logits and generation against transformers ---------------------------------------------
 
 
+@every_arch
 @pytest.mark.parametrize("name", ["one", "two", "text"])
-def test_logits_equal_transformers_one_shot(
-    model: Qwen3_5Multimodal, golden: dict, name: str
-) -> None:
+def test_logits_equal_transformers_one_shot(tiny: TinyFamily, name: str) -> None:
+    model, golden = tiny.model, tiny.golden
     ids, images = golden_prompt(golden, name)
     got, _, layout = forward(model, ids, images)
     assert (layout is None) == (name == "text")
@@ -210,11 +270,13 @@ def test_logits_equal_transformers_one_shot(
     assert diff <= TOLERANCE, f"max abs diff {diff:.3g}"
 
 
+@every_arch
 @pytest.mark.parametrize("name", ["one", "two"])
 @pytest.mark.parametrize("size", [1, 5, 7])
 def test_logits_equal_transformers_in_chunks_that_cut_images(
-    model: Qwen3_5Multimodal, golden: dict, name: str, size: int
+    tiny: TinyFamily, name: str, size: int
 ) -> None:
+    model, golden = tiny.model, tiny.golden
     ids, images = golden_prompt(golden, name)
     plan = chunks(len(ids), size)
     items = items_of(model, ids, images)
@@ -225,9 +287,11 @@ def test_logits_equal_transformers_in_chunks_that_cut_images(
     assert diff <= TOLERANCE, f"max abs diff {diff:.3g} with chunks of {size}"
 
 
-def test_positions_and_pixels_both_matter(model: Qwen3_5Multimodal, golden: dict) -> None:
+@every_arch
+def test_positions_and_pixels_both_matter(tiny: TinyFamily) -> None:
     """Without the layout (positions = indices) or with other pixels of the same geometry, the
     logits after the image move: the tests above would catch either being dropped."""
+    model, golden = tiny.model, tiny.golden
     ids, images = golden_prompt(golden, "one")
     (item,) = items_of(model, ids, images)
     features = model.encode_item(item)
@@ -246,7 +310,9 @@ def test_positions_and_pixels_both_matter(model: Qwen3_5Multimodal, golden: dict
     assert np.abs(np.array(model.unembed(hidden)[0, -1]) - expected[-1]).max() > 1e-3
 
 
-def test_greedy_generation_equals_transformers(model: Qwen3_5Multimodal, golden: dict) -> None:
+@every_arch
+def test_greedy_generation_equals_transformers(tiny: TinyFamily) -> None:
+    model, golden = tiny.model, tiny.golden
     ids, images = golden_prompt(golden, "one")
     logits, caches, layout = forward(model, ids, images, chunks(len(ids), 7))
     expected = golden["generated"].tolist()
@@ -284,10 +350,13 @@ def test_media_that_does_not_fit_the_block_is_refused(model: Qwen3_5Multimodal) 
 # --- loading ------------------------------------------------------------------------------
 
 
-def test_loads_from_an_ollama_store(model_dir: Path, golden: dict, tmp_path: Path) -> None:
+@every_arch
+def test_loads_from_an_ollama_store(tiny: TinyFamily, tmp_path: Path) -> None:
     """The store's layers (weights, config, preprocessor_config.json) give the same model."""
     from runner.sources.ollama_store import load_store_model
     from tests.ollama_store import write_ollama_model
+
+    model_dir, golden = tiny.model_dir, tiny.golden
 
     write_ollama_model(tmp_path, "tiny-qwen3_5-vision", model_dir)
     stored = build_model(load_store_model("tiny-qwen3_5-vision", tmp_path))
@@ -360,13 +429,9 @@ def test_preprocessor_config_decides_the_sizes(tmp_path: Path, model: Qwen3_5Mul
 
 
 @pytest.fixture(scope="module")
-def served(engine, model_dir: Path):
-    """The tiny model served with prefill chunks of 5 tokens: chunks end inside images."""
-    from runner.backend import Backend
-    from runner.service import Runner
-
-    backend = Backend.cpu().replace(prefill_chunk_tokens=5)
-    return Runner.load(engine, str(model_dir), backend=backend)
+def served(families: dict[str, TinyFamily]):
+    """The dense model served with prefill chunks of 5 tokens: chunks end inside images."""
+    return families[ARCH].served
 
 
 def media(images: dict[int, bytes]) -> list[dict]:
@@ -396,9 +461,12 @@ def expected_scores(served, engine, plan, images_of_rows) -> list[np.ndarray]:
     return engine.call(work)
 
 
-def test_scores_restore_the_same_image_and_diverge_at_other_bytes(served, engine) -> None:
+@every_arch
+def test_scores_restore_the_same_image_and_diverge_at_other_bytes(tiny: TinyFamily, engine) -> None:
     from runner.protocol.wire import decode_score_request
     from runner.server.endpoints import ScoreEndpoint
+
+    served = tiny.served
 
     images = all_image_bytes()
     endpoint = ScoreEndpoint(served)
@@ -441,8 +509,9 @@ def test_scores_restore_the_same_image_and_diverge_at_other_bytes(served, engine
     assert np.abs(np.array(answer.logits[0]) - want).max() <= TOLERANCE
 
 
+@every_arch
 def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
-    served, engine, monkeypatch
+    tiny: TinyFamily, engine, monkeypatch
 ) -> None:
     """Rows whose images lie in their shared prefix run as one batch over it: the prefix's
     layout gives every row's positions (index + the same delta past the images)."""
@@ -450,6 +519,8 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
     from runner.cache.batch import forward_suffixes
     from runner.protocol.wire import decode_score_request
     from runner.server.endpoints import ScoreEndpoint
+
+    served = tiny.served
 
     images = all_image_bytes()
     rows = ["Look:[img-1] Is it blue?", "Look:[img-1] Is it a dog or a cat?", "Look:[img-1]"]
@@ -510,11 +581,14 @@ def expected_completion(served, engine, plan, images: list[bytes], n: int) -> li
     return want[: want.index(EOS_ID)] if EOS_ID in want else want
 
 
+@every_arch
 def test_greedy_completion_after_an_image_equals_the_forward_and_restores_it(
-    served, engine
+    tiny: TinyFamily, engine
 ) -> None:
     from runner.protocol.wire import decode_completion_request
     from runner.server.endpoints import CompletionEndpoint
+
+    served = tiny.served
 
     images = all_image_bytes()
     body = completion_body("Describe[img-0] please", {0: images["small"]}, 6)
@@ -534,12 +608,15 @@ def test_greedy_completion_after_an_image_equals_the_forward_and_restores_it(
     assert live[: len(plan.prompt.keys)] == plan.prompt.keys
 
 
+@every_arch
 async def test_over_http_a_completion_and_scores_give_the_in_process_numbers(
-    served, engine, make_client
+    tiny: TinyFamily, engine, make_client
 ) -> None:
     from runner.generate.detokenize import go_string
     from runner.protocol.wire import decode_completion_request, decode_score_request
     from runner.server.endpoints import CompletionEndpoint, ScoreEndpoint
+
+    served = tiny.served
 
     images = all_image_bytes()
     client = await make_client(served)
@@ -566,26 +643,19 @@ async def test_over_http_a_completion_and_scores_give_the_in_process_numbers(
         assert np.abs(np.array(got) - expected).max() <= TOLERANCE
 
 
-# --- text rows through the runner's caches (the families' shared tests, on this one) -------
-
-
-def test_text_rows_cached_equal_uncached(engine, loaded_models) -> None:
-    from tests.test_prefix_cache_models import test_random_requests_cached_equal_uncached
-
-    test_random_requests_cached_equal_uncached(engine, loaded_models, ARCH)
-
-
 # --- reference tier: live transformers ----------------------------------------------------
 
 
 @pytest.mark.reference
 @pytest.mark.usefixtures("reference_libraries")
 class TestReference:
-    def test_live_goldens_match(self, model_dir: Path, golden: dict) -> None:
+    @every_arch
+    def test_live_goldens_match(self, tiny: TinyFamily) -> None:
         """Goldens recomputed now agree with the stored ones (and so with ours)."""
         from tests.golden.make_qwen3_5_vision_goldens import compute_goldens
 
-        live = compute_goldens(model_dir)
+        golden = tiny.golden
+        live = compute_goldens(tiny.model_dir)
         assert live.keys() == golden.keys()
         for key, value in live.items():
             if key.startswith(("tokens_", "generated", "grid_")):
@@ -618,12 +688,14 @@ class TestReference:
         assert got_grid == grid
         assert np.abs(pixels - expected).max() <= 1e-6
 
-    def test_layout_equals_get_rope_index(self, model: Qwen3_5Multimodal, model_dir: Path):
+    @every_arch
+    def test_layout_equals_get_rope_index(self, tiny: TinyFamily) -> None:
         import torch
 
         from tests.golden.make_qwen3_5_vision_goldens import reference_model
 
-        reference = reference_model(model_dir)
+        model = tiny.model
+        reference = reference_model(tiny.model_dir)
         images = all_image_bytes()
         ids = [5, 6, START]
         shown = ["wide", "small", "tall"]

@@ -49,6 +49,9 @@ TINY_ARCHITECTURES = (
     "LagunaForCausalLM",
     "MuseGlimmerForConditionalGeneration",
 )
+# Image-text families whose text rows the shared cache tests also run (their image sides
+# have tests of their own: tests/test_gemma3_vision.py, tests/test_qwen3_5_vision.py).
+IMAGE_TEXT_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 
 # Prose, plus question/answer lines repeated so that " Yes", " No", " A" ... " D", " the",
 # " a", " is" become single tokens (the /v1/score tests append them as candidates).

@@ -18,8 +18,8 @@ one):
   computes its own 3-channel rotary positions): every position of the one-image prompt,
   the last `TAIL` positions of the others;
 - `generated`: transformers' greedy `generate` after the one-image prompt.
-tests/test_qwen3_5_vision.py and tests/test_qwen3_5_moe_vision.py read them, and import the
-helpers below for their live `-m reference` tier. Needs torch, transformers and Pillow.
+tests/test_qwen3_5_vision.py reads them (for both architectures), and imports the helpers
+below for its live `-m reference` tier. Needs torch, transformers and Pillow.
 """
 
 from __future__ import annotations
