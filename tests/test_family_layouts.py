@@ -159,7 +159,7 @@ def conditional_generation(
 def test_qwen3_5_image_text_checkpoint_serves_its_text_model(
     tmp_path: Path, text_arch: str, arch: str
 ) -> None:
-    """Text through the image model (runner/models/qwen3_5_vision.py: it needs its whole
+    """Text through the image model (runner/models/qwen3_5_vision/: it needs its whole
     tower) is the text model's, bit for bit."""
     path = write_tiny_model(text_arch, tmp_path)
     text = build_model(load_local_dir(path))

@@ -1,9 +1,9 @@
 """Architecture name -> model family.
 
-Families register themselves (runner/models/<family>.py) under their `architectures[0]` names
-and their `model_type`; a name is registered once. A config is looked up by `architectures[0]`,
-or by `model_type` when it has no `architectures`. runner/models/build.py builds the family's
-model from a `ModelSource`.
+Families register themselves (runner/models/<family>.py, or <family>/model.py) under their
+`architectures[0]` names and their `model_type`; a name is registered once. A config is
+looked up by `architectures[0]`, or by `model_type` when it has no `architectures`.
+runner/models/build.py builds the family's model from a `ModelSource`.
 """
 
 from __future__ import annotations
