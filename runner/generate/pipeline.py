@@ -6,9 +6,10 @@
   does;
 - decode is pipelined one step ahead like mlx-lm's `generate_step`: the forward for token n
   is dispatched (`mx.async_eval`) before the host reads token n, so graph building and the
-  device overlap the host's detokenizing and streaming (on the CPU backend the one-row
-  products run in numpy as they are built, runner/backend/gemv.py, so the step is computed
-  there and then: twice as fast as the overlap it gives up);
+  device overlap the host's detokenizing and streaming (on the CPU backend a decode step of
+  a family the native step covers is one native call, runner/backend/native_step.py, and
+  without the native library the one-row products run in numpy as they are built,
+  runner/backend/gemv.py: either way the step is computed there and then);
 - the session records every token fed in decode (the seed included) and, when decode stops,
   waits for the forward still in flight (runner/cache/live.py); a failure discards the live
   state, a cancellation stores it;
