@@ -9,7 +9,7 @@ spawned as a supervisor would (tools/spawned.py).
     evict all along) gets `--requests` requests from two client threads: `/v1/score` with
     1-64 rows sharing one of a few long prefixes, `/v1/completions` with random options,
     `/v1/tokenize`, `/v1/status`. Every answer must be 200 or 4xx and match docs/openapi.yaml
-    (bench/fuzz.py's checks); the runner's RSS (`VmRSS` in /proc/PID/status) is read after the
+    (bench/fuzz's checks); the runner's RSS (`VmRSS` in /proc/PID/status) is read after the
     warm-up (the first tenth of the requests) and every tenth after, and the growth reported.
 (b) Cycles: `--cycles` times, start a runner, wait a random time and send SIGINT or SIGTERM
     at random: while the model loads, idle, or with a long completion or a 64-row score in
@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fuzz import MIB, Answer, check_answer, openapi, rss_bytes, send, spawn, write_model
+from bench.fuzz.client import MIB, Answer, send
+from bench.fuzz.fuzzer import check_answer
+from bench.fuzz.openapi import openapi
+from bench.fuzz.process import rss_bytes, spawn, write_model
 
 MARKERS = ("terminate called", "Aborted", "Traceback", "KeyboardInterrupt", "core dumped")
 EXIT_DEADLINE_S = 5.0

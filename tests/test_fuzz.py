@@ -1,12 +1,12 @@
-"""docs/openapi.yaml against the server, and bench/fuzz.py's checks against a spawned runner.
+"""docs/openapi.yaml against the server, and bench/fuzz's checks against a spawned runner.
 
 Three parts:
 - the document against the code: every route of `build_app`'s router is described and every
   described operation is routed (answered with a documented status, never 404/405); the
   schemas' field lists and limits are the runtime's; real answers of a tiny-model runner (in
   process, aiohttp's test client) validate against the response schemas;
-- the Go decoding model that the fuzz harness judges bodies by (`bench.fuzz.go_verdict`),
-  on bodies whose fate in Go's encoding/json is known;
+- the Go decoding model that the fuzz harness judges bodies by
+  (`bench.fuzz.go_oracle.go_verdict`), on bodies whose fate in Go's encoding/json is known;
 - the fuzz itself: a few hundred generated bodies against a spawned tiny runner (one test
   per check), and the smallest body for each failure it has found. What fails today is a
   strict xfail whose reason names the failure: once the runtime is fixed it XPASSes, which
@@ -21,18 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.fuzz import (
-    CHECKS,
-    Case,
-    Fuzzer,
-    Report,
-    StatusPoller,
-    generate_cases,
-    go_verdict,
-    openapi,
-    send,
-    spawn,
-)
+from bench.fuzz.cases import Case, generate_cases
+from bench.fuzz.client import StatusPoller, send
+from bench.fuzz.fuzzer import Fuzzer
+from bench.fuzz.go_oracle import go_verdict
+from bench.fuzz.openapi import openapi
+from bench.fuzz.process import spawn
+from bench.fuzz.report import CHECKS, Report
 from runner.protocol import wire
 from runner.score import validate as runner_score
 from runner.server import app as runner_app
@@ -462,9 +457,10 @@ def test_fuzz_check(fuzz_report, check):
 
 
 # --- one body per failure found ------------------------------------------------------------------
-# Each is sent to a spawned runner and judged by the fuzz's own checks (bench.fuzz.Fuzzer.one):
-# its status against Go's (decoded by the model above, the decoded request sent as a twin),
-# the schema, the stream's Error line, the process alive. `ROW` scores " the" after "Is it".
+# Each is sent to a spawned runner and judged by the fuzz's own checks
+# (bench.fuzz.fuzzer.Fuzzer.one): its status against Go's (decoded by the model above, the
+# decoded request sent as a twin), the schema, the stream's Error line, the process alive.
+# `ROW` scores " the" after "Is it".
 
 SCORE = b'{"rows":[' + ROW + b'],"max_tokens":8'
 COMPLETION = b'{"Prompt":"Is it","Options":{"num_predict":2'

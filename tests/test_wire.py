@@ -442,12 +442,13 @@ def _duplicate_heavy_body(rng: Any, endpoint: str) -> bytes:
 
 
 def test_duplicate_heavy_bodies_decode_as_the_go_model_decodes_them():
-    """bench/fuzz.py's model of Go's json.Decoder (an independent decoder, node by node) says
-    whether Go accepts each body and what it decodes to, written plainly: the runner refuses
-    what Go refuses and decodes the rest to what it decodes the plain form to."""
+    """bench/fuzz/go_oracle.py's model of Go's json.Decoder (an independent decoder, node by
+    node) says whether Go accepts each body and what it decodes to, written plainly: the
+    runner refuses what Go refuses and decodes the rest to what it decodes the plain form
+    to."""
     import random
 
-    from bench.fuzz import go_verdict
+    from bench.fuzz.go_oracle import go_verdict
     from runner.protocol.wire import decode_completion_request
 
     rng = random.Random(7)

@@ -1,0 +1,432 @@
+"""What the Go runner's `json.NewDecoder(body).Decode(&request)` makes of a body: an oracle
+written apart from the runner's own decoder (runner/protocol/go_json.py), node by node after
+Go's scanner and decoder, with the request types read off docs/openapi.yaml.
+
+`go_scan` reads the first JSON value as Go's scanner does (whatever follows is never read;
+JSON's four whitespace bytes; nesting up to 10,000 levels; invalid UTF-8 and lone surrogate
+escapes become U+FFFD, one per byte); `go_decode` decodes the tree into a Go type the way
+`encoding/json` fills a value (keys folded as Go folds them, unknown keys skipped, `null` a
+no-op except that it empties a slice, a duplicate key decoded into the same value in turn,
+ints int64 integer literals, float32 fields finite, `[]byte` as padded base64 or an array of
+numbers); `go_verdict` says whether Go accepts a body and, if it does, writes the decoded
+request plainly (the fuzz's "twin").
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+from typing import Any
+
+from bench.fuzz.openapi import OpenAPI, openapi
+
+GO_MAX_DEPTH = 10000  # the runner's too (runner/protocol/go_json.py)
+_WS = b" \t\r\n"
+_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_HEX4 = re.compile(rb"[0-9a-fA-F]{4}")
+_ESCAPES = {
+    ord('"'): '"',
+    ord("\\"): "\\",
+    ord("/"): "/",
+    ord("b"): "\b",
+    ord("f"): "\f",
+    ord("n"): "\n",
+    ord("r"): "\r",
+    ord("t"): "\t",
+}
+
+
+class GoSyntaxError(ValueError):
+    pass
+
+
+class GoTypeError(ValueError):
+    pass
+
+
+def _go_rune(raw: bytes, i: int) -> tuple[str, int]:
+    """utf8.DecodeRune: a valid sequence, or U+FFFD for one byte."""
+    lead = raw[i]
+    size = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if lead <= 0xF4 else 0
+    if size and lead >= 0xC2:
+        with contextlib.suppress(UnicodeDecodeError):
+            return raw[i : i + size].decode("utf-8"), size
+    return "\ufffd", 1
+
+
+def go_unquote(raw: bytes) -> str:
+    """A scanned string's contents as Go's `unquote` decodes them."""
+    out: list[str] = []
+    i, n = 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c == 0x5C:
+            e = raw[i + 1]
+            if e != ord("u"):
+                out.append(_ESCAPES[e])
+                i += 2
+                continue
+            r = int(raw[i + 2 : i + 6], 16)
+            i += 6
+            if 0xD800 <= r < 0xE000:
+                if r < 0xDC00 and raw[i : i + 2] == b"\\u" and _HEX4.fullmatch(raw[i + 2 : i + 6]):
+                    r2 = int(raw[i + 2 : i + 6], 16)
+                    if 0xDC00 <= r2 < 0xE000:
+                        out.append(chr(0x10000 + ((r - 0xD800) << 10) + (r2 - 0xDC00)))
+                        i += 6
+                        continue
+                out.append("\ufffd")
+                continue
+            out.append(chr(r))
+        elif c < 0x80:
+            out.append(chr(c))
+            i += 1
+        else:
+            rune, size = _go_rune(raw, i)
+            out.append(rune)
+            i += size
+    return "".join(out)
+
+
+def _scan_string(b: bytes, i: int) -> tuple[str, int]:
+    """b[i] is the opening quote; the decoded string and the index after the closing one."""
+    j = i + 1
+    n = len(b)
+    while True:
+        if j >= n:
+            raise GoSyntaxError("unexpected end of JSON input")
+        c = b[j]
+        if c == 0x22:
+            return go_unquote(b[i + 1 : j]), j + 1
+        if c < 0x20:
+            raise GoSyntaxError("invalid character in string literal")
+        if c == 0x5C:
+            if j + 1 >= n:
+                raise GoSyntaxError("unexpected end of JSON input")
+            e = b[j + 1]
+            if e == ord("u"):
+                if not _HEX4.fullmatch(b[j + 2 : j + 6]):
+                    raise GoSyntaxError("invalid character in \\u hexadecimal escape")
+                j += 6
+            elif e in _ESCAPES:
+                j += 2
+            else:
+                raise GoSyntaxError("invalid character in string escape code")
+        else:
+            j += 1
+
+
+def _skip_ws(b: bytes, i: int) -> int:
+    while i < len(b) and b[i] in _WS:
+        i += 1
+    return i
+
+
+def go_scan(b: bytes) -> Any:
+    """The first JSON value of `b` as Go's json.Decoder reads it (whatever follows is never
+    read), as a tree: ("obj", [(key, node)...]), ("arr", [...]), ("str", s), ("num", literal),
+    ("bool", b), ("null",). Raises GoSyntaxError (`EOF` for nothing but whitespace)."""
+    i = _skip_ws(b, 0)
+    if i >= len(b):
+        raise GoSyntaxError("EOF")
+    stack: list[list[Any]] = []  # ["obj", pairs, key] or ["arr", items]
+    n = len(b)
+    go_scan.deepest = 0  # type: ignore[attr-defined]  (the nesting the last scan reached)
+    while True:
+        # a value starts at i
+        if i >= n:
+            raise GoSyntaxError("unexpected EOF")
+        c = b[i]
+        value: Any
+        if c in b"{[":
+            if len(stack) + 1 > GO_MAX_DEPTH:
+                raise GoSyntaxError(f"invalid character {chr(c)!r} exceeded max depth")
+            go_scan.deepest = max(go_scan.deepest, len(stack) + 1)  # type: ignore[attr-defined]
+            i = _skip_ws(b, i + 1)
+            if i < n and b[i] == (0x7D if c == 0x7B else 0x5D):
+                value = ("obj", []) if c == 0x7B else ("arr", [])
+                i += 1
+            elif c == 0x7B:
+                if i >= n or b[i] != 0x22:
+                    raise GoSyntaxError("looking for beginning of object key string")
+                key, i = _scan_string(b, i)
+                i = _skip_ws(b, i)
+                if i >= n or b[i] != 0x3A:
+                    raise GoSyntaxError("after object key")
+                i = _skip_ws(b, i + 1)
+                stack.append(["obj", [], key])
+                continue
+            else:
+                stack.append(["arr", []])
+                continue
+        elif c == 0x22:
+            text, i = _scan_string(b, i)
+            value = ("str", text)
+        elif c == 0x2D or 0x30 <= c <= 0x39:
+            m = _NUMBER.match(b, i)
+            if m is None:
+                raise GoSyntaxError("in numeric literal")
+            value = ("num", m.group().decode())
+            i = m.end()
+        elif b.startswith(b"true", i):
+            value, i = ("bool", True), i + 4
+        elif b.startswith(b"false", i):
+            value, i = ("bool", False), i + 5
+        elif b.startswith(b"null", i):
+            value, i = ("null",), i + 4
+        else:
+            raise GoSyntaxError(f"invalid character {chr(c)!r} looking for beginning of value")
+        # attach the value to its parents, closing them as far as they end
+        while True:
+            if not stack:
+                return value
+            frame = stack[-1]
+            i = _skip_ws(b, i)
+            if i >= n:
+                raise GoSyntaxError("unexpected EOF")
+            c = b[i]
+            if frame[0] == "obj":
+                frame[1].append((frame[2], value))
+                if c == 0x2C:
+                    i = _skip_ws(b, i + 1)
+                    if i >= n or b[i] != 0x22:
+                        raise GoSyntaxError("looking for beginning of object key string")
+                    frame[2], i = _scan_string(b, i)
+                    i = _skip_ws(b, i)
+                    if i >= n or b[i] != 0x3A:
+                        raise GoSyntaxError("after object key")
+                    i = _skip_ws(b, i + 1)
+                    break
+                if c != 0x7D:
+                    raise GoSyntaxError("after object key:value pair")
+                stack.pop()
+                value = ("obj", frame[1])
+                i += 1
+            else:
+                frame[1].append(value)
+                if c == 0x2C:
+                    i = _skip_ws(b, i + 1)
+                    break
+                if c != 0x5D:
+                    raise GoSyntaxError("after array element")
+                stack.pop()
+                value = ("arr", frame[1])
+                i += 1
+
+
+# Go types, read off docs/openapi.yaml: ("str",), ("int",), ("f32",), ("bool",), ("bytes",),
+# ("uint8",), ("slice", elem), ("struct", name, {canonical key: type}, fold).
+
+
+def go_fold(key: str) -> str:
+    """encoding/json's foldName for ASCII field names: ASCII case folded, and the two
+    non-ASCII runes whose fold orbit holds an ASCII letter (U+017F ſ ~ s, U+212A K ~ k)."""
+    return "".join(
+        c.upper() if c < "\x80" else {"\u017f": "S", "\u212a": "K"}.get(c, c) for c in key
+    )
+
+
+def score_fold(key: str) -> str:
+    return go_fold(key.replace("_", ""))
+
+
+def go_type(api: OpenAPI, schema: dict[str, Any], fold: Callable[[str], str], name: str) -> Any:
+    schema, parts = api.resolve(schema, [])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next(k for k in kind if k != "null")
+    if kind == "object":
+        fields = {
+            key: go_type(api, sub, fold, key) for key, sub in schema.get("properties", {}).items()
+        }
+        return ("struct", parts[-1] if parts else name, fields, fold)
+    if kind == "array":
+        return ("slice", go_type(api, schema["items"], fold, name))
+    if kind == "string":
+        return ("bytes",) if schema.get("contentEncoding") == "base64" else ("str",)
+    if kind == "integer":
+        return ("int",)
+    if kind == "number":
+        return ("f32",) if schema.get("format") == "float" else ("f64",)
+    if kind == "boolean":
+        return ("bool",)
+    raise ValueError(f"no Go type for {schema}")
+
+
+@cache
+def request_types() -> dict[str, Any]:
+    api = openapi()
+    return {
+        "score": go_type(api, api.schema("ScoreRequest"), score_fold, "ScoreRequest"),
+        "completions": go_type(api, api.schema("CompletionRequest"), go_fold, "CompletionRequest"),
+    }
+
+
+class GoSlice(list):
+    """A decoded slice; `stale` is what lies between its length and capacity, which Go's
+    decoder reuses when a later duplicate key decodes a longer array into it."""
+
+    stale: list[Any]
+
+    def __init__(self, items=(), stale=()):
+        super().__init__(items)
+        self.stale = list(stale)
+
+
+F32_OVERFLOW = Fraction(2**128 - 2**103)  # |x| at or above this rounds to float32 infinity
+
+
+_DECIMAL = re.compile(r"(-?)([0-9]+)(?:\.([0-9]+))?(?:[eE]([+-]?[0-9]+))?")
+FLOAT32_MAX = struct.unpack("f", struct.pack("I", 0x7F7FFFFF))[0]
+
+
+def _f32(literal: str) -> float:
+    """strconv.ParseFloat(literal, 32): rounded to float32; out of range is an error."""
+    sign, whole, frac, exp = _DECIMAL.fullmatch(literal).groups()
+    digits = whole + (frac or "")
+    first = len(digits) - len(digits.lstrip("0"))
+    if first == len(digits):
+        return -0.0 if sign else 0.0
+    magnitude = len(whole) - first - 1 + int(exp or 0)  # of the leading digit
+    if magnitude > 40:
+        raise GoTypeError("float32 overflow")
+    if magnitude < -60:
+        return -0.0 if sign else 0.0
+    value = Fraction(literal)
+    if abs(value) >= F32_OVERFLOW:
+        raise GoTypeError("float32 overflow")
+    try:
+        return struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:  # float64 rounding reached the threshold; float32 rounds down
+        return math.copysign(FLOAT32_MAX, float(value))
+
+
+def _go_zero(typ: Any) -> Any:
+    kind = typ[0]
+    if kind == "struct":
+        return {}
+    if kind in ("slice", "bytes"):
+        return None
+    return {"str": "", "int": 0, "uint8": 0, "f32": 0.0, "f64": 0.0, "bool": False}[kind]
+
+
+def _go_base64(text: str) -> bytes:
+    """base64.StdEncoding.Decode: padded, CR and LF ignored, trailing bits not checked."""
+    text = text.replace("\r", "").replace("\n", "")
+    alphabet = re.compile(r"[A-Za-z0-9+/]*")
+    if len(text) % 4:
+        raise GoTypeError("illegal base64 data")
+    body = text.rstrip("=")
+    pad = len(text) - len(body)
+    if pad > 2 or not alphabet.fullmatch(body) or (pad and len(body) % 4 not in (2, 3)):
+        raise GoTypeError("illegal base64 data")
+    return base64.b64decode(body + "=" * (-len(body) % 4) if body else "")
+
+
+def go_decode(node: Any, typ: Any, existing: Any) -> Any:
+    """Decode a scanned node into a value of Go type `typ` that holds `existing`."""
+    kind, tag = typ[0], node[0]
+    if tag == "null":
+        return None if kind in ("slice", "bytes") else existing
+    if kind == "struct":
+        if tag != "obj":
+            raise GoTypeError(f"cannot unmarshal {tag} into {typ[1]}")
+        _, _, fields, fold = typ
+        folded = {fold(k): k for k in fields}
+        result = dict(existing or {})
+        for key, value in node[1]:
+            name = key if key in fields else folded.get(fold(key))
+            if name is None:
+                continue
+            ftype = fields[name]
+            current = result.get(name, _go_zero(ftype))
+            result[name] = go_decode(value, ftype, current)
+        return result
+    if kind == "slice" or (kind == "bytes" and tag == "arr"):
+        if tag != "arr":
+            raise GoTypeError(f"cannot unmarshal {tag} into a slice")
+        elem = typ[1] if kind == "slice" else ("uint8",)
+        old = [] if existing is None else list(existing) + list(getattr(existing, "stale", []))
+        if kind == "bytes" and isinstance(existing, bytes):
+            old = list(existing)
+        items = [
+            go_decode(item, elem, old[i] if i < len(old) else _go_zero(elem))
+            for i, item in enumerate(node[1])
+        ]
+        if kind == "bytes":
+            return bytes(items)
+        return GoSlice(items, old[len(items) :] if items else [])
+    if kind == "bytes":
+        if tag != "str":
+            raise GoTypeError(f"cannot unmarshal {tag} into []byte")
+        return _go_base64(node[1])
+    if kind == "str":
+        if tag != "str":
+            raise GoTypeError(f"cannot unmarshal {tag} into string")
+        return node[1]
+    if kind == "bool":
+        if tag != "bool":
+            raise GoTypeError(f"cannot unmarshal {tag} into bool")
+        return node[1]
+    if tag != "num":
+        raise GoTypeError(f"cannot unmarshal {tag} into a number")
+    literal = node[1]
+    if kind in ("int", "uint8"):
+        if not re.fullmatch(r"-?(0|[1-9][0-9]*)", literal):
+            raise GoTypeError(f"cannot unmarshal number {literal} into int")
+        value = int(literal)
+        low, high = (-(2**63), 2**63 - 1) if kind == "int" else (0, 255)
+        if not low <= value <= high:
+            raise GoTypeError(f"cannot unmarshal number {literal} into {kind}")
+        return value
+    if kind == "f32":
+        return _f32(literal)
+    value = float(literal)
+    if math.isinf(value):
+        raise GoTypeError("float64 overflow")
+    return value
+
+
+def _canonical_value(value: Any, typ: Any, keep_zero: bool = False) -> Any:
+    kind = typ[0]
+    if kind == "struct":
+        out = {}
+        for name, ftype in typ[2].items():
+            v = (value or {}).get(name, _go_zero(ftype))
+            if v is None or (v == _go_zero(ftype) and not keep_zero and ftype[0] != "struct"):
+                continue
+            out[name] = _canonical_value(v, ftype)
+        return out
+    if kind == "slice":
+        return [_canonical_value(v, typ[1], keep_zero=True) for v in value]
+    if kind == "bytes":
+        return base64.b64encode(value).decode()
+    return value
+
+
+@dataclass(frozen=True)
+class GoVerdict:
+    ok: bool
+    error: str = ""
+    canonical: bytes | None = None  # the decoded request, written plainly
+    depth: int = 0  # the nesting the body's first value reaches
+
+
+def go_verdict(endpoint: str, body: bytes) -> GoVerdict:
+    """What the Go runner's `json.NewDecoder(body).Decode(&request)` makes of `body`."""
+    typ = request_types()[endpoint]
+    try:
+        node = go_scan(body)
+        value = {} if node[0] == "null" else go_decode(node, typ, {})
+    except (GoSyntaxError, GoTypeError) as e:
+        return GoVerdict(False, str(e))
+    canonical = json.dumps(_canonical_value(value, typ), ensure_ascii=False, allow_nan=False)
+    return GoVerdict(True, canonical=canonical.encode("utf-8"), depth=go_scan.deepest)  # type: ignore[attr-defined]
