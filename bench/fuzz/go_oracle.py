@@ -30,7 +30,6 @@ from bench.fuzz.openapi import OpenAPI, openapi
 
 GO_MAX_DEPTH = 10000  # the runner's too (runner/protocol/go_json.py)
 _WS = b" \t\r\n"
-_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _HEX4 = re.compile(rb"[0-9a-fA-F]{4}")
 _ESCAPES = {
     ord('"'): '"',
@@ -96,32 +95,100 @@ def go_unquote(raw: bytes) -> str:
     return "".join(out)
 
 
+def _quote_char(c: int) -> str:
+    """Go's scanner's quoteChar: the byte as a rune (0xff is ÿ), in strconv.Quote's escapes
+    between single quotes."""
+    if c == 0x27:
+        return "'\\''"
+    if c == 0x22:
+        return "'\"'"
+    if c == 0x5C:
+        return "'\\\\'"
+    char = chr(c)
+    named = {7: "\\a", 8: "\\b", 12: "\\f", 10: "\\n", 13: "\\r", 9: "\\t", 11: "\\v"}
+    if c in named:
+        return f"'{named[c]}'"
+    if c < 0x20 or c == 0x7F:
+        return f"'\\x{c:02x}'"
+    if not char.isprintable():  # strconv.IsPrint: U+0080-U+009F, U+00A0, U+00AD
+        return f"'\\u{c:04x}'"
+    return f"'{char}'"
+
+
+def _fail(b: bytes, i: int, context: str) -> GoSyntaxError:
+    """Go's SyntaxError for byte `i` in `context`; `unexpected EOF` when the body ends first
+    (json.Decoder reports a value cut short so, whatever the scanner was expecting)."""
+    if i >= len(b):
+        return GoSyntaxError("unexpected EOF")
+    return GoSyntaxError(f"invalid character {_quote_char(b[i])} {context}")
+
+
 def _scan_string(b: bytes, i: int) -> tuple[str, int]:
     """b[i] is the opening quote; the decoded string and the index after the closing one."""
     j = i + 1
     n = len(b)
     while True:
         if j >= n:
-            raise GoSyntaxError("unexpected end of JSON input")
+            raise _fail(b, j, "")
         c = b[j]
         if c == 0x22:
             return go_unquote(b[i + 1 : j]), j + 1
         if c < 0x20:
-            raise GoSyntaxError("invalid character in string literal")
+            raise _fail(b, j, "in string literal")
         if c == 0x5C:
-            if j + 1 >= n:
-                raise GoSyntaxError("unexpected end of JSON input")
-            e = b[j + 1]
+            e = b[j + 1] if j + 1 < n else None
             if e == ord("u"):
-                if not _HEX4.fullmatch(b[j + 2 : j + 6]):
-                    raise GoSyntaxError("invalid character in \\u hexadecimal escape")
+                for k in range(j + 2, j + 6):
+                    if k >= n or not _HEX4.fullmatch(b[k : k + 1] * 4):
+                        raise _fail(b, k, "in \\u hexadecimal character escape")
                 j += 6
-            elif e in _ESCAPES:
+            elif e is not None and e in _ESCAPES:
                 j += 2
             else:
-                raise GoSyntaxError("invalid character in string escape code")
+                raise _fail(b, j + 1, "in string escape code")
         else:
             j += 1
+
+
+def _scan_number(b: bytes, i: int) -> int:
+    """b[i] is `-` or a digit; the index after the number, as Go's scanner reads one."""
+    n = len(b)
+    j = i + 1 if b[i] == 0x2D else i
+    if j >= n or not 0x30 <= b[j] <= 0x39:
+        raise _fail(b, j, "in numeric literal")
+    j = j + 1 if b[j] == 0x30 else _digits(b, j)  # no digit follows a leading 0
+    if j < n and b[j] == 0x2E:
+        if j + 1 >= n or not 0x30 <= b[j + 1] <= 0x39:
+            raise _fail(b, j + 1, "after decimal point in numeric literal")
+        j = _digits(b, j + 1)
+    if j < n and b[j] in b"eE":
+        j += 1
+        if j < n and b[j] in b"+-":
+            j += 1
+        if j >= n or not 0x30 <= b[j] <= 0x39:
+            raise _fail(b, j, "in exponent of numeric literal")
+        j = _digits(b, j)
+    return j
+
+
+def _digits(b: bytes, j: int) -> int:
+    while j < len(b) and 0x30 <= b[j] <= 0x39:
+        j += 1
+    return j
+
+
+_LITERALS = {ord("t"): (b"true", ("bool", True)), ord("f"): (b"false", ("bool", False))}
+_LITERALS[ord("n")] = (b"null", ("null",))
+
+
+def _scan_literal(b: bytes, i: int) -> tuple[Any, int]:
+    """b[i] starts true, false or null; the node and the index after it."""
+    word, node = _LITERALS[b[i]]
+    for k in range(1, len(word)):
+        if i + k >= len(b) or b[i + k] != word[k]:
+            expecting = _quote_char(word[k])
+            raise _fail(b, i + k, f"in literal {word.decode()} (expecting {expecting})")
+    return node, i + len(word)
 
 
 def _skip_ws(b: bytes, i: int) -> int:
@@ -130,10 +197,25 @@ def _skip_ws(b: bytes, i: int) -> int:
     return i
 
 
+def _object_key(b: bytes, i: int, context: str) -> tuple[str, int]:
+    """A member's key at `i` (after whitespace) and the index after its colon and the
+    whitespace that follows."""
+    i = _skip_ws(b, i)
+    if i >= len(b) or b[i] != 0x22:
+        raise _fail(b, i, context)
+    key, i = _scan_string(b, i)
+    i = _skip_ws(b, i)
+    if i >= len(b) or b[i] != 0x3A:
+        raise _fail(b, i, "after object key")
+    return key, _skip_ws(b, i + 1)
+
+
 def go_scan(b: bytes) -> Any:
     """The first JSON value of `b` as Go's json.Decoder reads it (whatever follows is never
     read), as a tree: ("obj", [(key, node)...]), ("arr", [...]), ("str", s), ("num", literal),
-    ("bool", b), ("null",). Raises GoSyntaxError (`EOF` for nothing but whitespace)."""
+    ("bool", b), ("null",). Raises GoSyntaxError with Go's message: `EOF` for nothing but
+    whitespace, `unexpected EOF` for a value cut short, else the scanner's `invalid character
+    ...` for the first byte that cannot continue the value."""
     i = _skip_ws(b, 0)
     if i >= len(b):
         raise GoSyntaxError("EOF")
@@ -143,25 +225,19 @@ def go_scan(b: bytes) -> Any:
     while True:
         # a value starts at i
         if i >= n:
-            raise GoSyntaxError("unexpected EOF")
+            raise _fail(b, i, "")
         c = b[i]
         value: Any
         if c in b"{[":
             if len(stack) + 1 > GO_MAX_DEPTH:
-                raise GoSyntaxError(f"invalid character {chr(c)!r} exceeded max depth")
+                raise _fail(b, i, "exceeded max depth")
             go_scan.deepest = max(go_scan.deepest, len(stack) + 1)  # type: ignore[attr-defined]
             i = _skip_ws(b, i + 1)
             if i < n and b[i] == (0x7D if c == 0x7B else 0x5D):
                 value = ("obj", []) if c == 0x7B else ("arr", [])
                 i += 1
             elif c == 0x7B:
-                if i >= n or b[i] != 0x22:
-                    raise GoSyntaxError("looking for beginning of object key string")
-                key, i = _scan_string(b, i)
-                i = _skip_ws(b, i)
-                if i >= n or b[i] != 0x3A:
-                    raise GoSyntaxError("after object key")
-                i = _skip_ws(b, i + 1)
+                key, i = _object_key(b, i, "looking for beginning of object key string")
                 stack.append(["obj", [], key])
                 continue
             else:
@@ -171,19 +247,12 @@ def go_scan(b: bytes) -> Any:
             text, i = _scan_string(b, i)
             value = ("str", text)
         elif c == 0x2D or 0x30 <= c <= 0x39:
-            m = _NUMBER.match(b, i)
-            if m is None:
-                raise GoSyntaxError("in numeric literal")
-            value = ("num", m.group().decode())
-            i = m.end()
-        elif b.startswith(b"true", i):
-            value, i = ("bool", True), i + 4
-        elif b.startswith(b"false", i):
-            value, i = ("bool", False), i + 5
-        elif b.startswith(b"null", i):
-            value, i = ("null",), i + 4
+            end = _scan_number(b, i)
+            value, i = ("num", b[i:end].decode()), end
+        elif c in _LITERALS:
+            value, i = _scan_literal(b, i)
         else:
-            raise GoSyntaxError(f"invalid character {chr(c)!r} looking for beginning of value")
+            raise _fail(b, i, "looking for beginning of value")
         # attach the value to its parents, closing them as far as they end
         while True:
             if not stack:
@@ -191,22 +260,17 @@ def go_scan(b: bytes) -> Any:
             frame = stack[-1]
             i = _skip_ws(b, i)
             if i >= n:
-                raise GoSyntaxError("unexpected EOF")
+                raise _fail(b, i, "")
             c = b[i]
             if frame[0] == "obj":
                 frame[1].append((frame[2], value))
                 if c == 0x2C:
-                    i = _skip_ws(b, i + 1)
-                    if i >= n or b[i] != 0x22:
-                        raise GoSyntaxError("looking for beginning of object key string")
-                    frame[2], i = _scan_string(b, i)
-                    i = _skip_ws(b, i)
-                    if i >= n or b[i] != 0x3A:
-                        raise GoSyntaxError("after object key")
-                    i = _skip_ws(b, i + 1)
+                    frame[2], i = _object_key(
+                        b, i + 1, "looking for beginning of object key string"
+                    )
                     break
                 if c != 0x7D:
-                    raise GoSyntaxError("after object key:value pair")
+                    raise _fail(b, i, "after object key:value pair")
                 stack.pop()
                 value = ("obj", frame[1])
                 i += 1
@@ -216,7 +280,7 @@ def go_scan(b: bytes) -> Any:
                     i = _skip_ws(b, i + 1)
                     break
                 if c != 0x5D:
-                    raise GoSyntaxError("after array element")
+                    raise _fail(b, i, "after array element")
                 stack.pop()
                 value = ("arr", frame[1])
                 i += 1
