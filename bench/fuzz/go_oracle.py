@@ -349,12 +349,18 @@ F32_OVERFLOW = Fraction(2**128 - 2**103)  # |x| at or above this rounds to float
 
 
 _DECIMAL = re.compile(r"(-?)([0-9]+)(?:\.([0-9]+))?(?:[eE]([+-]?[0-9]+))?")
-FLOAT32_MAX = struct.unpack("f", struct.pack("I", 0x7F7FFFFF))[0]
+F32_MAX_BITS = 0x7F7FFFFF  # the largest finite float32's bits
+
+
+def _f32_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def _f32(literal: str) -> float:
-    """strconv.ParseFloat(literal, 32): rounded to float32; out of range is an error."""
-    sign, whole, frac, exp = _DECIMAL.fullmatch(literal).groups()
+    """strconv.ParseFloat(literal, 32): the exact decimal rounded once to the nearest float32,
+    ties to even (not through float64 first, which can round twice); at or past the midpoint
+    between the largest float32 and 2**128 it is out of range, an error; underflow is 0."""
+    sign, whole, frac, exp = _DECIMAL.fullmatch(literal).groups()  # type: ignore[union-attr]
     digits = whole + (frac or "")
     first = len(digits) - len(digits.lstrip("0"))
     if first == len(digits):
@@ -364,13 +370,14 @@ def _f32(literal: str) -> float:
         raise GoTypeError("float32 overflow")
     if magnitude < -60:
         return -0.0 if sign else 0.0
-    value = Fraction(literal)
-    if abs(value) >= F32_OVERFLOW:
+    value = abs(Fraction(literal))
+    if value >= F32_OVERFLOW:
         raise GoTypeError("float32 overflow")
-    try:
-        return struct.unpack("f", struct.pack("f", float(value)))[0]
-    except OverflowError:  # float64 rounding reached the threshold; float32 rounds down
-        return math.copysign(FLOAT32_MAX, float(value))
+    # float64's nearest, then float32's nearest to that: the answer or one of its neighbours
+    near = struct.unpack("<I", struct.pack("<f", min(float(value), _f32_bits(F32_MAX_BITS))))[0]
+    candidates = [b for b in (near - 1, near, near + 1) if 0 <= b <= F32_MAX_BITS]
+    best = min(candidates, key=lambda b: (abs(Fraction(_f32_bits(b)) - value), b & 1))
+    return -_f32_bits(best) if sign else _f32_bits(best)
 
 
 def _go_zero(typ: Any) -> Any:
