@@ -345,6 +345,18 @@ class GoSlice(list):
         self.stale = list(stale)
 
 
+class GoByteSlice(bytes):
+    """A []byte decoded from an array of numbers, with `stale` as a GoSlice has (a []byte
+    decoded from base64 has only zeros past its length)."""
+
+    stale: list[int]
+
+    def __new__(cls, items=b"", stale=()):
+        self = super().__new__(cls, items)
+        self.stale = list(stale)
+        return self
+
+
 F32_OVERFLOW = Fraction(2**128 - 2**103)  # |x| at or above this rounds to float32 infinity
 
 
@@ -425,16 +437,16 @@ def go_decode(node: Any, typ: Any, existing: Any) -> Any:
         if tag != "arr":
             raise GoTypeError(f"cannot unmarshal {tag} into a slice")
         elem = typ[1] if kind == "slice" else ("uint8",)
+        # Go decodes element i into the slice's element i, also past its length while within
+        # its capacity (what an earlier, longer array left), and keeps the capacity when it
+        # truncates; an empty array makes a new empty slice
         old = [] if existing is None else list(existing) + list(getattr(existing, "stale", []))
-        if kind == "bytes" and isinstance(existing, bytes):
-            old = list(existing)
         items = [
             go_decode(item, elem, old[i] if i < len(old) else _go_zero(elem))
             for i, item in enumerate(node[1])
         ]
-        if kind == "bytes":
-            return bytes(items)
-        return GoSlice(items, old[len(items) :] if items else [])
+        stale = old[len(items) :] if items else []
+        return GoByteSlice(items, stale) if kind == "bytes" else GoSlice(items, stale)
     if kind == "bytes":
         if tag != "str":
             raise GoTypeError(f"cannot unmarshal {tag} into []byte")
