@@ -6,7 +6,8 @@ Three parts:
   schemas' field lists and limits are the runtime's; real answers of a tiny-model runner (in
   process, aiohttp's test client) validate against the response schemas;
 - the Go decoding model that the fuzz harness judges bodies by
-  (`bench.fuzz.go_oracle.go_verdict`), on bodies whose fate in Go's encoding/json is known;
+  (`bench.fuzz.go_oracle.go_verdict`), on bodies whose fate in Go's encoding/json is known
+  (tests/test_go_oracle.py checks it further);
 - the fuzz itself: a few hundred generated bodies against a spawned tiny runner (one test
   per check), and the smallest body for each failure it has found. What fails today is a
   strict xfail whose reason names the failure: once the runtime is fixed it XPASSes, which

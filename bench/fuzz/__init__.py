@@ -44,7 +44,7 @@ One job per module (this file imports none of them):
 - `openapi`: docs/openapi.yaml read and walked; answers checked against it (strict JSON);
 - `nodes`: JSON bodies as trees that can hold what `json.dumps` cannot write;
 - `go_oracle`: an independent model of Go's `encoding/json` decoding a request body (the
-  oracle of `go-status` and `go-message`);
+  oracle of `go-status` and `go-message`), tested by tests/test_go_oracle.py;
 - `cases`: the generated bodies (schemas, vocabulary, mutations, Hypothesis);
 - `client`: HTTP to the runner: a POST read as the checks need it, the `/v1/status` poller;
 - `process`: the runner under test as a process: the tiny model, the spawn, its RSS;

@@ -9,7 +9,8 @@ escapes become U+FFFD, one per byte); `go_decode` decodes the tree into a Go typ
 no-op except that it empties a slice, a duplicate key decoded into the same value in turn,
 ints int64 integer literals, float32 fields finite, `[]byte` as padded base64 or an array of
 numbers); `go_verdict` says whether Go accepts a body and, if it does, writes the decoded
-request plainly (the fuzz's "twin").
+request plainly (the fuzz's "twin"). tests/test_go_oracle.py checks it against Go's
+documented behaviour and against the runner's decoder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
 from typing import Any
@@ -501,6 +502,9 @@ class GoVerdict:
     error: str = ""
     canonical: bytes | None = None  # the decoded request, written plainly
     depth: int = 0  # the nesting the body's first value reaches
+    # the decoded request: {field name as docs/openapi.yaml spells it: value}, fields the body
+    # never set absent, slices as GoSlice, float32 fields as the float32 value, []byte as bytes
+    value: Any = field(default=None, compare=False, repr=False)
 
 
 def go_verdict(endpoint: str, body: bytes) -> GoVerdict:
@@ -512,4 +516,5 @@ def go_verdict(endpoint: str, body: bytes) -> GoVerdict:
     except (GoSyntaxError, GoTypeError) as e:
         return GoVerdict(False, str(e))
     canonical = json.dumps(_canonical_value(value, typ), ensure_ascii=False, allow_nan=False)
-    return GoVerdict(True, canonical=canonical.encode("utf-8"), depth=go_scan.deepest)  # type: ignore[attr-defined]
+    depth = go_scan.deepest  # type: ignore[attr-defined]
+    return GoVerdict(True, canonical=canonical.encode("utf-8"), depth=depth, value=value)
