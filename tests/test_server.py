@@ -339,7 +339,9 @@ async def test_a_cached_scorer_model_answers_score_as_the_runner_would(
     tokens = [llama_runner.tokenizer.encode(r["prompt"]) for r in rows]
 
     def shared(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
 
     restored = [max((shared(t, u) for u in tokens[:i]), default=0) for i, t in enumerate(tokens)]
     assert first["cached_tokens"] == want["cached_tokens"] == sum(restored) > 0
