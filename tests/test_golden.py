@@ -439,6 +439,38 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"rope_parameters": None, "final_logit_softcapping": None},
         {},
     ),
+    (  # Qwen2: no window (the native step runs it), untied
+        "Qwen2ForCausalLM",
+        {
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        {},
+    ),
+    (  # a transformers 4 config as Qwen2.5 ships it: legacy rope keys, no layer_types, a
+        # window that use_sliding_window turns off, no tie_word_embeddings (untied)
+        "Qwen2ForCausalLM",
+        {"tie_word_embeddings": False},
+        {
+            "rope_parameters": None,
+            "rope_theta": 1000000.0,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            "layer_types": None,
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "max_window_layers": 1,
+            "tie_word_embeddings": None,
+        },
+    ),
+    # windows from max_window_layers on (no layer_types)
+    ("Qwen2ForCausalLM", {"max_window_layers": 2}, {"layer_types": None}),
+    # layer_types that no max_window_layers gives
+    (
+        "Qwen2ForCausalLM",
+        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        {},
+    ),
 ]
 
 

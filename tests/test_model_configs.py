@@ -379,6 +379,26 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         "rope_parameters.original_max_position_embeddings must be a positive integer",
     ),
     ("Ministral3ForCausalLM", {"sliding_window": "8"}, "sliding_window must be a positive"),
+    # mlx-lm's qwen2 heads are hidden_size // num_attention_heads wide
+    ("Qwen2ForCausalLM", {"head_dim": 32}, "head_dim 32 is not hidden_size // num_attention"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": "true"}, "use_sliding_window must be true"),
+    ("Qwen2ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("Qwen2ForCausalLM", {"layer_types": ["full_attention"] * 2}, "layer_types must give one"),
+    (
+        "Qwen2ForCausalLM",
+        {"layer_types": None, "max_window_layers": -1},
+        "max_window_layers must be an integer of at least 0, not -1",
+    ),
+    (  # transformers fails on a sliding layer without a window
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": False},
+        "layer_types has sliding_attention layers but no window",
+    ),
+    (
+        "Qwen2ForCausalLM",
+        {"sliding_window": None},
+        "layer_types has sliding_attention layers but no window",
+    ),
 ]
 
 

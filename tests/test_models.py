@@ -41,6 +41,7 @@ CACHE_KINDS = {
     "LagunaForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache],
     "MuseGlimmerForConditionalGeneration": [KVCache] + [RotatingKVCache] * 3 + [KVCache],
     "Gemma4UnifiedForCausalLM": [RotatingKVCache, KVCache],
+    "Qwen2ForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache],
 }
 
 
@@ -226,6 +227,30 @@ def test_gemma3_ties_by_config_not_by_weights(tmp_path: Path, models: dict) -> N
         build_model(s)
 
 
+def test_qwen2_biases_run_through_the_native_step(tmp_path: Path) -> None:
+    """Without windows Qwen2's forwards take the native step (runner/backend/native_step.py),
+    q/k/v biases included, and equal MLX's path."""
+    from runner.native import preload
+
+    if not preload.dispatch_active():
+        pytest.skip("needs the runner's dispatch library preloaded")
+    config = tiny_config("Qwen2ForCausalLM") | {"use_sliding_window": False, "layer_types": None}
+    native = load_tiny_model("Qwen2ForCausalLM", tmp_path / "a", config=config)
+    plain = load_tiny_model(
+        "Qwen2ForCausalLM",
+        tmp_path / "b",
+        config=config,
+        backend=Backend.cpu().replace(native_step_max_tokens=None),
+    )
+    assert native._native is not None
+    ids = mx.array([[5, 9, 100, 7, 300, 11, 12]], dtype=mx.int32)
+    caches = native.make_caches()
+    assert native._native(ids, caches) is not None  # taken, not declined
+    got = native.unembed(native.hidden(ids, native.make_caches()))
+    want = plain.unembed(plain.hidden(ids, plain.make_caches()))
+    assert np.abs(np.array(got) - np.array(want)).max() <= 1e-5
+
+
 @pytest.mark.parametrize(
     ("arch", "edits", "field"),
     [
@@ -264,6 +289,12 @@ def test_gemma3_ties_by_config_not_by_weights(tmp_path: Path, models: dict) -> N
             "rope_type",
         ),
         ("MistralForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        (
+            "Qwen2ForCausalLM",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_type",
+        ),
         (  # transformers: mscale over a default mscale_all_dim; mlx-lm: mscale over 1
             "Ministral3ForCausalLM",
             {
@@ -296,6 +327,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("gpt_oss", "GPT_OSS_DEFAULTS", "GptOssConfig"),
         ("mistral", "MISTRAL_DEFAULTS", "MistralConfig"),
         ("mistral", "MINISTRAL3_DEFAULTS", "Ministral3Config"),
+        ("qwen2", "QWEN2_DEFAULTS", "Qwen2Config"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

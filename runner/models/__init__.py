@@ -13,6 +13,7 @@ from runner.models import (  # noqa: F401
     llama,
     mistral,
     nemotron_h,
+    qwen2,
     qwen3,
     qwen3_5,
     qwen3_5_moe,

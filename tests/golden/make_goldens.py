@@ -383,6 +383,21 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "projector_hidden_size": 32,
         },
     ),
+    # Qwen2: windows of 8 from max_window_layers (1) on, which mlx-lm's qwen2 does not have;
+    # rope_theta 1e4 under rope_parameters (mlx-lm: 1e6 when rope_theta is absent); q/k/v
+    # biases; a tied head.
+    "Qwen2ForCausalLM": (
+        "Qwen2Config",
+        {
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 
