@@ -5,6 +5,7 @@ import base64
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from runner.protocol.errors import go_quote
@@ -467,3 +468,33 @@ def test_duplicate_heavy_bodies_decode_as_the_go_model_decodes_them():
         assert ours == msgspec.to_builtins(decode(verdict.canonical)), (body, verdict.canonical)
         accepted += 1
     assert 300 < accepted < 1200  # both outcomes are exercised
+
+
+@pytest.mark.parametrize(
+    ("literal", "value"),
+    [
+        # Go's ParseFloat(s, 32) rounds the exact literal once; float64 first would differ:
+        (b"1e-46", 0.0),  # under half the smallest subnormal: 0 (greedy), not 1e-46
+        (b"1.00000001", 1.0),  # min_p exactly 1, not above it
+        (b"1.0000000596046447753906250001", 1 + 2**-23),  # float64 lands on the midpoint
+        (b"3.4028235677973366e38", float(np.finfo(np.float32).max)),  # not past the limit
+        (b"340282356779733661637539395458142568447", float(np.finfo(np.float32).max)),
+        (b"0.1", float(np.float32(0.1))),
+        (b"-0.0", -0.0),
+    ],
+)
+def test_float32_options_are_the_literal_rounded_once_as_go_does(literal, value):
+    from runner.protocol.wire import decode_completion_request
+
+    for key in (b"temperature", b"min_p"):
+        request = decode_completion_request(b'{"Options":{"' + key + b'":' + literal + b"}}")
+        got = getattr(request.options, key.decode())
+        assert got == value and np.copysign(1, got) == np.copysign(1, value)
+
+
+def test_a_byte_slice_given_thrice_keeps_its_backing_array():
+    """Go decodes each occurrence into the same slice: a shorter array leaves the bytes past
+    its length in the backing array, which a later null element keeps."""
+    media = b'"media":[{"data":[1,2,3],"data":[4],"data":[5,null,null]}]'
+    body = b'{"rows":[{"prompt":"a","candidates":[" x"]}],' + media + b"}"
+    assert decode_score_request(body).media[0].data == "BQID"  # [5, 2, 3]

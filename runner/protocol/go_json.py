@@ -14,8 +14,9 @@ Decoding follows Go's `json.Decoder.Decode` into a zero-valued struct (`decode`)
   elements, `null` empties a slice, a type error in any occurrence fails the body;
 - a byte of invalid UTF-8 inside a string, and a `\\u` escape of a lone surrogate, become
   U+FFFD, one per byte (Go's `utf8.DecodeRune`);
-- integers must fit Go's int (int64), and numbers for Go's float32 fields must round to a
-  finite float32 (`3.4028235e38`, Go's own spelling of the largest, is fine);
+- integers must fit Go's int (int64), and numbers for Go's float32 fields are rounded once
+  from the exact literal to float32, as Go's ParseFloat(s, 32) does (`go_float32`), and must
+  round to a finite float32 (`3.4028235e38`, Go's own spelling of the largest, is fine);
 - base64 (`[]byte` fields) may hold CR and LF, which Go's decoder skips, and a `[]byte` may
   also be an array of numbers 0-255;
 - nesting deeper than Go's 10,000 levels is refused with Go's message (`invalid character
@@ -33,8 +34,10 @@ import codecs
 import contextlib
 import decimal
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -73,29 +76,90 @@ ZERO = _Zero()
 
 def _normalise_keys(value: Any, key: Callable[[str], str]) -> Any:
     """Keys through `key`, recursively; null members dropped and null elements marked `ZERO`
-    (Go leaves the zero value for both); numbers (read as Decimal, so that a number too large
-    for a float only fails where a field needs it) as float."""
+    (Go leaves the zero value for both). Numbers with a fraction or an exponent stay Decimal
+    (exact, so that a number too large for a float only fails where a field needs it, and a
+    float32 field rounds the literal once): `_numbers` turns them into floats by place."""
     if isinstance(value, dict):
         return {key(k): _normalise_keys(v, key) for k, v in value.items() if v is not None}
     if isinstance(value, list):
         return [ZERO if v is None else _normalise_keys(v, key) for v in value]
-    if isinstance(value, decimal.Decimal):
-        return float(value)  # beyond float64: an infinity, which no field accepts
     return value
 
 
+# Half a step past float32's largest value (2^128 - 2^103): a literal reaching it rounds to
+# infinity, which Go's ParseFloat(s, 32) refuses; below it, to a finite float32.
+_F32_OVERFLOW = Fraction(2**128 - 2**103)
+
+
+def go_float32(value: decimal.Decimal | int) -> float:
+    """The literal `value` as Go's strconv.ParseFloat(s, 32) reads it: the exact decimal rounded
+    once to the nearest float32 (ties to even), not through float64 (which rounds some
+    literals onto a float32 midpoint, or up onto the overflow limit); +-inf past the limit."""
+    if isinstance(value, int):
+        value = decimal.Decimal(value)
+    if not value.is_finite():
+        return float(value)
+    if value.is_zero() or value.adjusted() < -60:  # below half the smallest subnormal
+        return math.copysign(0.0, -1.0 if value.is_signed() else 1.0)
+    if value.adjusted() > 40:
+        return math.copysign(math.inf, -1.0 if value.is_signed() else 1.0)
+    exact = Fraction(value)
+    if abs(exact) >= _F32_OVERFLOW:
+        return math.copysign(math.inf, exact)
+    with np.errstate(over="ignore"):  # near the limit a step may be an infinity: skipped
+        guess = np.float32(float(value))  # within one step of the answer
+        steps = (
+            np.nextafter(guess, np.float32(-np.inf)),
+            guess,
+            np.nextafter(guess, np.float32(np.inf)),
+        )
+    finite = [c for c in steps if np.isfinite(c)]
+
+    def distance(c: np.float32) -> tuple[Fraction, int]:  # then the even mantissa first
+        return abs(Fraction(float(c)) - exact), int(np.array(c).view(np.uint32)) & 1
+
+    return float(min(finite, key=distance))
+
+
+def _numbers(value: Any, float32: bool = False) -> Any:
+    """`value` with its numbers as the place takes them: a Go float32 field's literal (a
+    Decimal or an int) through `go_float32`; any other Decimal as float64 (beyond it an
+    infinity, which no field accepts)."""
+    if float32 and isinstance(value, decimal.Decimal | int) and not isinstance(value, bool):
+        return go_float32(value)
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
+def _is_float32(info: msgspec.inspect.Type) -> bool:
+    while isinstance(info, msgspec.inspect.Metadata):
+        if (info.extra or {}).get("go") == "float32":
+            return True
+        info = info.type
+    return False
+
+
 def _zero_fill(value: Any, info: msgspec.inspect.Type) -> Any:
-    """Replace `ZERO` elements by the zero value of their place in the target type."""
+    """Replace `ZERO` elements by the zero value of their place in the target type, and
+    numbers by what their place takes (`_numbers`)."""
+    if _is_float32(info):
+        return _numbers(value, float32=True)
     if isinstance(info, msgspec.inspect.Metadata):
         return _zero_fill(value, info.type)
     if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
         for field in info.fields:
             if field.encode_name in value:
                 value[field.encode_name] = _zero_fill(value[field.encode_name], field.type)
-    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        return value
+    if isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
         item = info.item_type
         return [_zero_of(item) if v is ZERO else _zero_fill(v, item) for v in value]
-    return value
+    return _numbers(value)
 
 
 def _zero_of(info: msgspec.inspect.Type) -> Any:
@@ -338,12 +402,16 @@ class _Walk:
         self.key, self.strict = key, strict
         # id of a slice -> (the slice, its elements past its length)
         self.past_length: dict[int, tuple[list[Any], list[Any]]] = {}
+        # path of a []byte field decoded from an array -> its bytes past the visible length
+        self.bytes_past: dict[tuple[str | int, ...], bytes] = {}
 
     def value(self, raw: Any, place: _Place, existing: Any, path: tuple[str | int, ...]) -> Any:
         info = place.info
         past: list[Any] = []
         if isinstance(info, msgspec.inspect.ListType) and isinstance(existing, list):
             past = self.past_length.pop(id(existing), (None, []))[1]
+        if place.go_bytes and bytes(memoryview(raw)[:1]) != b"[":
+            self.bytes_past.pop(path, None)  # a string or null: a new slice (or nil)
         if _is_null(raw):  # Go: nil for a slice, otherwise nothing changes
             if place.go_bytes:
                 return ""
@@ -360,6 +428,7 @@ class _Walk:
                 raise _Irregular(_mismatch(raw, list, path))
             return self.elements(raw, place.item, existing, past, path)
         value = _normalise_keys(_DOCUMENT.decode(raw), self.key)  # a scalar place
+        value = _numbers(value, place.go_float32)
         if self.strict:
             place.check(value, path)
         return value
@@ -386,11 +455,13 @@ class _Walk:
 
     def byte_array(self, raw: Any, existing: Any, path: tuple) -> str:
         """A Go []byte written as an array of numbers, as base64 (the field's type here);
-        a null element keeps the byte the slice held there."""
+        a null element keeps the byte the slice held there, also past the length an earlier,
+        longer array left (the slice's backing array, as for any slice: `elements`)."""
         held = b""
         if isinstance(existing, str):
             with contextlib.suppress(ValueError):
                 held = media_bytes(existing)
+        held += self.bytes_past.pop(path, b"")
         out = bytearray()
         for i, element in enumerate(_ELEMENTS.decode(raw)):
             if _is_null(element):
@@ -399,6 +470,8 @@ class _Walk:
                 out.append(int(bytes(element)))
             else:
                 raise _Irregular(_mismatch(element, _Byte, (*path, i)))
+        if len(held) > len(out):
+            self.bytes_past[path] = held[len(out) :]
         return base64.b64encode(bytes(out)).decode()
 
     def elements(
@@ -434,6 +507,7 @@ class _Place:
     def __init__(self, kind: Any):
         self.kind, self.go_bytes = kind, False
         self.info = msgspec.inspect.type_info(kind)
+        self.go_float32 = _is_float32(self.info)
         while isinstance(self.info, msgspec.inspect.Metadata):
             self.go_bytes |= (self.info.extra or {}).get("go") == "[]byte"
             self.info = self.info.type

@@ -18,7 +18,11 @@ from runner.protocol.go_json import GoBytes, decode, fold_key, media_bytes
 # finite in float32 (Go's ParseFloat(s, 32)), what reaches it rounds to infinity.
 FLOAT32_LIMIT = 3.4028235677973366e38
 GoInt = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-GoFloat32 = Annotated[float, msgspec.Meta(gt=-FLOAT32_LIMIT, lt=FLOAT32_LIMIT)]
+# A Go float32 field: the literal rounded once to float32 (runner/protocol/go_json.py
+# `go_float32`), then within float32's range.
+GoFloat32 = Annotated[
+    float, msgspec.Meta(gt=-FLOAT32_LIMIT, lt=FLOAT32_LIMIT, extra={"go": "float32"})
+]
 
 
 class MediaItem(msgspec.Struct):
