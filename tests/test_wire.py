@@ -48,6 +48,13 @@ def test_media_items_decode_base64():
         (b"", "EOF"),
         (b"   ", "EOF"),
         (b"{", "unexpected EOF"),
+        # a value cut short by the end of the body, whatever its kind: Go's unexpected EOF
+        (b'"abc', "unexpected EOF"),
+        (b"tru", "unexpected EOF"),
+        (b"-", "unexpected EOF"),
+        (b"1.", "unexpected EOF"),
+        (b'{"a":1.', "unexpected EOF"),
+        (b'"abc"', "cannot unmarshal string into Go value of type ScoreRequest"),
         (b"[1,2]", "cannot unmarshal array"),
         (b"{not json", "malformed"),
         (b'{"max_tokens": 9223372036854775808}', "<= 9223372036854775807"),

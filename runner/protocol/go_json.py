@@ -331,7 +331,16 @@ def _first_value(body: bytes, kind_name: str) -> bytes | None:
         what = {b'"': "string", b"t": "bool", b"f": "bool"}.get(first, "number")
         if first not in b'"tf-0123456789':
             what = "a value"  # not JSON at all: msgspec's message below says why
-            _syntax(body[start:])
+        # Go reads the whole value before unmarshalling it: one cut short by the end of the
+        # body is `unexpected EOF`, a malformed one its syntax error
+        if first == b'"':
+            end = _string_end(body, start)
+        else:
+            literal = _LITERAL.match(body, start)
+            end = literal.end() if literal else start + 1
+        if end is None:
+            raise DecodeError("unexpected EOF")
+        _syntax(body[start:end], what_ends=end == len(body))
         raise DecodeError(f"json: cannot unmarshal {what} into Go value of type {kind_name}")
     end, deepest = _close(body, start)
     if end is None:  # no end: a syntax error before it, or a body cut short
@@ -595,14 +604,21 @@ def _is_null(raw: msgspec.Raw) -> bool:
     return len(raw) == 4 and bytes(raw) == b"null"
 
 
-def _syntax(text: bytes) -> None:
-    """Raise the decoder's message for malformed JSON (nothing when the text is only cut
-    short, which the caller reports as Go does: unexpected EOF)."""
+_AT_BYTE = re.compile(r"invalid number \(byte (\d+)\)")
+
+
+def _syntax(text: bytes, what_ends: bool = True) -> None:
+    """Raise the decoder's message for malformed JSON; `unexpected EOF`, as Go says, when
+    the text is only cut short at the end of the body (`what_ends`): msgspec says so for a
+    string or literal, and calls a number cut at the end (`-`, `1.`, `1e`) invalid."""
     try:
         msgspec.json.decode(text)
     except msgspec.DecodeError as e:
-        if "truncated" not in str(e):
+        at = _AT_BYTE.search(str(e))
+        cut = "truncated" in str(e) or (at is not None and int(at.group(1)) >= len(text))
+        if not (cut and what_ends):
             raise DecodeError(str(e)) from None
+        raise DecodeError("unexpected EOF") from None
 
 
 def decode(body: bytes, kind: type[T], key: Callable[[str], str]) -> T:
