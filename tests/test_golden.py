@@ -471,6 +471,27 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
         {},
     ),
+    # Gemma2: no soft-caps (the runner's attention call), untied, attention biases
+    (
+        "Gemma2ForCausalLM",
+        {
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+        },
+        {},
+    ),
+    (  # no layer_types (transformers alternates, sliding first); legacy linear RoPE
+        "Gemma2ForCausalLM",
+        {},
+        {
+            "layer_types": None,
+            "rope_parameters": None,
+            "rope_theta": 100000.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
+    ),
 ]
 
 

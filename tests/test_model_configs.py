@@ -399,6 +399,14 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
         {"sliding_window": None},
         "layer_types has sliding_attention layers but no window",
     ),
+    ("Gemma2ForCausalLM", {"hidden_size": 66}, "hidden_size 66 is not a multiple of"),
+    ("Gemma2ForCausalLM", {"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a"),
+    ("Gemma2ForCausalLM", {"attn_logit_softcapping": "50"}, "attn_logit_softcapping must be"),
+    ("Gemma2ForCausalLM", {"final_logit_softcapping": -30.0}, "final_logit_softcapping must"),
+    ("Gemma2ForCausalLM", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a"),
+    ("Gemma2ForCausalLM", {"sliding_window": None}, "sliding_window must be a positive integer"),
+    ("Gemma2ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("Gemma2ForCausalLM", {"layer_types": ["full_attention"] * 3}, "layer_types must give"),
 ]
 
 

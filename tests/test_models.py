@@ -42,6 +42,7 @@ CACHE_KINDS = {
     "MuseGlimmerForConditionalGeneration": [KVCache] + [RotatingKVCache] * 3 + [KVCache],
     "Gemma4UnifiedForCausalLM": [RotatingKVCache, KVCache],
     "Qwen2ForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache],
+    "Gemma2ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
 }
 
 
@@ -290,6 +291,8 @@ def test_qwen2_biases_run_through_the_native_step(tmp_path: Path) -> None:
         ),
         ("MistralForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
         ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation"),
+        ("Gemma2ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional"),
         (
             "Qwen2ForCausalLM",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
@@ -328,6 +331,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("mistral", "MISTRAL_DEFAULTS", "MistralConfig"),
         ("mistral", "MINISTRAL3_DEFAULTS", "Ministral3Config"),
         ("qwen2", "QWEN2_DEFAULTS", "Qwen2Config"),
+        ("gemma2", "GEMMA2_DEFAULTS", "Gemma2Config"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

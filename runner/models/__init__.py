@@ -3,6 +3,7 @@
 # The family modules are imported for their `@register` side effect.
 from runner.models import (  # noqa: F401
     cohere2_moe,
+    gemma2,
     gemma3,
     gemma3_vision,
     gemma4,

@@ -398,6 +398,26 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # Gemma2: layer_types that alternate otherwise than transformers' default, a window of 8
+    # (mlx-lm's gemma2 has none), attention and final soft-caps that bite, and
+    # query_pre_attn_scalar != head_dim (mlx-lm's default is 144).
+    "Gemma2ForCausalLM": (
+        "Gemma2Config",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 0.5,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 
 
