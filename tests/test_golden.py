@@ -492,6 +492,74 @@ VARIANTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
             "rope_scaling": {"type": "linear", "factor": 2.0},
         },
     ),
+    # Phi3 as Phi-3 mini 4k and Phi-4 mini have it: plain RoPE over the whole head (no
+    # windows), a tied head
+    (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+        },
+        {},
+    ),
+    (  # equal factors: sequences past original_max_position_embeddings (16) are served
+        "Phi3ForCausalLM",
+        {
+            "original_max_position_embeddings": 16,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            },
+        },
+        {},
+    ),
+    (  # a transformers 4 config: "su" under rope_scaling, the top-level theta and fraction
+        "Phi3ForCausalLM",
+        {},
+        {
+            "rope_parameters": None,
+            "rope_theta": 500000.0,
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {
+                "type": "su",
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            },
+        },
+    ),
+    (  # the "yarn" spelling, with the factor that sets the attention factor
+        "Phi3ForCausalLM",
+        {},
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "factor": 8.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            }
+        },
+    ),
+    (  # an explicit attention factor
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "attention_factor": 1.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            }
+        },
+        {},
+    ),
 ]
 
 

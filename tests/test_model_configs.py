@@ -407,6 +407,52 @@ FAMILY: list[tuple[str, dict[str, Any], str]] = [
     ("Gemma2ForCausalLM", {"sliding_window": None}, "sliding_window must be a positive integer"),
     ("Gemma2ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
     ("Gemma2ForCausalLM", {"layer_types": ["full_attention"] * 3}, "layer_types must give"),
+    ("Phi3ForCausalLM", {"head_dim": 32}, "head_dim 32 is not hidden_size // num_attention"),
+    ("Phi3ForCausalLM", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    (
+        "Phi3ForCausalLM",
+        {"original_max_position_embeddings": 1},
+        "original_max_position_embeddings must be an integer of at least 2",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {"rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.75}},
+        "rope_parameters.short_factor must be a list of 6 positive numbers",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": tiny_config("Phi3ForCausalLM")["rope_parameters"]
+            | {"long_factor": [1.0, 2.0]}
+        },
+        "rope_parameters.long_factor must be a list of 6 positive numbers",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": tiny_config("Phi3ForCausalLM")["rope_parameters"]
+            | {"short_factor": [0.0] * 6}
+        },
+        "rope_parameters.short_factor must be a list of 6 positive numbers",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {"rope_parameters": tiny_config("Phi3ForCausalLM")["rope_parameters"] | {"factor": "8"}},
+        "rope_parameters.factor must be a positive number",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": tiny_config("Phi3ForCausalLM")["rope_parameters"]
+            | {"attention_factor": 0}
+        },
+        "rope_parameters.attention_factor must be a positive number",
+    ),
+    (
+        "Phi3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+        "rope_parameters.partial_rotary_factor 1.5 is above 1",
+    ),
 ]
 
 

@@ -43,7 +43,13 @@ CACHE_KINDS = {
     "Gemma4UnifiedForCausalLM": [RotatingKVCache, KVCache],
     "Qwen2ForCausalLM": [KVCache, RotatingKVCache, RotatingKVCache],
     "Gemma2ForCausalLM": [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache],
+    "Phi3ForCausalLM": [RotatingKVCache] * 2,
 }
+
+
+# Context lengths other than max_position_embeddings: the tiny Phi3's longrope rotates by its
+# short factors, which transformers uses up to original_max_position_embeddings only.
+SHORTER_CONTEXT = {"Phi3ForCausalLM": 4096}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +95,8 @@ def test_model_type_is_the_fallback_key(tmp_path: Path, arch: str) -> None:
 def test_facts(models: dict[str, Model], arch: str) -> None:
     model = models[arch]
     assert model.vocab_size == 384
-    assert model.context_length == text_part(tiny_config(arch))["max_position_embeddings"]
+    context = text_part(tiny_config(arch))["max_position_embeddings"]
+    assert model.context_length == SHORTER_CONTEXT.get(arch, context)
     assert model.architecture == arch
 
 
@@ -252,6 +259,41 @@ def test_qwen2_biases_run_through_the_native_step(tmp_path: Path) -> None:
     assert np.abs(np.array(got) - np.array(want)).max() <= 1e-5
 
 
+def test_phi3_context_ends_where_its_short_longrope_factors_do() -> None:
+    """transformers rotates by longrope's short factors up to original_max_position_embeddings
+    and by the long ones at every position of a longer sequence, which no cache can follow:
+    the context ends there unless the two are the same. A window that spans the context
+    hides nothing: full attention, a plain KV cache."""
+    from runner.models.phi3 import Phi3
+
+    config = tiny_config("Phi3ForCausalLM")
+    rope = config["rope_parameters"]
+    assert Phi3.build_module(config).context == 4096
+    same = rope | {"short_factor": rope["long_factor"]}
+    assert Phi3.build_module(config | {"rope_parameters": same}).context == 131072
+    plain = {"rope_type": "default", "partial_rotary_factor": 0.75}
+    assert Phi3.build_module(config | {"rope_parameters": plain}).context == 131072
+    spanning = Phi3.build_module(config | {"sliding_window": 4096})
+    assert [type(c) for c in spanning.make_cache()] == [KVCache] * 2
+    shorter = Phi3.build_module(config | {"sliding_window": 4095})
+    assert [type(c) for c in shorter.make_cache()] == [RotatingKVCache] * 2
+
+
+def test_tied_heads_ignore_a_checkpoint_head(tmp_path: Path, models: dict) -> None:
+    """transformers ties Gemma2's and Phi3's heads by config, over any lm_head.weight."""
+    ids = mx.array([[1, 2, 3]], dtype=mx.int32)
+    for arch in ("Gemma2ForCausalLM", "Phi3ForCausalLM"):
+        path = write_tiny_model(arch, tmp_path / arch, tie_word_embeddings=True)
+        tied = build_model(source(path))
+        s = source(path)
+        s.weights["lm_head.weight"] = mx.zeros((384, 64))
+        model = build_model(s)
+        assert "lm_head" not in model.module
+        got = model.unembed(model.hidden(ids, model.make_caches()))
+        want = tied.unembed(tied.hidden(ids, tied.make_caches()))
+        assert np.array_equal(np.array(got), np.array(want))
+
+
 @pytest.mark.parametrize(
     ("arch", "edits", "field"),
     [
@@ -293,6 +335,12 @@ def test_qwen2_biases_run_through_the_native_step(tmp_path: Path) -> None:
         ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
         ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation"),
         ("Gemma2ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional"),
+        ("Phi3ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        (  # mlx-lm's phi3 scales linearly; transformers' Phi3 refuses it
+            "Phi3ForCausalLM",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            "rope_type",
+        ),
         (
             "Qwen2ForCausalLM",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
@@ -332,6 +380,7 @@ def test_unsupported_config_values_are_refused_by_name(
         ("mistral", "MINISTRAL3_DEFAULTS", "Ministral3Config"),
         ("qwen2", "QWEN2_DEFAULTS", "Qwen2Config"),
         ("gemma2", "GEMMA2_DEFAULTS", "Gemma2Config"),
+        ("phi3", "PHI3_DEFAULTS", "Phi3Config"),
     ],
 )
 def test_default_tables_are_transformers_defaults(

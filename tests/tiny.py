@@ -50,6 +50,7 @@ TINY_ARCHITECTURES = (
     "MuseGlimmerForConditionalGeneration",
     "Qwen2ForCausalLM",
     "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
 )
 # Image-text families whose text rows the shared cache tests also run (their image sides
 # have tests of their own: tests/test_gemma3_vision.py, tests/test_qwen3_5_vision.py).

@@ -14,6 +14,7 @@ from runner.models import (  # noqa: F401
     llama,
     mistral,
     nemotron_h,
+    phi3,
     qwen2,
     qwen3,
     qwen3_5,

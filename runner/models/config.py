@@ -95,6 +95,18 @@ def check_decoder(
         )
 
 
+def check_derived_head_dim(c: dict[str, Any], family: str) -> None:
+    """For an mlx-lm attention whose heads are hidden_size // num_attention_heads wide: refuse
+    a `head_dim` of another width, which transformers would read (null or absent: derived,
+    as mlx-lm does). `c` has passed `check_decoder`."""
+    derived = c["hidden_size"] // c["num_attention_heads"]
+    if c.get("head_dim") is not None and c["head_dim"] != derived:
+        raise ModelLoadError(
+            f"config.json: head_dim {c['head_dim']} is not hidden_size // num_attention_heads "
+            f"({derived}), the only width {family} is computed with here"
+        )
+
+
 def check_layer_kinds(kinds: Any, allowed: tuple[str, ...], n: int) -> list[str]:
     """transformers' `validate_layer_type`: one allowed kind per layer."""
     if (

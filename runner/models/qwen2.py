@@ -25,6 +25,7 @@ from runner.models.config import (
     FULL,
     SLIDING,
     check_decoder,
+    check_derived_head_dim,
     check_layer_kinds,
     flag,
     hf_rope_parameters,
@@ -53,17 +54,6 @@ QWEN2_DEFAULTS: dict[str, Any] = {
 }
 # Qwen2Config's sliding_window when absent (its instances hold null without use_sliding_window)
 QWEN2_WINDOW = 4096
-
-
-def head_width(c: dict[str, Any], family: str) -> None:
-    """mlx-lm's attention is hidden_size // num_attention_heads wide per head; transformers
-    reads `head_dim` where the config has one (null: derived, as mlx-lm does)."""
-    derived = c["hidden_size"] // c["num_attention_heads"]
-    if c.get("head_dim") is not None and c["head_dim"] != derived:
-        raise ModelLoadError(
-            f"config.json: head_dim {c['head_dim']} is not hidden_size // num_attention_heads "
-            f"({derived}), which is all {family} is computed with here"
-        )
 
 
 def qwen2_layer_kinds(c: dict[str, Any]) -> tuple[list[str], int | None]:
@@ -112,7 +102,7 @@ class Qwen2(DecoderModel):
         check_decoder(c, nullable=("head_dim", "num_key_value_heads"))
         if c["num_key_value_heads"] is None:  # transformers' meaning; mlx-lm needs the number
             c["num_key_value_heads"] = c["num_attention_heads"]
-        head_width(c, "Qwen2")
+        check_derived_head_dim(c, "Qwen2")
         require(c, "hidden_act", "silu")  # mlx-lm's qwen2 MLP is SwiGLU
         rope = hf_rope_parameters(c, default_theta=c.get("rope_theta", 10000.0))
         c["rope_theta"], c["rope_scaling"] = mlx_rope(rope)

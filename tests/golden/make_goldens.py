@@ -418,6 +418,28 @@ CONFIG_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 4096,
         },
     ),
+    # Phi3 as Phi-3.5 mini has it: longrope with short factors other than the long ones
+    # (transformers rotates by the short ones up to original_max_position_embeddings; mlx-lm
+    # always by the long ones) and the attention factor of 131072 / 4096; a quarter of each
+    # head left unrotated (partial_rotary_factor under rope_parameters); a window of 8 (which
+    # mlx-lm's phi3 ignores).
+    "Phi3ForCausalLM": (
+        "Phi3Config",
+        {
+            "num_hidden_layers": 2,
+            "pad_token_id": 0,  # Phi3's default, 32000, is past the tiny vocabulary
+            "sliding_window": 8,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            },
+        },
+    ),
 }
 
 
@@ -455,6 +477,8 @@ INIT_OVERRIDES: dict[str, dict[str, tuple[str, float]]] = {
     "Gemma4ForConditionalGeneration": {"router.proj": ("normal", 0.5)},
     "NemotronHForCausalLM": {"mixer.gate.weight": ("normal", 0.5)},
     "LagunaForCausalLM": {"mlp.gate.weight": ("normal", 0.5)},
+    # the fused q/k/v projection: std 0.1 as q_proj and k_proj have, so attention is not uniform
+    "Phi3ForCausalLM": {"qkv_proj": ("normal", 0.1)},
 }
 
 
