@@ -24,7 +24,8 @@ products on row-major copies, a decode step 0.75x (docs/DESIGN.md §4). They cos
 the weights' memory, so they are not made when that would be more than half of the memory
 available.
 
-It serves Llama and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`, `Qwen3ForCausalLM`):
+It serves Llama, Qwen2 and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`):
 RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
 from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
 anything else (a quantized or non-float32 weight, another module shape), and a call
