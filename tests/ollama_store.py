@@ -169,3 +169,27 @@ def dequantized(source: ModelSource) -> ModelSource:
         name=source.name, config=source.config, tokenizer_json=source.tokenizer_json,
         weights=weights,
     )  # fmt: skip
+
+
+def write_ollama_gguf_model(
+    models_dir: Path, name: str, gguf_path: Path, text_layers: dict[str, bytes] | None = None
+) -> None:
+    """Store the GGUF file as model `name` the way `ollama pull` stores one: the file as the
+    `application/vnd.ollama.image.model` layer, `text_layers` (media type -> bytes: template,
+    params, system, license) beside it, a ConfigV2 blob saying `model_format` gguf."""
+    from runner.sources.ollama_store import MODEL_MEDIA_TYPE
+
+    layers = [_put_blob(models_dir, gguf_path.read_bytes(), MODEL_MEDIA_TYPE)]
+    for media_type, data in (text_layers or {}).items():
+        layers.append(_put_blob(models_dir, data, media_type))
+    config_v2 = {"model_format": "gguf", "model_family": "llama", "capabilities": ["completion"]}
+    config_layer = _put_blob(models_dir, json.dumps(config_v2).encode(), CONFIG_MEDIA_TYPE)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA_TYPE,
+        "config": config_layer,
+        "layers": layers,
+    }
+    path = parse_name(name).manifest_path(models_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))

@@ -21,7 +21,8 @@ DEFAULT_ALIAS = "default"
 
 
 def load_model_source(name_or_path: str) -> ModelSource:
-    """`default`, an existing directory, or an Ollama model name, in that order."""
+    """`default`, an existing directory, a GGUF file, or an Ollama model name, in that
+    order."""
     if name_or_path == DEFAULT_ALIAS:
         # Imported here so that ordinary loads never touch the preparation code.
         from runner.sources.default_model import resolve_default_model
@@ -31,8 +32,12 @@ def load_model_source(name_or_path: str) -> ModelSource:
         return source
     if _is_dir(name_or_path):
         return load_local_dir(Path(name_or_path).expanduser())
+    if name_or_path.endswith(".gguf") and _is_file(name_or_path):
+        from runner.sources.gguf.model import load_gguf
+
+        return load_gguf(Path(name_or_path).expanduser(), name_or_path)
     if name_or_path.startswith(("/", "./", "../", "~")):  # meant as a path, not a name
-        raise ModelLoadError(f"{name_or_path} is not a model directory")
+        raise ModelLoadError(f"{name_or_path} is not a model directory or GGUF file")
     return load_store_model(name_or_path)
 
 
@@ -41,6 +46,13 @@ def _is_dir(name_or_path: str) -> bool:
     `expanduser` raise, and such an argument names none."""
     try:
         return Path(name_or_path).expanduser().is_dir()
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _is_file(name_or_path: str) -> bool:
+    try:
+        return Path(name_or_path).expanduser().is_file()
     except (RuntimeError, ValueError):
         return False
 

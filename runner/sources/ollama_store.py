@@ -36,6 +36,17 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 TENSOR_MEDIA_TYPE = "application/vnd.ollama.image.tensor"
 JSON_MEDIA_TYPE = "application/vnd.ollama.image.json"
+# What `ollama pull` stores: one GGUF file as the model layer, beside text layers.
+MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"
+TEXT_MEDIA_TYPES = {
+    "application/vnd.ollama.image.template": "template",
+    "application/vnd.ollama.image.system": "system",
+    "application/vnd.ollama.image.license": "license",
+}
+PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
+# Larger text layers than this are not an Ollama model's template, system prompt or params.
+MAX_TEXT_LAYER_BYTES = 16 << 20
 
 # Ollama's name parts (types/model/name.go, `isValidPart`): the first byte a letter, digit or
 # "_", then also "-", and by kind "." and ":"; a length limit per kind.
@@ -456,8 +467,13 @@ def _quantization(
 
 
 def load_store_model(name: str, models: Path | None = None) -> ModelSource:
-    """Read the manifest, configs and tensor blobs of an Ollama model."""
+    """Read the manifest, configs and tensor blobs of an Ollama model; or, for a model
+    `ollama pull` stored, its GGUF model layer (runner/sources/gguf/model.py) and the text
+    layers beside it (template, system, license, params)."""
     manifest = load_manifest(name, models)
+    ggufs = [layer for layer in manifest.layers if layer.get("mediaType") == MODEL_MEDIA_TYPE]
+    if ggufs:
+        return _load_gguf_model(name, manifest, ggufs)
     config = manifest.read_config_json("config.json")
     if not isinstance(config, dict):
         raise ModelLoadError('config "config.json" is not a JSON object')
@@ -497,3 +513,43 @@ def load_store_model(name: str, models: Path | None = None) -> ModelSource:
         weights=weights,
         quantization=_quantization(weights, infos, default),
     )
+
+
+def _load_gguf_model(name: str, manifest: Manifest, ggufs: list[dict[str, Any]]) -> ModelSource:
+    from runner.sources.gguf.model import load_gguf
+
+    if len(ggufs) > 1:
+        raise ModelLoadError(f"manifest {manifest.path}: {len(ggufs)} model layers (one expected)")
+    if manifest.tensor_layers():
+        raise ModelLoadError(f"manifest {manifest.path}: both a GGUF model layer and tensor layers")
+    source = load_gguf(manifest.layer_path(ggufs[0]), name)
+    for layer in manifest.layers:
+        kind = TEXT_MEDIA_TYPES.get(layer.get("mediaType", ""))
+        if kind is None and layer.get("mediaType") != PARAMS_MEDIA_TYPE:
+            continue
+        data = _text_layer(manifest, layer)
+        if kind is not None:
+            source.ollama[kind] = data
+            continue
+        try:
+            params = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(
+                f"manifest {manifest.path}: params layer is not JSON: {e}"
+            ) from None
+        if not isinstance(params, dict):
+            raise ModelLoadError(f"manifest {manifest.path}: params layer is not a JSON object")
+        source.ollama["params"] = params
+    return source
+
+
+def _text_layer(manifest: Manifest, layer: dict[str, Any]) -> str:
+    path = manifest.layer_path(layer)
+    try:
+        if path.stat().st_size > MAX_TEXT_LAYER_BYTES:
+            raise ModelLoadError(f"blob {path} ({layer.get('mediaType')}) is too large")
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ModelLoadError(f"cannot read blob {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"blob {path} ({layer.get('mediaType')}) is not UTF-8: {e}") from None

@@ -55,6 +55,9 @@ class ModelSource:
     generation_config: dict[str, Any] | None = None
     preprocessor_config: dict[str, Any] | None = None  # an image model's preprocessor_config.json
     weights: dict[str, mx.array] = field(default_factory=dict)
+    # An Ollama model's own layers beside the weights (application/vnd.ollama.image.*):
+    # "template" (a Go text/template), "system", "license" as text, "params" as JSON.
+    ollama: dict[str, Any] = field(default_factory=dict)
     # mlx-lm's `quantization` config: {"group_size", "bits", "mode"} defaults plus per-layer
     # entries keyed by module path ({"group_size", "bits", "mode"}, or False for dense).
     # None when nothing is quantized.

@@ -1,0 +1,148 @@
+"""A GGUF model file as a `ModelSource`: the checkpoint its metadata and tensors describe
+(`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
+tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
+kept as stored where they are floats, dequantized to float32 otherwise; never through MLX's
+own GGUF reader (which corrupts Q4_K). Every tensor of the file is accounted for: one the
+architecture does not map fails the load, naming it.
+
+The tensors are read through the file's memory map one at a time, so the peak is the model
+plus one tensor's conversion. A log line says which types were repacked, which kept, which
+dequantized, and the resident size against the file's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runner.sources.gguf import architectures, quants
+from runner.sources.gguf import tokenizer as gguf_tokenizer
+from runner.sources.gguf.reader import GGUFFile, read_gguf
+from runner.sources.source import ModelLoadError, ModelSource
+
+log = logging.getLogger(__name__)
+
+
+def load_gguf(path: str | Path, name: str | None = None) -> ModelSource:
+    """The model in the GGUF file at `path` (named `name` in messages); ModelLoadError for a
+    file that is not one, an architecture or tensor the runner does not map, a type it
+    cannot read."""
+    started = time.perf_counter()
+    path = Path(path)
+    name = name or path.name
+    with read_gguf(path) as file:
+        shapes = {n: t.shape for n, t in file.tensors.items()}
+        plan = architectures.plan(file.metadata, shapes, lambda t: _floats(file, t))
+        tokenizer_json, tokenizer_config, generation_config = gguf_tokenizer.tokenizer_files(
+            file.metadata
+        )
+        weights, quantization, treated = _tensors(file, plan)
+        resident = sum(int(w.nbytes) for w in weights.values())
+        log.info(
+            "loaded GGUF %s (%s, %d tensors) in %.2f s: %s; resident %.1f MB (file %.1f MB)",
+            name,
+            file.metadata.get("general.architecture"),
+            len(file.tensors),
+            time.perf_counter() - started,
+            "; ".join(
+                f"{how} {', '.join(f'{t} x{n}' for t, n in sorted(c.items()))}"
+                for how, c in treated.items()
+                if c
+            ),
+            resident / 1e6,
+            file.file_size / 1e6,
+        )
+    config = dict(plan.config)
+    for key in ("bos_token_id", "eos_token_id"):
+        if key in generation_config:
+            config.setdefault(key, generation_config[key])
+    return ModelSource(
+        name=name,
+        config=config,
+        tokenizer_json=tokenizer_json,
+        tokenizer_config=tokenizer_config,
+        generation_config=generation_config,
+        weights=weights,
+        quantization=quantization or None,
+    )
+
+
+def _floats(file: GGUFFile, name: str) -> np.ndarray:
+    """A (small) tensor's float32 values, for what the config is made from."""
+    if name not in file.tensors:
+        raise ModelLoadError(f"GGUF: tensor {name} is missing")
+    info = file.tensors[name]
+    return quants.dequantize(file.raw(name), info.ggml_type, info.shape)
+
+
+def _tensors(
+    file: GGUFFile, plan: architectures.Plan
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Counter[str]]]:
+    """The checkpoint's tensors as MLX arrays, the mlx-lm quantization config of the
+    repacked ones, and how many tensors of each GGML type were repacked, kept or
+    dequantized."""
+    import mlx.core as mx
+
+    weights: dict[str, Any] = {}
+    layers: dict[str, dict[str, Any]] = {}
+    treated: dict[str, Counter[str]] = {
+        "repacked": Counter(),
+        "kept": Counter(),
+        "dequantized": Counter(),
+    }
+    for gguf_name, target in plan.targets.items():
+        if target is None:
+            continue
+        info = file.tensors[gguf_name]
+        converted = quants.convert(file.raw(gguf_name), info.ggml_type, info.shape)
+        if isinstance(converted, quants.Repacked):
+            treated["repacked"][info.type_name] += 1
+            if target.minus_one:
+                raise ModelLoadError(f"GGUF: {gguf_name} is quantized where a float is expected")
+            weight, scales, biases = quants.mlx_repacked(_rows(converted, target.rows))
+            base = target.name.removesuffix(".weight")
+            weights[target.name], weights[f"{base}.scales"] = weight, scales
+            if biases is not None:
+                weights[f"{base}.biases"] = biases
+            layers[base] = {
+                "group_size": converted.group_size,
+                "bits": converted.bits,
+                "mode": converted.mode,
+            }
+            continue
+        plain = quants.kind(info.ggml_type) == "plain" and not target.minus_one
+        if target.minus_one:  # stored as 1 + w: w in float32, as the converter computed it
+            values = quants.dequantize(file.raw(gguf_name), info.ggml_type, info.shape) - 1
+        else:
+            values = converted
+        treated["kept" if plain else "dequantized"][info.type_name] += 1
+        if target.rows is not None:
+            values = values[target.rows]
+        values = np.ascontiguousarray(values)
+        weights[target.name] = (
+            quants.mlx_plain(values, info.ggml_type)
+            if plain
+            else mx.array(values.astype(np.float32))
+        )
+    quantization: dict[str, Any] = {}
+    if layers:
+        first = next(iter(layers.values()))
+        quantization = {**first, **layers}
+    return weights, quantization, treated
+
+
+def _rows(repacked: quants.Repacked, rows: np.ndarray | None) -> quants.Repacked:
+    """A repacked tensor with its rows in `rows`' order (blocks run along rows, so a row
+    permutation of the weights is one of each packed array)."""
+    if rows is None:
+        return repacked
+    return repacked._replace(
+        weight=repacked.weight[rows],
+        scales=repacked.scales[rows],
+        biases=None if repacked.biases is None else repacked.biases[rows],
+    )
