@@ -17,7 +17,14 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runner.text.cuts import LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN, CutRule
+from runner.text.cuts import (
+    HF_CONTRACTIONS,
+    LLAMA3_PATTERN,
+    LLAMA_CPP_CONTRACTIONS,
+    QWEN2_PATTERN,
+    QWEN3_5_PATTERN,
+    CutRule,
+)
 from runner.text.tokenizer import Tokenizer
 
 FRAGMENTS = [
@@ -121,6 +128,10 @@ PIPELINES = {
     "llama3": lambda: _train(_split(LLAMA3_PATTERN)),
     "qwen2+nfc": lambda: _train(_split(QWEN2_PATTERN), normalizers.NFC()),
     "qwen3.5+nfc": lambda: _train(_split(QWEN3_5_PATTERN), normalizers.NFC()),
+    # llama.cpp's spelling, which GGUF tokenizers are rebuilt with
+    "llama3-llama.cpp": lambda: _train(
+        _split(LLAMA3_PATTERN.replace(HF_CONTRACTIONS, LLAMA_CPP_CONTRACTIONS))
+    ),
 }
 
 
@@ -318,3 +329,12 @@ def test_what_is_kept_of_a_prompt_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
     assert heads is not None
     assert all(len(r) <= 40 for r in heads._recent) and len(heads._recent) == 3
     assert heads._heads and all(len(head) <= 40 for head, _ in heads._heads)
+
+
+def test_gguf_tokenizers_are_rebuilt_with_patterns_that_allow_cuts() -> None:
+    """A GGUF's llama3 / qwen2 / qwen35 tokenizer is rebuilt with llama.cpp's spelling of
+    those patterns (runner/sources/gguf/tokenizer.py): prompts for those models get cuts."""
+    from runner.sources.gguf import tokenizer as gguf_tokenizer
+    from runner.text.cuts import SPLIT_PATTERNS
+
+    assert {gguf_tokenizer.LLAMA3, gguf_tokenizer.QWEN2, gguf_tokenizer.QWEN35} <= SPLIT_PATTERNS

@@ -12,7 +12,8 @@ Why, step by step (each step must split X at m as it splits X[:m] and X[m:] alon
   space is a starter that composes with nothing, so nothing moves across m;
 - the pre-tokenizers split around digits, or with the GPT-2 pattern (ByteLevel's regex) or
   Llama 3's, Qwen2's or Qwen3.5's (Split, isolated), at least one of those patterns. In
-  each, a space is either the optional first character of a match (` ?\\p{L}+`,
+  each (and in their llama.cpp spellings, contractions case by case), a space is either the
+  optional first character of a match (` ?\\p{L}+`,
   `[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`, ` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`, ...) or part of a run of
   whitespace, so no match holds X[m-1] (not whitespace) together with X[m]: a match ends
   at m. A match attempt that starts before m reads at most X[m] (every alternative reads a
@@ -53,7 +54,16 @@ QWEN3_5_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-SPLIT_PATTERNS = frozenset((LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN))
+# llama.cpp spells the contractions case by case (`'[sS]`, not `(?i:'s)`, which also takes
+# `'ſ`): the same patterns as a GGUF's tokenizer is rebuilt with them
+# (runner/sources/gguf/tokenizer.py); literal apostrophes and letters, so the argument holds.
+HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+LLAMA_CPP_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+SPLIT_PATTERNS = frozenset(
+    pattern.replace(HF_CONTRACTIONS, contractions)
+    for pattern in (LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN)
+    for contractions in (HF_CONTRACTIONS, LLAMA_CPP_CONTRACTIONS)
+)
 # Characters treated as whitespace besides what str.isspace says: format characters that
 # some Unicode versions or regex engines count as spaces. Calling a character whitespace
 # only loses a cut.
