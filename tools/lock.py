@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "constraints.txt"
 UV = "uv==0.13.9"
-# The extras the lock covers: what scripts/setup installs (test, prepare, reference) and the
-# bench's llama.cpp. The project itself is not pinned (it is installed from the checkout).
-EXTRAS = ("test", "prepare", "reference", "llama")
+# The extras the lock covers: what scripts/setup installs (test, prepare, reference, eval) and
+# the bench's llama.cpp. The project itself is not pinned (it is installed from the checkout).
+EXTRAS = ("test", "prepare", "reference", "eval", "llama")
 PROJECT = "ollama-mlx-runner"
 # Installed by the virtual environment itself, not by the project's requirements.
 UNLOCKED = {PROJECT, "pip"}
