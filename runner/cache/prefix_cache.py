@@ -204,6 +204,26 @@ class PrefixCache:
             return None
         return HIDDEN.row(snap, len(tokens) - 1)
 
+    def stored_rows(self, tokens: list[int], end: int) -> tuple[list[mx.array], int]:
+        """The stored final hidden rows of `tokens`' positions from 0 on, up to `end` or to
+        the first position the trie does not hold with hidden rows: the nodes' slices ([1, k,
+        H] each, in order) and the positions they cover. Changes nothing but a waiting
+        store (a cache without hidden rows covers none)."""
+        self.settle()
+        if self.live.hidden is None:
+            return [], 0
+        path, matched = trie.match(self.root, tokens[:end])
+        parts: list[mx.array] = []
+        covered = 0
+        for node in path[1:]:
+            snap = node.snapshots[-1]
+            stop = min(node.end, matched)
+            if snap is None or snap.start != covered or stop <= covered:
+                break
+            parts.append(snap.arrays[0][:, : stop - snap.start, :])
+            covered = stop
+        return parts, covered
+
     def store_rows(
         self, rows: list[list[int]], start: int, batch: list[Any], hidden: mx.array
     ) -> None:

@@ -125,11 +125,14 @@ class PrefixSession:
         caller evaluates, and may build the next step before reading this one)."""
         return self.owner.live.step(token, self.media.layout if self.media is not None else None)
 
-    def forward_rows(self, suffixes: list[list[int]], check: Callable[[], None]) -> list[mx.array]:
-        """Each suffix's last hidden row [1, H], the rows computed as batches over the live
-        state, which must hold all of `tokens` (their shared prefix); suffixes are not empty.
-        Every row is stored in the trie (edge kinds; point kinds cannot describe a padded
-        row's end)."""
+    def forward_rows(
+        self, suffixes: list[list[int]], check: Callable[[], None], every_position: bool = False
+    ) -> list[mx.array]:
+        """Each suffix's last hidden row [1, H] (with `every_position`, every position's:
+        [n, H] for a suffix of n tokens), the rows computed as batches over the live state,
+        which must hold all of `tokens` (their shared prefix); suffixes are not empty. Every
+        row is stored in the trie (edge kinds; point kinds cannot describe a padded row's
+        end)."""
         owner, live = self.owner, self.owner.live
         prefix = len(self.tokens)
         assert live.tokens == self.tokens, "the live state must hold the whole prefix"
@@ -160,12 +163,21 @@ class PrefixSession:
                 hidden = forward_suffixes(owner.model, batch, rows, layout)
             for j, i in enumerate(chunk):
                 n = len(suffixes[i])
-                out[i] = hidden[j, n - 1 : n, :]
+                out[i] = hidden[j, (0 if every_position else n - 1) : n, :]
             mx.eval(*(out[i] for i in chunk))
             owner.store_rows([self.tokens + suffixes[i] for i in chunk], prefix, batch, hidden)
             begin += size
         assert all(row is not None for row in out)
         return out  # type: ignore[return-value]
+
+    def computed_rows(self) -> mx.array | None:
+        """The final hidden rows [1, k, H] of the positions the live state computed since this
+        session restored its prefix (from `offset`), for a cache that keeps hidden rows; None
+        when there are none."""
+        hidden = self.owner.live.hidden
+        if hidden is None or hidden.rows is None:
+            return None
+        return hidden.rows[:, self.offset - hidden.base :, :]
 
     # --- ending -----------------------------------------------------------------------
     def close(self) -> None:
