@@ -1,21 +1,34 @@
 """Tiny GGUF models for the GGUF loading tests, written as llama.cpp's converter
-(convert_hf_to_gguf.py) writes them: from a tiny checkpoint directory (tests/tiny.py), its
-config as the converter's metadata keys, its tokenizer as `tokenizer.ggml.*`, its tensors
-under GGUF names with the converter's changes (Q/K rows permuted for llama, norms stored
-as 1 + w for Gemma), each tensor stored in the GGML type a rule gives it (quantized by the
-gguf package where it can quantize that type).
+(convert_hf_to_gguf.py, its conversion/*.py classes) writes them: from a tiny checkpoint
+directory (tests/tiny.py), its config as the converter's metadata keys, its tokenizer as
+`tokenizer.ggml.*`, its tensors under GGUF names with the converter's changes (Q/K rows
+permuted for llama and mistral3; norms stored as 1 + w and the embedding cut to the
+tokenizer's vocabulary for Gemma; experts stacked [E, out, in] for Qwen3-MoE, split,
+de-interleaved and transposed for GPT-OSS; Phi-3's fused projections as they are, its longrope
+as factor tensors), each tensor stored in the GGML type a rule gives it (quantized by the gguf
+package where it can quantize that type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4).
+tests/test_gguf_convert.py holds these files to what the real converter writes.
 
-`checkpoint_of(gguf_path, like)` writes the checkpoint the GGUF's stored values are: the
-dequantized tensors (gguf-py's values, llama.cpp's) with the converter's changes undone, the
-config and tokenizer of `like`: what the GGUF model must compute.
+`ollama=True` writes what Ollama's own converter published instead, where llama.cpp reads it
+differently (ollama's llama/compat/llama-ollama-compat.cpp): gemma3 and mistral3 with their
+vision tower embedded (`v.*`, `mm.*`) and their own key spellings, gpt-oss as `gptoss`.
+
+`tiny_checkpoint(arch, path)` writes the tiny checkpoint of `arch` as a GGUF can say it
+(`GGUF_CANNOT`: what the format has no key for, set to what llama.cpp assumes).
+`checkpoint_of(gguf_path, like, out)` writes the checkpoint the GGUF's stored values are: the
+dequantized tensors (gguf-py's values, llama.cpp's) with the converter's changes undone, in
+Hugging Face's names and layouts, with `like`'s config and tokenizer: what the GGUF model must
+compute.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +37,12 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from runner.sources.gguf.architectures import unpermute_rows
+from tests.tiny import read_manifest, tiny_config, write_tiny_model
 
-# checkpoint name (under model.layers.N.) -> GGUF block name, per architecture
-LLAMA_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
+T = gguf.GGMLQuantizationType
+
+# checkpoint name (under model.layers.N.) -> GGUF block name
+ATTENTION = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
@@ -39,87 +53,408 @@ LLAMA_BLOCK = {
     "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+MLP = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+LLAMA_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    **ATTENTION,
+    **MLP,
+}
+GEMMA_BLOCK = {
+    **LLAMA_BLOCK,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+PHI3_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+QWEN3MOE_BLOCK = {**LLAMA_BLOCK, "mlp.gate.weight": "ffn_gate_inp.weight"}
+GPT_OSS_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    **ATTENTION,
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
 }
 TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-PERMUTED = {"llama"}  # Q/K rows permuted by the converter
-
-Rule = Callable[[str, tuple[int, ...]], "gguf.GGMLQuantizationType"]
+PROJECTIONS = ("gate", "up", "down")
 
 
-def float32(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
-    return gguf.GGMLQuantizationType.F32
+@dataclass(frozen=True)
+class Conversion:
+    """What the converter's class for a checkpoint architecture does."""
+
+    arch: str  # GGUF architecture
+    block: dict[str, str]
+    permuted: bool = False  # Q/K rows (LlamaModel.permute)
+    plus_one: bool = False  # norms stored as 1 + w (Gemma)
+    experts: str | None = None  # "stacked" (Qwen3-MoE) or "gpt-oss"
+    metadata: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda c: {})
 
 
-def mixed(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
-    """A quantized file's mix, as llama.cpp's quantizer makes one: norms and biases F32,
-    the embedding Q8_0, attention Q4_0 / Q5_0 / Q4_1, the MLP Q5_1 and Q8_0, the head F16,
-    each where its rows divide into the type's blocks (else F16)."""
-    t = gguf.GGMLQuantizationType
-    if len(shape) < 2:
-        return t.F32
+def _rope(c: dict[str, Any]) -> dict[str, Any]:
+    """TextModel's reading of the rope dict (the full-attention one where it is per kind)."""
+    params = c.get("rope_parameters") or {}
+    return params.get("full_attention", params)
+
+
+def _base(c: dict[str, Any]) -> dict[str, Any]:
+    """TextModel.set_gguf_parameters: the keys every text model writes (without the prefix)."""
+    rope = _rope(c)
+    kv: dict[str, Any] = {
+        "block_count": c["num_hidden_layers"],
+        "context_length": c["max_position_embeddings"],
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+    }
+    kind = rope.get("rope_type")
+    if kind == "linear":
+        kv |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])}
+    elif kind == "yarn":
+        kv |= {
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": float(rope["factor"]),
+            "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+        }
+        for hf, key in (
+            ("extrapolation_factor", "yarn_ext_factor"),
+            ("attention_factor", "attn_factor"),
+            ("beta_fast", "yarn_beta_fast"),
+            ("beta_slow", "yarn_beta_slow"),
+        ):
+            if rope.get(hf) is not None:
+                kv[f"rope.scaling.{key}"] = float(rope[hf])
+    kv["rope.freq_base"] = float(rope["rope_theta"])
+    sliding = (c.get("rope_parameters") or {}).get("sliding_attention")
+    if sliding is not None:
+        kv["rope.freq_base_swa"] = float(sliding["rope_theta"])
+    kv["attention.layer_norm_rms_epsilon"] = float(c["rms_norm_eps"])
+    if c.get("num_local_experts") is not None:
+        kv["expert_count"] = c["num_local_experts"]
+    if c.get("num_experts_per_tok") is not None:
+        kv["expert_used_count"] = c["num_experts_per_tok"]
+    if c.get("head_dim") is not None:
+        kv["attention.key_length"] = kv["attention.value_length"] = c["head_dim"]
+    return kv
+
+
+def _llama(c: dict[str, Any]) -> dict[str, Any]:
+    """LlamaModel.set_gguf_parameters (its llama3 RoPE goes into rope_freqs)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return _base(c) | {"vocab_size": c["vocab_size"], "rope.dimension_count": head_dim}
+
+
+def _ministral3(c: dict[str, Any]) -> dict[str, Any]:
+    """Mistral3Model.Ministral3Model: llama's keys, yarn's log multiplier and the query
+    temperature of a ministral3."""
+    rope = c["rope_parameters"]
+    return _llama(c) | {
+        "rope.scaling.yarn_log_multiplier": float(rope["mscale_all_dim"]),
+        "attention.temperature_scale": float(rope["llama_4_scaling_beta"]),
+    }
+
+
+def _qwen3moe(c: dict[str, Any]) -> dict[str, Any]:
+    return _base(c) | {"expert_feed_forward_length": c["moe_intermediate_size"]}
+
+
+def _gemma2(c: dict[str, Any]) -> dict[str, Any]:
+    """Gemma2Model.set_gguf_parameters: no RoPE keys at all."""
+    return {
+        "context_length": c["max_position_embeddings"],
+        "embedding_length": c["hidden_size"],
+        "block_count": c["num_hidden_layers"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+        "attention.key_length": c["head_dim"],
+        "attention.value_length": c["head_dim"],
+        "attn_logit_softcapping": float(c["attn_logit_softcapping"]),
+        "final_logit_softcapping": float(c["final_logit_softcapping"]),
+        "attention.sliding_window": c["sliding_window"],
+    }
+
+
+def _gemma3(c: dict[str, Any]) -> dict[str, Any]:
+    kv = _base(c)
+    if c.get("final_logit_softcapping"):
+        kv["final_logit_softcapping"] = float(c["final_logit_softcapping"])
+    if c.get("sliding_window_pattern") != 1:
+        kv["attention.sliding_window"] = c["sliding_window"]
+    return kv
+
+
+def _phi3(c: dict[str, Any]) -> dict[str, Any]:
+    """Phi3MiniModel.set_gguf_parameters and generate_extra_tensors' attention factor."""
+    rope = c["rope_parameters"]
+    original = rope["original_max_position_embeddings"]
+    rotated = (
+        int(rope.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"]
+    )
+    kv = {
+        "context_length": c["max_position_embeddings"],
+        "rope.scaling.original_context_length": original,
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "block_count": c["num_hidden_layers"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+        "rope.dimension_count": rotated,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "attention.sliding_window": c.get("sliding_window") or 0,
+    }
+    if rope.get("long_factor"):
+        scale = c["max_position_embeddings"] / original
+        factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        kv["rope.scaling.attn_factor"] = factor
+    return kv
+
+
+def _gpt_oss(c: dict[str, Any]) -> dict[str, Any]:
+    return _base(c) | {
+        "attention.sliding_window": c["sliding_window"],
+        "expert_feed_forward_length": c["intermediate_size"],
+    }
+
+
+CONVERSIONS: dict[str, Conversion] = {
+    "LlamaForCausalLM": Conversion("llama", LLAMA_BLOCK, permuted=True, metadata=_llama),
+    "MistralForCausalLM": Conversion("llama", LLAMA_BLOCK, permuted=True, metadata=_llama),
+    "Ministral3ForCausalLM": Conversion(
+        "mistral3", LLAMA_BLOCK, permuted=True, metadata=_ministral3
+    ),
+    "Qwen2ForCausalLM": Conversion("qwen2", LLAMA_BLOCK, metadata=_base),
+    "Qwen3ForCausalLM": Conversion("qwen3", LLAMA_BLOCK, metadata=_base),
+    "Qwen3MoeForCausalLM": Conversion(
+        "qwen3moe", QWEN3MOE_BLOCK, experts="stacked", metadata=_qwen3moe
+    ),
+    "Gemma2ForCausalLM": Conversion("gemma2", GEMMA_BLOCK, plus_one=True, metadata=_gemma2),
+    "Gemma3ForCausalLM": Conversion("gemma3", GEMMA_BLOCK, plus_one=True, metadata=_gemma3),
+    "Phi3ForCausalLM": Conversion("phi3", PHI3_BLOCK, metadata=_phi3),
+    "GptOssForCausalLM": Conversion("gpt-oss", GPT_OSS_BLOCK, experts="gpt-oss", metadata=_gpt_oss),
+}
+GGUF_ARCHITECTURES = tuple(CONVERSIONS)
+
+# What a GGUF cannot say, set to what llama.cpp's loader assumes instead:
+# - qwen2: llama.cpp's qwen2 has no sliding windows;
+# - MistralForCausalLM converts to "llama", which has no sliding windows;
+# - qwen3moe: llama.cpp's loader has no dense layers (the converter cannot map the MLP of a
+#   layer in mlp_only_layers), so every layer has experts;
+# - gemma2: layer kinds are llama.cpp's period of 2 (every other layer global, from the
+#   second) and queries are scaled by 1/sqrt(head_dim) (no query_pre_attn_scalar key);
+# - gemma3: the period is 6 (six layers, so that one is global), queries as gemma2's;
+# - gpt-oss: llama.cpp's clamped SwiGLU has alpha 1.702 and limit 7 (no keys for them).
+GGUF_CANNOT: dict[str, dict[str, Any]] = {
+    "Qwen2ForCausalLM": {"use_sliding_window": False, "layer_types": ["full_attention"] * 3},
+    "MistralForCausalLM": {"sliding_window": None},
+    "Qwen3MoeForCausalLM": {"mlp_only_layers": []},
+    "Gemma2ForCausalLM": {
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 16,
+    },
+    "Gemma3ForCausalLM": {
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "query_pre_attn_scalar": 16,
+    },
+    "GptOssForCausalLM": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+}
+
+
+def tiny_checkpoint(arch: str, path: Path) -> Path:
+    """The tiny checkpoint of `arch` (tests/tiny.py) with `GGUF_CANNOT`'s changes; Qwen3-MoE's
+    first layer gets experts (drawn as the others') in place of its dense MLP."""
+    config = tiny_config(arch) | GGUF_CANNOT.get(arch, {})
+    specs = None
+    if arch == "Qwen3MoeForCausalLM":
+        specs = {k: v for k, v in read_manifest(arch).items() if ".layers.0.mlp." not in k}
+        for name, spec in list(specs.items()):
+            if name.startswith("model.layers.1.mlp."):
+                specs[name.replace(".layers.1.", ".layers.0.")] = spec
+    return write_tiny_model(arch, path, config=config, specs=specs)
+
+
+Rule = Callable[[str, tuple[int, ...], str], T]
+
+
+def float32(name: str, shape: tuple[int, ...], arch: str) -> T:
+    return T.F32
+
+
+def mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """A quantized file's mix, as llama.cpp's quantizer makes one: norms, biases, sinks and
+    routers F32, the embedding Q8_0, attention Q4_0 / Q5_0 / Q4_1, the MLP Q5_1 / Q4_0 / Q8_0,
+    GPT-OSS's experts MXFP4 (as its released files), Qwen3-MoE's Q4_0 / Q5_1 / Q8_0, the head
+    F16, each where its rows divide into the type's blocks (else F16)."""
+    if len(shape) < 2 or "ffn_gate_inp" in name or not name.endswith(".weight"):
+        return T.F32
+    if arch in ("gpt-oss", "gptoss") and "_exps" in name:
+        return T.MXFP4
     by_name = [
-        ("token_embd", t.Q8_0),
-        ("attn_q.", t.Q4_0),
-        ("attn_k.", t.Q5_0),
-        ("attn_v.", t.Q4_1),
-        ("attn_output", t.Q8_0),
-        ("ffn_gate", t.Q5_1),
-        ("ffn_up", t.Q4_0),
-        ("ffn_down", t.Q8_0),
-        ("output.", t.F16),
+        ("token_embd", T.Q8_0),
+        ("attn_q.", T.Q4_0),
+        ("attn_k.", T.Q5_0),
+        ("attn_v.", T.Q4_1),
+        ("attn_qkv", T.Q5_0),
+        ("attn_out", T.Q8_0),  # attn_output (attn_out in Ollama's gpt-oss)
+        ("ffn_gate_exps", T.Q4_0),
+        ("ffn_up_exps", T.Q5_1),
+        ("ffn_down_exps", T.Q8_0),
+        ("ffn_gate", T.Q5_1),
+        ("ffn_up", T.Q4_0),
+        ("ffn_down", T.Q8_0),
+        ("output.", T.F16),
     ]
-    chosen = next((q for key, q in by_name if key in name), t.F16)
+    chosen = next((q for key, q in by_name if key in name), T.F16)
     block = gguf.GGML_QUANT_SIZES[chosen][0]
-    return chosen if shape[-1] % block == 0 else t.F16
+    return chosen if shape[-1] % block == 0 else T.F16
 
 
-def write_gguf(model_dir: Path, out: Path, rule: Rule = float32) -> Path:
-    """The GGUF llama.cpp's converter would write for the tiny checkpoint in `model_dir`,
-    each tensor stored as `rule` says."""
+def gguf_metadata(model_dir: Path) -> tuple[str, dict[str, Any]]:
+    """The GGUF architecture and the `{arch}.*` metadata (keys without the prefix) the
+    converter writes for the checkpoint in `model_dir`."""
     config = json.loads((model_dir / "config.json").read_text())
-    arch = ARCH[config["architectures"][0]]
-    writer = gguf.GGUFWriter(str(out), arch)
+    conversion = CONVERSIONS[config["architectures"][0]]
+    return conversion.arch, conversion.metadata(config)
+
+
+def gguf_tensors(model_dir: Path) -> list[tuple[str, np.ndarray]]:
+    """The float32 tensors the converter writes for the checkpoint in `model_dir`, under
+    their GGUF names, with its changes made."""
+    config = json.loads((model_dir / "config.json").read_text())
+    conversion = CONVERSIONS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0}
-    writer.add_rope_freq_base(rope["rope_theta"])
-    if rope["rope_type"] == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
-    elif rope["rope_type"] != "default":
-        raise NotImplementedError(rope["rope_type"])
-    _tokenizer(writer, model_dir)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    for name, array in sorted(weights.items()):
-        gname = _gguf_name(name)
-        values = array.astype(np.float32)
-        if arch in PERMUTED and gname.endswith(("attn_q.weight", "attn_q.bias")):
+    weights = {
+        k: v.astype(np.float32) for k, v in load_file(str(model_dir / "model.safetensors")).items()
+    }
+    out: list[tuple[str, np.ndarray]] = list(_extra_tensors(config))
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, values in sorted(weights.items()):
+        if conversion.arch == "gemma2" and name == "lm_head.weight":
+            continue  # Gemma2Model.filter_tensors: always tied
+        if name == "model.embed_tokens.weight" and conversion.arch == "gemma3":
+            values = values[: _tokenizer_size(model_dir)]  # Gemma3Model: OOV rows removed
+        if conversion.plus_one and name.endswith("norm.weight"):
+            values = values + np.float32(1)
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if match and ".experts." in name:
+            experts.setdefault(match.group(1), {})[match.group(2)] = values
+            continue
+        gname = _gguf_name(name, conversion)
+        if conversion.permuted and gname.endswith(("attn_q.weight", "attn_q.bias")):
             values = _permute(values, heads)
-        if arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
+        if conversion.permuted and gname.endswith(("attn_k.weight", "attn_k.bias")):
             values = _permute(values, kv_heads)
-        kind = rule(gname, values.shape)
-        if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gname, values)
-        elif kind == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gname, values.astype(np.float16))
+        out.append((gname, values))
+    for layer, parts in sorted(experts.items(), key=lambda item: int(item[0])):
+        out += _expert_tensors(int(layer), parts, conversion)
+    return out
+
+
+def _expert_tensors(
+    layer: int, parts: dict[str, np.ndarray], conversion: Conversion
+) -> list[tuple[str, np.ndarray]]:
+    p = f"blk.{layer}"
+    if conversion.experts == "stacked":  # Qwen2MoeModel: experts.e.proj stacked per proj
+        n = 1 + max(int(k.split(".")[2]) for k in parts)
+        return [
+            (
+                f"{p}.ffn_{proj}_exps.weight",
+                np.stack([parts[f"mlp.experts.{e}.{proj}_proj.weight"] for e in range(n)]),
+            )
+            for proj in ("down", "gate", "up")
+        ]
+    # GptOssModel.modify_tensors: gate_up [E, H, 2I] transposed, gate rows ::2, up 1::2
+    gate_up = parts["mlp.experts.gate_up_proj"].swapaxes(-1, -2)
+    bias = parts["mlp.experts.gate_up_proj_bias"]
+    return [
+        (
+            f"{p}.ffn_down_exps.weight",
+            np.ascontiguousarray(parts["mlp.experts.down_proj"].swapaxes(-1, -2)),
+        ),
+        (f"{p}.ffn_down_exps.bias", parts["mlp.experts.down_proj_bias"]),
+        (f"{p}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, ::2, :])),
+        (f"{p}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, 1::2, :])),
+        (f"{p}.ffn_gate_exps.bias", np.ascontiguousarray(bias[..., ::2])),
+        (f"{p}.ffn_up_exps.bias", np.ascontiguousarray(bias[..., 1::2])),
+    ]
+
+
+def _extra_tensors(config: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """generate_extra_tensors: llama's rope_freqs, Phi-3's rope factors."""
+    rope = config.get("rope_parameters") or {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if rope.get("rope_type") == "llama3":
+        return [("rope_freqs.weight", _llama3_factors(rope, head_dim))]
+    if config["architectures"][0] == "Phi3ForCausalLM" and rope.get("long_factor"):
+        return [
+            ("rope_factors_long.weight", np.array(rope["long_factor"], np.float32)),
+            ("rope_factors_short.weight", np.array(rope["short_factor"], np.float32)),
+        ]
+    return []
+
+
+def _tokenizer_size(model_dir: Path) -> int:
+    """Gemma3Model's n_vocab_real: the tokenizer.json's vocabulary plus its added tokens."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    return len(spec["model"]["vocab"]) + len(spec["added_tokens"])
+
+
+Edit = Callable[
+    [str, dict[str, Any], list[tuple[str, np.ndarray]]],
+    tuple[str, dict[str, Any], list[tuple[str, np.ndarray]]],
+]
+
+
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    rule: Rule = float32,
+    *,
+    ollama: bool = False,
+    edit: Edit | None = None,
+) -> Path:
+    """The GGUF llama.cpp's converter would write for the tiny checkpoint in `model_dir`, each
+    tensor stored as `rule` says; `ollama`: as Ollama's own converter published it; `edit`
+    changes (architecture, metadata, float32 tensors) before they are written."""
+    arch, metadata = gguf_metadata(model_dir)
+    tensors = gguf_tensors(model_dir)
+    if ollama:
+        arch, metadata, tensors = _ollama(arch, metadata, tensors)
+    if edit is not None:
+        arch, metadata, tensors = edit(arch, metadata, tensors)
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, value in metadata.items():
+        _add(writer, f"{arch}.{key}", value)
+    _tokenizer(writer, model_dir)
+    for name, values in tensors:
+        kind = rule(name, values.shape, arch)
+        if kind == T.F32:
+            writer.add_tensor(name, values)
+        elif kind == T.F16:
+            writer.add_tensor(name, values.astype(np.float16))
         else:
-            writer.add_tensor(gname, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -127,45 +462,147 @@ def write_gguf(model_dir: Path, out: Path, rule: Rule = float32) -> Path:
     return out
 
 
+def _add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list) and all(isinstance(v, bool) for v in value):
+        writer.add_array(key, value)
+    else:
+        raise TypeError(f"{key}: {value!r}")
+
+
+# Ollama's own spellings (llama-ollama-compat.cpp: what it renames for llama.cpp).
+OLLAMA_KEYS = {
+    "gemma3": {
+        "rope.freq_base": "rope.global.freq_base",
+        "rope.freq_base_swa": "rope.local.freq_base",
+    },
+    "mistral3": {
+        "rope.scaling.yarn_beta_fast": "rope.scaling.beta_fast",
+        "rope.scaling.yarn_beta_slow": "rope.scaling.beta_slow",
+        "rope.scaling.yarn_log_multiplier": "rope.scaling.mscale_all_dim",
+        "attention.temperature_scale": "rope.scaling_beta",
+    },
+}
+# Keys Ollama's files lack, which llama.cpp then injects (gemma3: the epsilon 1e-6 and, at a
+# context of 131072, linear scaling by 8; gpt-oss: the expert size and yarn).
+OLLAMA_DROPPED = {
+    "gemma3": ("attention.layer_norm_rms_epsilon", "rope.scaling.type", "rope.scaling.factor"),
+    "gpt-oss": ("expert_feed_forward_length", "rope.scaling.type"),
+}
+OLLAMA_TENSORS = {
+    "gpt-oss": {
+        ".attn_output.": ".attn_out.",
+        ".attn_sinks.weight": ".attn_sinks",
+        ".post_attention_norm.": ".ffn_norm.",
+    },
+}
+
+
+def _ollama(
+    arch: str, metadata: dict[str, Any], tensors: list[tuple[str, np.ndarray]]
+) -> tuple[str, dict[str, Any], list[tuple[str, np.ndarray]]]:
+    """A converter-style file as Ollama published it: renamed keys and tensors, dropped keys,
+    and (gemma3, mistral3) an embedded vision tower and projector."""
+    renames = OLLAMA_KEYS.get(arch, {})
+    dropped = OLLAMA_DROPPED.get(arch, ())
+    metadata = {renames.get(k, k): v for k, v in metadata.items() if k not in dropped}
+    for old, new in OLLAMA_TENSORS.get(arch, {}).items():
+        tensors = [(n.replace(old, new), v) for n, v in tensors]
+    if arch in ("gemma3", "mistral3"):
+        rng = np.random.default_rng(7)
+        metadata |= {
+            "vision.block_count": 1,
+            "vision.embedding_length": 32,
+            "mm.tokens_per_image": 4,
+        }
+        tensors += [
+            ("v.patch_embd.weight", rng.normal(0, 0.02, (32, 3, 14, 14)).astype(np.float32)),
+            ("v.blk.0.attn_q.weight", rng.normal(0, 0.02, (32, 32)).astype(np.float32)),
+            ("v.blk.0.ln1.weight", np.ones(32, np.float32)),
+            ("mm.mm_input_projection.weight", rng.normal(0, 0.02, (32, 64)).astype(np.float32)),
+        ]
+    return ("gptoss" if arch == "gpt-oss" else arch), metadata, tensors
+
+
 def checkpoint_of(gguf_path: Path, like: Path, out: Path) -> Path:
     """The checkpoint whose weights are the GGUF's stored values (gguf-py's dequantization,
-    the converter's changes undone), with `like`'s config and tokenizer."""
+    the converter's changes undone, Hugging Face's names and layouts), with `like`'s config
+    (its vocab_size the embedding's rows) and tokenizer."""
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = str(reader.fields["general.architecture"].contents())
     config = json.loads((like / "config.json").read_text())
+    conversion = CONVERSIONS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     names = {v: k for k, v in TOP.items()}
-    weights = {}
+    block = {v: k for k, v in conversion.block.items()}
+    weights: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[str, np.ndarray]] = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name.startswith(("rope_freqs", "rope_factors", "v.", "mm.")):
             continue
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         values = np.asarray(values, np.float32).reshape([int(d) for d in reversed(t.shape)])
         match = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
-        if match:
-            block = {v: k for k, v in LLAMA_BLOCK.items()}[match.group(2)]
-            name = f"model.layers.{match.group(1)}.{block}"
-        else:
-            name = names[t.name]
-        if arch in PERMUTED and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if match and "_exps." in match.group(2):
+            experts.setdefault(match.group(1), {})[match.group(2)] = values
+            continue
+        name = f"model.layers.{match.group(1)}.{block[match.group(2)]}" if match else names[t.name]
+        if conversion.permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             values = values[unpermute_rows(heads * head_dim, heads)]
-        if arch in PERMUTED and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        if conversion.permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             values = values[unpermute_rows(kv_heads * head_dim, kv_heads)]
+        if conversion.plus_one and name.endswith("norm.weight"):
+            values = values - np.float32(1)
         weights[name] = np.ascontiguousarray(values)
+    for layer, parts in experts.items():
+        weights |= _checkpoint_experts(f"model.layers.{layer}.mlp.experts", parts, conversion)
+    config["vocab_size"] = int(weights["model.embed_tokens.weight"].shape[0])
     out.mkdir(parents=True, exist_ok=True)
-    for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(like / file, out / file)
     save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
     return out
 
 
-def _gguf_name(name: str) -> str:
+def _checkpoint_experts(
+    p: str, parts: dict[str, np.ndarray], conversion: Conversion
+) -> dict[str, np.ndarray]:
+    """A layer's experts as the checkpoint holds them: one tensor per expert (Qwen3-MoE), or
+    transformers' GPT-OSS layout (gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H])."""
+    if conversion.experts == "stacked":
+        return {
+            f"{p}.{e}.{proj}_proj.weight": np.ascontiguousarray(stacked[e])
+            for proj in PROJECTIONS
+            for stacked in [parts[f"ffn_{proj}_exps.weight"]]
+            for e in range(stacked.shape[0])
+        }
+    gate, up = parts["ffn_gate_exps.weight"], parts["ffn_up_exps.weight"]
+    gate_up = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+    gate_up[:, ::2], gate_up[:, 1::2] = gate, up
+    bias = np.empty((gate.shape[0], 2 * gate.shape[1]), np.float32)
+    bias[:, ::2], bias[:, 1::2] = parts["ffn_gate_exps.bias"], parts["ffn_up_exps.bias"]
+    return {
+        f"{p}.gate_up_proj": np.ascontiguousarray(gate_up.swapaxes(-1, -2)),
+        f"{p}.gate_up_proj_bias": bias,
+        f"{p}.down_proj": np.ascontiguousarray(parts["ffn_down_exps.weight"].swapaxes(-1, -2)),
+        f"{p}.down_proj_bias": parts["ffn_down_exps.bias"],
+    }
+
+
+def _gguf_name(name: str, conversion: Conversion) -> str:
     if name in TOP:
         return TOP[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     assert match, name
-    return f"blk.{match.group(1)}.{LLAMA_BLOCK[match.group(2)]}"
+    return f"blk.{match.group(1)}.{conversion.block[match.group(2)]}"
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -176,23 +613,24 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _llama3_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
-    """convert_hf_to_gguf's `rope_freqs` for a llama3 RoPE (LlamaModel.generate_extra_tensors)."""
-    import math
-
+    """convert_hf_to_gguf's `rope_freqs` for a llama3 RoPE (LlamaModel.generate_extra_tensors),
+    in its float32 torch arithmetic: `a / t` for a Python number a is torch's
+    t.reciprocal() * a, every step rounded to float32."""
+    f32 = np.float32
     base = rope["rope_theta"]
-    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, head_dim, 2, dtype=np.float32) / f32(head_dim)))
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     context = rope["original_max_position_embeddings"]
     out = []
-    for freq in freqs.astype(np.float64):
-        wavelen = 2 * math.pi / freq
+    for freq in freqs.astype(np.float32):
+        wavelen = (f32(1) / freq) * f32(2 * math.pi)
         if wavelen < context / high:
-            out.append(1.0)
+            out.append(f32(1))
         elif wavelen > context / low:
-            out.append(factor)
+            out.append(f32(factor))
         else:
-            smooth = (context / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
+            smooth = ((f32(1) / wavelen) * f32(context) - f32(low)) / f32(high - low)
+            out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
     return np.array(out, np.float32)
 
 

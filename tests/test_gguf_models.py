@@ -1,13 +1,19 @@
 """GGUF model files load as the checkpoints they came from (runner/sources/gguf/model.py,
-architectures.py): a tiny checkpoint written as llama.cpp's converter writes it, float32 or
-in a quantized file's mix of types, computes what the checkpoint of its stored values
-(gguf-py's dequantization, llama.cpp's) computes through the runner's directory loader,
-and, for Llama, what a float64 numpy forward of those values computes."""
+architectures.py): a tiny checkpoint of every architecture served, written as llama.cpp's
+converter writes it (tests/gguf_models.py), float32 or in a quantized file's mix of types,
+computes what the checkpoint of its stored values (gguf-py's dequantization, llama.cpp's)
+computes through the runner's directory loader, and, float32, what the checkpoint itself
+computes; for Llama also what a float64 numpy forward of those values computes. Ollama's own
+files (embedded vision towers, other spellings) load as the converter's do; files the runner
+cannot map fail naming what it cannot. tests/test_gguf_convert.py holds the files written here
+to llama.cpp's real converter."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -17,19 +23,18 @@ from safetensors.numpy import load_file
 from runner.models import build_model
 from runner.sources.gguf.model import load_gguf
 from runner.sources.loader import load_local_dir
-from tests.gguf_models import checkpoint_of, float32, mixed, write_gguf
-from tests.tiny import tiny_config, write_tiny_model
+from runner.sources.source import ModelLoadError
+from tests.gguf_models import (
+    GGUF_ARCHITECTURES,
+    checkpoint_of,
+    float32,
+    mixed,
+    tiny_checkpoint,
+    write_gguf,
+)
+from tests.tiny import write_tiny_model
 
 SEQUENCE = [5, 17, 42, 99, 3, 250, 7, 8, 61, 120, 33]
-ARCHES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-# What a GGUF of the architecture cannot say: llama.cpp's qwen2 has no sliding windows.
-GGUF_CANNOT = {
-    "Qwen2ForCausalLM": {"use_sliding_window": False, "layer_types": ["full_attention"] * 3}
-}
-
-
-def tiny_checkpoint(arch: str, path: Path) -> Path:
-    return write_tiny_model(arch, path, config=tiny_config(arch) | GGUF_CANNOT.get(arch, {}))
 
 
 def logits(model, tokens=SEQUENCE) -> np.ndarray:
@@ -37,7 +42,7 @@ def logits(model, tokens=SEQUENCE) -> np.ndarray:
     return np.array(model.unembed(model.hidden(ids, model.make_caches()))[0, -1])
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 @pytest.mark.parametrize("rule", [float32, mixed], ids=["f32", "mixed"])
 def test_a_gguf_computes_what_its_stored_values_compute(tmp_path: Path, arch: str, rule) -> None:
     checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
@@ -45,13 +50,18 @@ def test_a_gguf_computes_what_its_stored_values_compute(tmp_path: Path, arch: st
     source = load_gguf(path)
     if rule is mixed:
         assert source.quantization  # kept quantized (repacked), not dequantized
-        bits = {v["bits"] for k, v in source.quantization.items() if isinstance(v, dict)}
-        assert bits >= {4, 5, 8}
+        layers = {k: v for k, v in source.quantization.items() if isinstance(v, dict)}
+        assert {v["bits"] for v in layers.values()} >= {4, 5, 8}
+        if arch == "GptOssForCausalLM":  # the experts in MLX's own mxfp4
+            experts = {k: v["mode"] for k, v in layers.items() if ".experts." in k}
+            assert len(experts) == 6 and set(experts.values()) == {"mxfp4"}
     got = logits(build_model(source))
     expected = logits(build_model(load_local_dir(checkpoint_of(path, checkpoint, tmp_path / "x"))))
     assert np.abs(got - expected).max() <= 1e-4
     if rule is float32:  # the stored values are the checkpoint's: the same model
-        assert np.abs(got - logits(build_model(load_local_dir(checkpoint)))).max() <= 1e-4
+        original = logits(build_model(load_local_dir(checkpoint)))
+        # (Gemma3's converter drops the embedding rows past the tokenizer's vocabulary)
+        assert np.abs(got - original[: len(got)]).max() <= 1e-4
 
 
 def test_a_llama_gguf_equals_a_float64_forward_of_its_values(tmp_path: Path) -> None:
@@ -152,10 +162,121 @@ def test_an_ollama_store_gguf_model_loads_by_name(tmp_path: Path) -> None:
     assert np.array_equal(logits(build_model(source)), logits(build_model(load_gguf(path))))
 
 
+@pytest.mark.parametrize(
+    "arch", ["Gemma3ForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM"]
+)
+def test_ollamas_own_files_load_as_the_converters_do(
+    tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What Ollama's converter published (tests/gguf_models.py `ollama`: gemma3 and mistral3
+    with their vision tower inside and their own key spellings, gpt-oss as `gptoss` with its
+    own tensor names and keys left out) computes what the llama.cpp converter's file does;
+    an embedded vision tower is left unloaded, and a log line says so."""
+    checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
+    theirs = write_gguf(checkpoint, tmp_path / "ollama.gguf", mixed, ollama=True)
+    ours = write_gguf(checkpoint, tmp_path / "llama.cpp.gguf", mixed)
+    with caplog.at_level(logging.WARNING, logger="runner.sources.gguf.architectures"):
+        source = load_gguf(theirs)
+    vision = arch != "GptOssForCausalLM"
+    assert ("vision tensors (v.*, mm.*) are left unloaded" in caplog.text) == vision
+    assert not any(k.startswith(("v.", "mm.")) for k in source.weights)
+    assert source.config["architectures"] == [arch]
+    assert np.abs(logits(build_model(source)) - logits(build_model(load_gguf(ours)))).max() <= 1e-6
+
+
+Edit = tuple[str, dict[str, Any], list[tuple[str, np.ndarray]]]
+
+
+def _drop(key: str):
+    def edit(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
+        return arch, {k: v for k, v in metadata.items() if k != key}, tensors
+
+    return edit
+
+
+def _set(key: str, value: Any):
+    def edit(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
+        return arch, metadata | {key: value}, tensors
+
+    return edit
+
+
+def _add_tensor(name: str):
+    def edit(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
+        return arch, metadata, [*tensors, (name, np.zeros((4, 64), np.float32))]
+
+    return edit
+
+
+def _fuse_qkv(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
+    """llama.cpp's --fuse-qkv: each layer's Q, K and V rows in one attn_qkv."""
+    parts = dict(tensors)
+    fused = []
+    for name, values in tensors:
+        if name.endswith("attn_q.weight"):
+            p = name.removesuffix("attn_q.weight")
+            qkv = [
+                parts[p + "attn_q.weight"],
+                parts[p + "attn_k.weight"],
+                parts[p + "attn_v.weight"],
+            ]
+            fused.append((p + "attn_qkv.weight", np.concatenate(qkv)))
+        elif not name.endswith(("attn_k.weight", "attn_v.weight")):
+            fused.append((name, values))
+    return arch, metadata, fused
+
+
+REFUSED = [
+    ("Qwen3MoeForCausalLM", _drop("expert_count"), r"^GGUF: qwen3moe\.expert_count is missing$"),
+    (
+        "Gemma2ForCausalLM",
+        _drop("embedding_length"),
+        r"^GGUF: gemma2\.embedding_length is missing$",
+    ),
+    (
+        "GptOssForCausalLM",
+        _drop("attention.sliding_window"),
+        r"gpt-oss\.attention\.sliding_window is missing",
+    ),
+    (
+        "Ministral3ForCausalLM",
+        _drop("rope.scaling.factor"),
+        r"mistral3\.rope\.scaling\.factor is missing",
+    ),
+    ("Phi3ForCausalLM", _set("rope.dimension_count", 20), r"phi3\.rope\.dimension_count 20"),
+    (
+        "Gemma3ForCausalLM",
+        _set("attention.sliding_window_pattern", [True, False]),
+        r"gemma3\.attention\.sliding_window_pattern must be 6 flags",
+    ),
+    (
+        "Qwen3ForCausalLM",
+        _add_tensor("blk.0.attn_gate.weight"),
+        r"^GGUF: tensor blk\.0\.attn_gate\.weight is not one the runner maps$",
+    ),
+    (
+        "Gemma2ForCausalLM",
+        _add_tensor("per_layer_token_embd.weight"),
+        r"tensor per_layer_token_embd\.weight is not one",
+    ),
+    ("LlamaForCausalLM", _fuse_qkv, r"tensor blk\.0\.attn_qkv\.weight is a fused Q/K/V projection"),
+]
+
+
+@pytest.mark.parametrize(("arch", "edit", "message"), REFUSED, ids=[m for _, _, m in REFUSED])
+def test_files_the_runner_cannot_map_are_refused_naming_what(
+    tmp_path: Path, arch: str, edit, message: str
+) -> None:
+    """A required key missing or impossible, a tensor no mapping knows, a fused projection the
+    checkpoint has apart: ModelLoadError naming it."""
+    checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", edit=edit)
+    with pytest.raises(ModelLoadError, match=message):
+        load_gguf(path)
+
+
 def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_path: Path) -> None:
     import gguf as gguf_package
-
-    from runner.sources.source import ModelLoadError
 
     writer = gguf_package.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
