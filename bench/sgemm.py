@@ -12,13 +12,17 @@ OpenBLAS alone in the same run.
     python -m bench.sgemm --shape qwen3-0.6b
 
 Settings: `openblas` (OpenBLAS alone, what a runner without a C compiler uses), `dispatch`
-(runner/native/sgemm_dispatch.c ahead of OpenBLAS, as the runner runs), `dispatch-1t` (the
+(runner/native/dispatch.c ahead of OpenBLAS, as the runner runs), `dispatch-1t` (the
 same on one thread: the kernel's efficiency, less sensitive to a busy second core), `panels`
 and `panels-1t` (the native step's products on exact float16 copies stored as panels,
 `runner_weight_product`: what a checkpoint stored in half precision gets; half the bytes, so
-their GB/s column counts two bytes a weight).
+their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
+step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
+MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
+biases), and `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
+    python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 # (out, in) of each product in a layer, and the layer count: q/o, k/v, gate/up, down.
 SHAPES = {
@@ -40,12 +45,31 @@ SHAPES = {
     "tiny": ([(48, 32), (16, 32), (16, 32), (32, 48), (72, 32), (72, 32), (32, 72)], 2),  # tests
 }  # fmt: skip
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
-FLOAT16 = 1  # W_F16 in runner/native/sgemm_dispatch.c
+EXTRA_SETTINGS = ("q4", "q4-1t", "q5", "q8", "mlx-q4", "mlx-q8")
+GROUP = 64  # the affine settings' group size (mlx-lm's default)
+# bytes a weight, for the GB/s column
+WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
 
 
-def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]:
+def setting_kind(setting: str) -> str:
+    """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
+    products) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
+    base = setting.removesuffix("-1t")
+    return base if base in ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8") else "sgemm"
+
+
+def weight_bytes(setting: str) -> float:
+    kind = setting_kind(setting).removeprefix("mlx-")
+    if kind in ("q4", "q5", "q8"):
+        return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
+    return WEIGHT_BYTES.get(kind, 4.0)
+
+
+def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
     """In a process with the BLAS preloaded: best GFLOP/s per row count."""
     import numpy as np
+
+    from runner.native import abi
 
     process = ctypes.CDLL(None)
     sgemm = process.cblas_sgemm
@@ -54,32 +78,43 @@ def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]
     sgemm.argtypes += [ctypes.c_float, p, ctypes.c_int]
     products, layers = SHAPES[shape]
     rng = np.random.default_rng(0)
-    # each layer's operands: float32 weights [n, k], or the panels of float16 values (exact)
-    operands = [
+    # each layer's operands: float32 weights [n, k], or the panels of float16 values (exact),
+    # or MLX's affine quantization of them
+    operands: list[list[Any]] = [
         [rng.standard_normal((n, k), dtype=np.float32) for n, k in products] for _ in range(layers)
     ]
-    if panels:
-        narrow, product = process.runner_narrow_panels, process.runner_weight_product
-        narrow.argtypes = [p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int]
-        product.argtypes = [ctypes.c_int] * 3 + [p, p, ctypes.c_int, p]
-        process.runner_panel_halves.restype = ctypes.c_long
-        for layer in operands:
-            for i, ((n, k), w) in enumerate(zip(products, layer, strict=True)):
-                exact = w.astype(np.float16).astype(np.float32)
-                layer[i] = np.empty(process.runner_panel_halves(n, k), np.uint16)
-                if not narrow(exact.ctypes.data, n, k, layer[i].ctypes.data, FLOAT16):
-                    raise SystemExit("a float16 value did not survive the narrowing")
+    functions = abi.load(process)
+    if kind != "sgemm" and functions is None:
+        raise SystemExit("the native library is not preloaded (or its ABI differs)")
+    for layer in operands:
+        for i, w in enumerate(layer):
+            if kind == "panels":
+                layer[i] = _panels(functions, w.astype(np.float16).astype(np.float32))
+            elif kind != "sgemm":
+                layer[i] = _affine(w, int(kind[-1]), kind.startswith("mlx-"))
 
-    def multiply(m: int, n: int, k: int, w: np.ndarray, a: np.ndarray, c: np.ndarray) -> None:
-        if panels:
-            product(m, n, k, a.ctypes.data, w.ctypes.data, FLOAT16, c.ctypes.data)
+    def multiply(m: int, n: int, k: int, w: Any, a: np.ndarray, c: np.ndarray) -> None:
+        if kind.startswith("mlx-"):
+            import mlx.core as mx
+
+            mx.eval(
+                mx.quantized_matmul(a, *w, transpose=True, group_size=GROUP, bits=int(kind[-1]))
+            )
+        elif kind != "sgemm":
+            functions.weight_product(
+                m, n, k, a.ctypes.data_as(abi.F32), ctypes.byref(w[0]), c.ctypes.data_as(abi.F32)
+            )
         else:
             sgemm(101, 111, 112, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k,
                   0.0, c.ctypes.data, n)  # fmt: skip
 
     result = {}
     for m in rows:
-        a = {k: rng.standard_normal((m, k), dtype=np.float32) for _, k in products}
+        a: dict[int, Any] = {k: rng.standard_normal((m, k), dtype=np.float32) for _, k in products}
+        if kind.startswith("mlx-"):
+            import mlx.core as mx
+
+            a = {k: mx.array(x) for k, x in a.items()}
         c = {n: np.empty((m, n), np.float32) for n, _ in products}
         best = 0.0
         for _ in range(3):
@@ -91,6 +126,40 @@ def child(shape: str, rows: list[int], panels: bool = False) -> dict[str, float]
             best = max(best, flops / (time.perf_counter() - started) / 1e9)
         result[str(m)] = best
     return result
+
+
+def _panels(functions: Any, exact: Any) -> Any:
+    """The float16 panels of `exact` (float32 values float16 holds), as a step_weight."""
+    import numpy as np
+
+    from runner.native import abi
+
+    n, k = exact.shape
+    panels = np.empty(functions.panel_halves(n, k), np.uint16)
+    if not functions.narrow_panels(exact.ctypes.data_as(abi.F32), n, k, panels.ctypes.data, 1):
+        raise SystemExit("a float16 value did not survive the narrowing")
+    return abi.Weight(format=abi.HALF_FORMATS["float16"], data=panels.ctypes.data), panels
+
+
+def _affine(w: Any, bits: int, for_mlx: bool) -> Any:
+    """`w` quantized as mlx-lm does (affine, GROUP, float16 scales and biases): MLX's arrays
+    (for_mlx), or a step_weight over them with the arrays it points into."""
+    import mlx.core as mx
+    import numpy as np
+
+    from runner.native import abi
+
+    q, s, b = mx.quantize(mx.array(w), GROUP, bits)
+    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    mx.eval(q, s, b)
+    if for_mlx:
+        return q, s, b
+    arrays = [np.array(x) for x in (q, s, b)]
+    weight = abi.Weight(
+        format=abi.AFFINE, bits=bits, group=GROUP, scale_format=abi.SCALE_FORMATS["float16"],
+        data=arrays[0].ctypes.data, scales=arrays[1].ctypes.data, biases=arrays[2].ctypes.data,
+    )  # fmt: skip
+    return weight, arrays
 
 
 def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
@@ -110,9 +179,10 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
         if setting.endswith("-1t"):
             env["RUNNER_BLAS_THREADS"] = "1"
             env["OPENBLAS_NUM_THREADS"] = "1"
-    kind = "panels" if setting.startswith("panels") else "sgemm"
+    if setting.startswith("mlx-"):
+        env.pop("RUNNER_BLAS_THREADS", None)  # MLX's CPU kernels: its own threads
     command = [sys.executable, "-m", "bench.sgemm", "--child", shape, ",".join(map(str, rows))]
-    command.append(kind)
+    command.append(setting_kind(setting))
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -120,14 +190,17 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        panels = argv[3:4] == ["panels"]
-        print(json.dumps(child(argv[1], [int(m) for m in argv[2].split(",")], panels)))
+        print(json.dumps(child(argv[1], [int(m) for m in argv[2].split(",")], argv[3])))
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.sgemm", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     p.add_argument("--rows", default="1,4,8,20,40")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"of {', '.join(SETTINGS + EXTRA_SETTINGS)}",
+    )
     args = p.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
     settings = args.settings.split(",")
@@ -138,15 +211,17 @@ def main(argv: list[str] | None = None) -> int:
                 best[setting][m] = max(best[setting].get(m, 0.0), rate)
     products, layers = SHAPES[args.shape]
     megabytes = sum(n * k for n, k in products) * layers * 4 / 1e6
-    print(f"shape {args.shape}: {megabytes:.0f} MB of float32 weights, best of {args.rounds}")
+    print(
+        f"shape {args.shape}: {megabytes:.0f} MB of float32 weights, best of {args.rounds} "
+        f"rounds, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     print("rows  " + "".join(f"{s:>26}" for s in settings))
     for m in rows:
         cells = []
         for s in settings:
             rate = best[s][str(m)]
             ratio = rate / best["openblas"][str(m)] if "openblas" in best else float("nan")
-            size = 2 if s.startswith("panels") else 4  # bytes a weight
-            streamed = rate / (2 * m) * size  # GB/s of weights at this rate
+            streamed = rate / (2 * m) * weight_bytes(s)  # GB/s of weights at this rate
             cells.append(f"{rate:6.1f} GF/s {streamed:5.1f} GB/s x{ratio:4.2f}")
         print(f"{m:4d}  " + "".join(f"{c:>26}" for c in cells))
     return 0

@@ -5,9 +5,10 @@ instruction-set paths.
   whose version differs, is refused at load with a line saying what differs, and the decoder
   layers stay on MLX's path.
 - Every x86-64 level's build (-march=native picks one path per machine) is built and, where
-  this CPU can execute it, computes: its products equal float64 ones, and its decoder step
-  equals MLX's path on a tiny model. An arm64 build is compiled where a cross compiler is
-  installed (scripts/setup installs one when it can).
+  this CPU can execute it, computes: its products equal float64 ones (float32, half panels,
+  and MLX's affine quantization, summed exactly as its tiles define), and its decoder step
+  equals MLX's path on a tiny model (float, half copies, quantized). An arm64 build is
+  compiled where a cross compiler is installed (scripts/setup installs one when it can).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ import pytest
 
 from runner.backend import Backend, native_step
 from runner.native import abi, build
+from tests.test_native_step import (
+    AFFINE_LANES,
+    SCALE_DTYPES,
+    Affine,
+    affine_in_order,
+    load_quantized_model,
+)
 from tests.tiny import load_tiny_model
 
 COMPILER = build.compiler()
@@ -82,14 +90,15 @@ def swapped(mirror: type[ctypes.Structure], a: str, b: str) -> type[ctypes.Struc
 @pytest.mark.parametrize(
     ("struct", "change", "said"),
     [
-        ("step_args", lambda m: swapped(m, "eps", "scale"), "eps@48 (C: 44)"),
+        ("step_args", lambda m: swapped(m, "eps", "scale"), "eps@44 (C: 40)"),
+        ("step_weight", lambda m: swapped(m, "scales", "biases"), "scales@32 (C: 24)"),
         ("step_cache", lambda m: swapped(m, "keys", "values"), "keys@8 (C: 0)"),
         (  # a field added on the Python side only
             "step_layer",
             lambda m: type(
                 "L", (ctypes.Structure,), {"_fields_": [*m._fields_, ("x", ctypes.c_int)]}
             ),
-            "struct step_layer: 176 bytes, the mirror 184",
+            "struct step_layer: 400 bytes, the mirror 408",
         ),
     ],
 )
@@ -119,8 +128,12 @@ VERSION = "#define RUNNER_NATIVE_ABI_VERSION"
             "struct step_args: fields differ: eps@",
         ),
         (  # the version moved without the mirror
-            {"runner_native.h": (f"{VERSION} 7", f"{VERSION} 8")},
-            "ABI version 8, the runner expects 7",
+            {"runner_native.h": (f"{VERSION} 8", f"{VERSION} 9")},
+            "ABI version 9, the runner expects 8",
+        ),
+        (  # a weight's fields reordered in C only
+            {"runner_native.h": ("int bits, group, scale", "int group, bits, scale")},
+            "struct step_weight: fields differ: bits@",
         ),
     ],
 )  # fmt: skip
@@ -200,10 +213,10 @@ def test_every_level_computes_products(level_library, m: int) -> None:
     expected = a.astype(np.float64) @ w.astype(np.float64).T
     c = np.zeros((m, n), np.float32)
     pointer = abi.F32
-    f32 = ctypes.c_void_p(w.ctypes.data)
+    f32 = abi.Weight(format=abi.F32_FORMAT, data=w.ctypes.data)
     assert (
         functions.weight_product(
-            m, n, k, a.ctypes.data_as(pointer), f32, 0, c.ctypes.data_as(pointer)
+            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(f32), c.ctypes.data_as(pointer)
         )
         == 0
     )
@@ -213,8 +226,9 @@ def test_every_level_computes_products(level_library, m: int) -> None:
         panels = np.empty(functions.panel_halves(n, k), np.uint16)
         assert functions.narrow_panels(w16.ctypes.data_as(pointer), n, k, panels.ctypes.data, 1)
         c16 = np.zeros((m, n), np.float32)
+        half = abi.Weight(format=abi.HALF_FORMATS["float16"], data=panels.ctypes.data)
         functions.weight_product(
-            m, n, k, a.ctypes.data_as(pointer), panels.ctypes.data, 1, c16.ctypes.data_as(pointer)
+            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(half), c16.ctypes.data_as(pointer)
         )
         assert np.abs(c16 - a.astype(np.float64) @ w16.astype(np.float64).T).max() < 1e-4
     sgemm = library.cblas_sgemm
@@ -248,27 +262,68 @@ def test_every_level_computes_products(level_library, m: int) -> None:
     assert np.abs(out - (0.5 * expected + 2.0)).max() < 1e-4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_level_computes_the_decoder_step(level_library, dtype: str, tmp_path: Path) -> None:
-    """A tiny Llama's prompt and decode steps through the level's decoder step equal MLX's
-    path (float32 rounding); half copies of a bfloat16 checkpoint where the level has them."""
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (5, 32), (8, 128)])
+def test_every_level_computes_affine_products(level_library, bits: int, group: int) -> None:
+    """runner_weight_product on MLX's affine quantization (scales in each format): exactly
+    the sums the level's tiles define (its lanes, fused or not), the same bits for any number
+    of rows, and within 1e-4 of the float64 product of mx.dequantize's values."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
     functions = abi.load(library)
     assert functions is not None
-    plain = load_tiny_model(
-        "LlamaForCausalLM",
-        tmp_path,
-        # MLX's path as the runner takes it under the dispatch (no numpy gemv)
-        backend=Backend.cpu().replace(native_step_max_tokens=None, gemv=False),
-        dtype=dtype,
-    )
+    lanes = AFFINE_LANES[LEVELS[march][0]]
+    rng = np.random.default_rng(bits * group)
+    n, k = 45, 384
+    a = rng.normal(size=(41, k)).astype(np.float32)
+    for scales in SCALE_DTYPES:
+        w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
+        c = w.times(functions, a)
+        np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
+        for m in (1, 2, 3, 7):
+            np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
+        want = a.astype(np.float64) @ w.values.astype(np.float64).T
+        assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+
+
+# (checkpoint dtype, quantization): float32, bfloat16 (half copies where the level has them),
+# and mlx-lm quantizations (tests/test_native_step.py) of every width the step reads
+STEP_CHECKPOINTS = [
+    ("float32", None),
+    ("bfloat16", None),
+    ("float16", (4, 64)),
+    ("float32", (5, 32)),
+    ("bfloat16", (8, 128)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), STEP_CHECKPOINTS)
+def test_every_level_computes_the_decoder_step(
+    level_library, dtype: str, quantization: tuple[int, int] | None, tmp_path: Path
+) -> None:
+    """A tiny Llama's prompt and decode steps through the level's decoder step and head equal
+    MLX's path (float32 rounding): float32 weights, half copies of a bfloat16 checkpoint where
+    the level has them, and the codes of mlx-lm's affine quantizations."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    # MLX's path as the runner takes it under the dispatch (no numpy gemv)
+    backend = Backend.cpu().replace(native_step_max_tokens=None, gemv=False)
+    if quantization:
+        plain = load_quantized_model(
+            "LlamaForCausalLM", tmp_path / "q", *quantization, dtype, backend=backend
+        )
+    else:
+        plain = load_tiny_model("LlamaForCausalLM", tmp_path, backend=backend, dtype=dtype)
     step = native_step.build(
         plain.module, plain.KERNELS, 8, ("float16", "bfloat16"), functions=functions
     )
     assert step is not None
-    assert step.half_format == (dtype if functions.half_weights and dtype != "float32" else None)
+    half = functions.half_weights and dtype != "float32" and not quantization
+    assert step.half_format == (dtype if half else None)
+    assert step.quantized == (7 * step.layers if quantization else 0)
 
     def run(native: Any) -> list[np.ndarray]:
         plain._native = native

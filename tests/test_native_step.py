@@ -4,13 +4,19 @@ Each test loads the same tiny model twice, with the native step and without it, 
 same forwards through both: prompts in chunks the step takes and chunks it leaves to MLX,
 decode steps across a cache buffer's growth (mlx-lm grows KV buffers 256 positions at a
 time), a cache rewound and refilled. Hidden states, logits and the caches' contents agree
-within float32 rounding, and the step must actually have run (counted).
+within float32 rounding, and the step must actually have run (counted). The models are float
+checkpoints (float32, and half-precision ones the step reads through exact half copies) and
+mlx-lm quantizations of them (affine: 4, 5 and 8 bits, groups of 32, 64 and 128, scales in
+float32, float16 and bfloat16), whose codes the step reads where MLX keeps them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -19,7 +25,7 @@ import pytest
 
 from runner.backend import Backend
 from runner.native import abi, preload
-from tests.tiny import load_tiny_model, prefix_cache, tiny_config
+from tests.tiny import load_tiny_model, prefix_cache, tiny_config, write_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not preload.dispatch_active(), reason="needs the runner's dispatch library preloaded"
@@ -70,7 +76,68 @@ CHECKPOINTS = [
     ("LlamaForCausalLM", "bfloat16"),
     ("Qwen3ForCausalLM", "float16"),
 ]
+# (family, checkpoint dtype, bits, group size): mlx-lm's quantization of the checkpoint, its
+# scales and biases in the checkpoint's dtype (Llama's untied head and Qwen3's tied
+# embedding quantized too, as mlx_lm.convert quantizes them)
+QUANTIZED = [
+    ("LlamaForCausalLM", "float16", 4, 64),
+    ("Qwen3ForCausalLM", "float32", 4, 32),
+    ("LlamaForCausalLM", "float32", 8, 64),
+    ("Qwen3ForCausalLM", "float16", 5, 32),
+    ("LlamaForCausalLM", "bfloat16", 4, 128),
+]
+# The tiny configs' dimensions, widened to whole groups of 128 (hidden size, the query rows
+# the output projection reads, the MLP's width).
+QUANTIZED_DIMS = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 MAX_TOKENS = 8
+
+
+def write_quantized_model(
+    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", **kwargs: Any
+) -> Path:
+    """A tiny model (`write_tiny_model` with QUANTIZED_DIMS, and `kwargs`) quantized as
+    `mlx_lm.convert(..., quantize=True, q_bits=bits, q_group_size=group, dtype=dtype)`
+    quantizes it: its weights cast to `dtype` (so scales and biases come out in it), every
+    linear layer and the embedding quantized (affine) by mlx-lm's `quantize_model`, and
+    written as mlx-lm writes a converted model; returns `path`."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    config = kwargs.pop("config", None) or tiny_config(arch) | QUANTIZED_DIMS
+    source = write_tiny_model(arch, path.with_name(path.name + "-float"), config=config, **kwargs)
+    module, config = load_model(source)
+    target = getattr(mx, dtype)
+    module.update(
+        tree_map(
+            lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
+            module.parameters(),
+        )
+    )
+    module, config = quantize_model(module, config, group, bits)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, module)
+    save_config(config, path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    return path
+
+
+def load_quantized_model(
+    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", *, backend: Any = None
+) -> Any:
+    """`write_quantized_model`, loaded by the runner (`backend`, default the device's)."""
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+
+    return build_model(
+        load_local_dir(write_quantized_model(arch, path, bits, group, dtype)), backend
+    )
 
 
 class Counting:
@@ -91,24 +158,23 @@ class Counting:
         return getattr(self.step, name)
 
 
-@pytest.fixture(params=CHECKPOINTS, ids=lambda c: "-".join(c))
+@pytest.fixture(params=[*CHECKPOINTS, *QUANTIZED], ids=lambda c: "-".join(map(str, c)))
 def pair(request, tmp_path):
-    arch, dtype = request.param
-    native = load_tiny_model(
-        arch,
-        tmp_path / "a",
-        backend=Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS),
-        dtype=dtype,
-    )
-    plain = load_tiny_model(
-        arch,
-        tmp_path / "b",
-        backend=Backend.cpu().replace(native_step_max_tokens=None),
-        dtype=dtype,
-    )
+    arch, dtype, *quantization = request.param
+    on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    off = Backend.cpu().replace(native_step_max_tokens=None)
+    if quantization:
+        native = load_quantized_model(arch, tmp_path / "a", *quantization, dtype, backend=on)
+        plain = load_quantized_model(arch, tmp_path / "b", *quantization, dtype, backend=off)
+    else:
+        native = load_tiny_model(arch, tmp_path / "a", backend=on, dtype=dtype)
+        plain = load_tiny_model(arch, tmp_path / "b", backend=off, dtype=dtype)
     assert native._native is not None and plain._native is None
-    half = dtype != "float32" and half_weights()
+    half = dtype != "float32" and half_weights() and not quantization
     assert native._native.half_format == (dtype if half else None)
+    # every product read from its codes, and the (quantized) head computed natively too
+    assert native._native.quantized == (7 * native._native.layers if quantization else 0)
+    assert native._native._head is not None or not (half or quantization)
     native._native = Counting(native._native)
     return native, plain
 
@@ -525,10 +591,10 @@ def _panel_product(functions, a: np.ndarray, w: np.ndarray, fmt: str) -> np.ndar
     )
     assert code == 1
     c = np.empty((m, n), np.float32)
+    weight = abi.Weight(format=abi.HALF_FORMATS[fmt], data=panels.ctypes.data)
     code = functions.weight_product(
-        m, n, k, native_step._pointer(a), panels.ctypes.data, abi.HALF_FORMATS[fmt],
-        native_step._pointer(c),
-    )  # fmt: skip
+        m, n, k, native_step._pointer(a), ctypes.byref(weight), native_step._pointer(c)
+    )
     assert code == 0
     return c
 
@@ -568,6 +634,194 @@ def test_half_panels_products_sum_in_order():
             for i in range(m):  # each row alone: the same bits
                 alone = _panel_product(functions, a[i : i + 1], w, fmt)
                 np.testing.assert_array_equal(alone, c[i : i + 1])
+
+
+# --- MLX's affine quantization -----------------------------------------------------------------
+
+SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# The lanes of the affine tiles' vectors on each instruction-set path (runner/native/quantized.c)
+# and whether their sums are fused multiply-adds (no FMA on the SSE and AVX-only paths).
+AFFINE_LANES = {"avx512": (16, True), "avx2": (8, True), "avx": (8, False), "sse": (4, False)}
+
+
+class Affine:
+    """w [n, k] quantized by mx.quantize (affine, `bits`, `group`; scales and biases cast to
+    `scales`): MLX's arrays, the struct step_weight over them, and the values the library
+    multiplies with: mx.dequantize's from float32 scales and biases (what MLX's
+    quantized_matmul multiplies a float32 input with)."""
+
+    def __init__(self, w: np.ndarray, bits: int, group: int, scales: str = "float32"):
+        q, s, b = mx.quantize(mx.array(w), group, bits)
+        s, b = s.astype(SCALE_DTYPES[scales]), b.astype(SCALE_DTYPES[scales])
+        mx.eval(q, s, b)
+        self.values = np.array(
+            mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group, bits)
+        )
+        self.arrays = [
+            np.asarray(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x) for x in (q, s, b)
+        ]
+        self.bits, self.shape = bits, w.shape
+        self.weight = abi.Weight(
+            format=abi.AFFINE, bits=bits, group=group, scale_format=abi.SCALE_FORMATS[scales],
+            data=self.arrays[0].ctypes.data, scales=self.arrays[1].ctypes.data,
+            biases=self.arrays[2].ctypes.data,
+        )  # fmt: skip
+
+    def times(self, functions: abi.Functions, a: np.ndarray) -> np.ndarray:
+        """a W^T through runner_weight_product."""
+        c = np.full((a.shape[0], self.shape[0]), np.nan, np.float32)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        code = functions.weight_product(
+            a.shape[0], self.shape[0], self.shape[1], a.ctypes.data_as(abi.F32),
+            ctypes.byref(self.weight), c.ctypes.data_as(abi.F32),
+        )  # fmt: skip
+        assert code == 0
+        return c
+
+
+def affine_in_order(a: np.ndarray, w: np.ndarray, bits: int, lanes: int, fused: bool) -> np.ndarray:
+    """The sums the affine tiles define (runner/native/quantized.c): lane l of `lanes` takes,
+    in order of k, the products at the positions the units put in it (4 bits: a unit of 2
+    `lanes` positions, its even ones in the first vector, its odd ones in the second; else
+    position t0 + l), each added by one fused multiply-add (`fused`; else the product
+    rounded first), then the lanes summed by halving. Fused steps are emulated in float64,
+    which holds a product of two float32s exactly (so each step rounds twice: the fused
+    result except in ties past float32's precision, which random values do not meet)."""
+    m, k = a.shape
+    unit = 2 * lanes if bits == 4 else lanes
+    acc = np.zeros((m, w.shape[0], lanes), np.float32)
+    for t0 in range(0, k, unit):
+        for v in range(unit // lanes):
+            at = t0 + (2 * np.arange(lanes) + v if bits == 4 else np.arange(lanes))
+            product = a[:, None, at].astype(np.float64) * w[None, :, at].astype(np.float64)
+            if not fused:
+                product = product.astype(np.float32)
+            acc = (acc.astype(np.float64) + product).astype(np.float32)
+    half = lanes // 2
+    while half:
+        acc[..., :half] = acc[..., :half] + acc[..., half : 2 * half]
+        half //= 2
+    return acc[..., 0]
+
+
+def test_affine_products_equal_float64_and_every_row_count():
+    """runner_weight_product on MLX's affine quantization (every bits, group and scale
+    format): within 1e-4 (relative to the largest value) of the float64 product of
+    mx.dequantize's values, and the same bits whatever the number of rows (the stream tiles of
+    one or two rows, the block tiles of more, in row groups of 1-4 and chunks) and the columns
+    (n not a whole number of blocks); on x86, exactly the sums the tiles define."""
+    functions = abi.load()
+    assert functions is not None
+    lanes = AFFINE_LANES.get(abi.level() or "")
+    rng = np.random.default_rng(11)
+    for bits, group, scales in itertools.product((4, 5, 8), (32, 64, 128), SCALE_DTYPES):
+        n, k = 37, 256
+        w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
+        a = rng.normal(size=(133, k)).astype(np.float32)
+        c = w.times(functions, a)
+        want = a.astype(np.float64) @ w.values.astype(np.float64).T
+        assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max(), (bits, group, scales)
+        if lanes is not None:
+            np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
+        for m in (1, 2, 3, 4, 5, 8, 15, 40):
+            np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m], err_msg=f"{m} rows")
+        for i in (0, 17, 132):
+            np.testing.assert_array_equal(w.times(functions, a[i : i + 1]), c[i : i + 1])
+
+
+def test_affine_logits_equal_float64():
+    """A head's worth of logits (SmolLM2's: 49152 x 576, 4 bits, groups of 64, float16
+    scales, as mlx-lm converts it) for a decode step and 15 rows: within 1e-4 of the
+    float64 product of mx.dequantize's values (relative to the largest logit), every row the
+    same bits alone."""
+    functions = abi.load()
+    assert functions is not None
+    rng = np.random.default_rng(12)
+    w = Affine((rng.normal(size=(49152, 576)) * 0.05).astype(np.float32), 4, 64, "float16")
+    a = rng.normal(size=(15, 576)).astype(np.float32)
+    c = w.times(functions, a)
+    want = a.astype(np.float64) @ w.values.astype(np.float64).T
+    assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+    np.testing.assert_array_equal(w.times(functions, a[3:4]), c[3:4])
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_quantized_weights_are_read_where_mlx_keeps_them(arch, tmp_path):
+    """No copy of a quantized weight, float or not: every product of the step, and the head
+    (Llama's lm_head, Qwen3's tied embedding), points into the arrays of MLX's quantized
+    layers; the step makes no half copies."""
+    model = load_quantized_model(
+        arch, tmp_path / "m", 4, 64, "float16",
+        backend=Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS),
+    )  # fmt: skip
+    step = model._native
+    assert step is not None and step.half_copies == [] and step.half_format is None
+
+    def addresses(layer: Any) -> tuple[int, int, int]:
+        return tuple(  # type: ignore[return-value]
+            np.asarray(
+                layer[name].view(mx.uint16) if layer[name].dtype == mx.bfloat16 else layer[name]
+            ).ctypes.data
+            for name in ("weight", "scales", "biases")
+        )
+
+    for struct, layer in zip(step._structs, model.module.model.layers, strict=True):
+        for name in abi.PRODUCTS:
+            owner = layer.mlp if name in ("gate", "up", "down") else layer.self_attn
+            weight = getattr(struct, name)
+            assert weight.format == abi.AFFINE and (weight.bits, weight.group) == (4, 64)
+            assert weight.scale_format == abi.SCALE_FORMATS["float16"]
+            got = (weight.data, weight.scales, weight.biases)
+            assert got == addresses(getattr(owner, f"{name}_proj"))
+    head = step._head
+    owner = model.module.model.embed_tokens if arch == "Qwen3ForCausalLM" else model.module.lm_head
+    assert (head.data, head.scales, head.biases) == addresses(owner)
+
+
+def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
+    """mxfp4 layers, and affine codes of other widths (3 bits), leave the whole model on
+    MLX's path; a head of such codes over layers it reads leaves only the head on MLX's,
+    which then computes the same logits."""
+    from mlx_lm.utils import quantize_model
+
+    backend = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    for i, (bits, group, mode) in enumerate([(4, 32, "mxfp4"), (3, 64, "affine")]):
+        model = load_tiny_model(
+            "LlamaForCausalLM",
+            tmp_path / f"f{i}",
+            backend=backend,
+            config=tiny_config("LlamaForCausalLM") | QUANTIZED_DIMS,
+        )
+        quantize_model(model.module, {}, group, bits, mode=mode)
+        assert native_step_of(model) is None, (bits, mode)
+
+    def head_in_3_bits(path: str, module: Any) -> bool | dict:
+        return {"group_size": 64, "bits": 3} if path == "lm_head" else True
+
+    def quantized(backend: Backend) -> Any:
+        model = load_tiny_model(
+            "LlamaForCausalLM",
+            tmp_path / "h",
+            backend=backend,
+            config=tiny_config("LlamaForCausalLM") | QUANTIZED_DIMS,
+        )
+        quantize_model(model.module, {}, 64, 4, quant_predicate=head_in_3_bits)
+        model._native = native_step_of(model)
+        return model
+
+    native, plain = quantized(backend), quantized(backend.replace(native_step_max_tokens=None))
+    assert native._native is not None and native._native._head is None
+    assert native._native.quantized == 7 * native._native.layers
+    got = forward(native, native.make_caches(), [5, 6, 7])
+    want = forward(plain, plain.make_caches(), [5, 6, 7])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def native_step_of(model: Any) -> Any:
+    """The native step `model`'s module gets now (after its layers were changed)."""
+    from runner.backend import native_step
+
+    return native_step.build(model.module, model.KERNELS, MAX_TOKENS)
 
 
 def test_trie_restores_write_into_the_steps_own_buffers(pair):
@@ -671,4 +925,4 @@ def test_a_restore_that_fails_halfway_leaves_nothing_half_switched(pair):
             got = np.array(session.last_hidden(lambda: None))
         with prefix_cache(native, name="fresh").begin(prompt) as session:
             want = np.array(session.last_hidden(lambda: None))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # chunked otherwise

@@ -24,11 +24,20 @@ products on row-major copies, a decode step 0.75x (docs/DESIGN.md §4). They cos
 the weights' memory, so they are not made when that would be more than half of the memory
 available.
 
+Quantized weights: an `nn.QuantizedLinear` in MLX's affine mode (4, 5 or 8 bits, groups of
+32, 64 or 128, scales and biases in float32, float16 or bfloat16: what mlx-lm's conversions
+and the runner's GGUF repacks hold) is read as MLX stores it, the codes unpacked in registers
+by the library's tiles (runner/native/quantized.c): no float copy is made, and the numbers are
+the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or a tied
+quantized embedding) is computed there too, for any number of rows (MLX's CPU
+`quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
+
 It serves Llama, Qwen2 and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`,
 `Qwen2ForCausalLM`, `Qwen3ForCausalLM`):
 RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
 from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
-anything else (a quantized or non-float32 weight, another module shape), and a call
+anything else (a weight it cannot read: non-float32 floats, other quantizations (mxfp4,
+nvfp4, 2/3/6 bits, global scales); another module shape), and a call
 returns None where MLX's path must run: more tokens than the backend's limit, a cache that
 is neither a plain `KVCache` (one row) nor an empty-suffixed `SharedPrefixKV` (rows over a
 prefix), e.g. sliding windows, or cache buffers it cannot read in place.
@@ -49,6 +58,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -150,12 +160,96 @@ def _view(array: Any, what: str) -> np.ndarray:
     return view
 
 
-def _linear(parent: nn.Module, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+# runner/models/quantized.py's parameter for nvfp4's global scale (a layer with one stays on
+# MLX's path; backend sits below models, so the name is repeated here)
+GLOBAL_SCALE = "global_scale"
+# MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
+# group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
+AFFINE_BITS = (4, 5, 8)
+AFFINE_GROUPS = (32, 64, 128)
+_SCALE_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrix:
+    """One product's weight [n, k] as the step reads it, never copied: float32 (`f32`), or
+    MLX's affine quantization (`codes`, `scales`, `biases`: views of MLX's memory)."""
+
+    n: int
+    k: int
+    f32: np.ndarray | None = None
+    codes: np.ndarray | None = None
+    scales: np.ndarray | None = None
+    biases: np.ndarray | None = None
+    bits: int = 0
+    group: int = 0
+    scale_format: int = 0
+
+    def weight(self, half: np.ndarray | None = None, half_format: int = 0) -> abi.Weight:
+        """The struct step_weight: the codes, or the float32 weights, or (`half`) their exact
+        half copy with the float32 weights beside it for the BLAS."""
+        if self.codes is not None:
+            assert self.scales is not None and self.biases is not None
+            return abi.Weight(
+                format=abi.AFFINE, bits=self.bits, group=self.group,
+                scale_format=self.scale_format, data=self.codes.ctypes.data,
+                scales=self.scales.ctypes.data, biases=self.biases.ctypes.data,
+            )  # fmt: skip
+        assert self.f32 is not None
+        if half is not None:
+            return abi.Weight(format=half_format, data=half.ctypes.data, f32=_pointer(self.f32))
+        return abi.Weight(format=abi.F32_FORMAT, data=self.f32.ctypes.data, f32=_pointer(self.f32))
+
+
+def _raw(array: Any, what: str) -> np.ndarray:
+    """An evaluated, contiguous MLX array as numpy's view of its memory (bfloat16 as the
+    uint16 that hold its bits: numpy has no bfloat16)."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    mx.eval(array)
+    view = np.asarray(array)
+    if not view.flags.c_contiguous:
+        raise _Unsupported(f"{what}: not contiguous")
+    return view
+
+
+def _affine(layer: nn.Module, what: str) -> _Matrix:
+    """A quantized linear or embedding layer's weight, when it is an affine quantization the
+    products read (AFFINE_BITS, AFFINE_GROUPS, scales and biases in float32, float16 or
+    bfloat16); mxfp4, nvfp4, other bits, global scales stay on MLX's path."""
+    mode, bits, group = getattr(layer, "mode", "affine"), int(layer.bits), int(layer.group_size)
+    if mode != "affine" or bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
+        raise _Unsupported(f"{what}: {mode} quantization, {bits} bits, group {group}")
+    if GLOBAL_SCALE in layer or "biases" not in layer:
+        raise _Unsupported(f"{what}: a global scale, or no biases")
+    codes, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    if (
+        codes.dtype != mx.uint32
+        or scales.dtype not in _SCALE_DTYPES
+        or biases.dtype != scales.dtype
+    ):
+        raise _Unsupported(f"{what}: codes {codes.dtype}, scales {scales.dtype}")
+    n, k = int(codes.shape[0]), int(codes.shape[1]) * 32 // bits
+    if codes.ndim != 2 or scales.shape != (n, k // group) or biases.shape != scales.shape:
+        raise _Unsupported(f"{what}: shapes {codes.shape}, {scales.shape}")
+    return _Matrix(
+        n, k, codes=_raw(codes, what), scales=_raw(scales, what), biases=_raw(biases, what),
+        bits=bits, group=group, scale_format=abi.SCALE_FORMATS[_SCALE_DTYPES[scales.dtype]],
+    )  # fmt: skip
+
+
+def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
     layer = getattr(parent, name, None)
-    if type(layer) is not nn.Linear:  # quantized, gemv or another subclass: MLX's path
+    # float32, or MLX's affine quantization; gemv, global scales or another subclass: MLX's
+    if type(layer) is nn.Linear:
+        weight = _view(layer.weight, f"{name}.weight")
+        matrix = _Matrix(int(weight.shape[0]), int(weight.shape[1]), f32=weight)
+    elif type(layer) is nn.QuantizedLinear:
+        matrix = _affine(layer, name)
+    else:
         raise _Unsupported(f"{name}: {type(layer).__name__}")
     bias = _view(layer.bias, f"{name}.bias") if "bias" in layer else None
-    return _view(layer.weight, f"{name}.weight"), bias
+    return matrix, bias
 
 
 def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
@@ -183,14 +277,28 @@ class NativeStep:
         self._weight_product = functions.weight_product
         self.max_tokens = max_tokens
         inner = module.model
-        if type(inner.embed_tokens) is not nn.Embedding:
-            raise _Unsupported("the embedding is not a float32 nn.Embedding")
-        self._embed = _view(inner.embed_tokens.weight, "embed_tokens.weight")
+        embed = inner.embed_tokens
+        # A float32 embedding is gathered here; a quantized one by MLX (its module, as MLX's
+        # path calls it), which also leaves it to serve as a tied head.
+        self._embed: np.ndarray | None = None
+        self._embed_module: nn.Module | None = None
+        embed_matrix: _Matrix | None = None
+        if type(embed) is nn.Embedding:
+            self._embed = _view(embed.weight, "embed_tokens.weight")
+            vocab, width = self._embed.shape
+            embed_matrix = _Matrix(int(vocab), int(width), f32=self._embed)
+        elif isinstance(embed, nn.QuantizedEmbedding) and GLOBAL_SCALE not in embed:
+            self._embed_module = embed
+            with contextlib.suppress(_Unsupported):  # the head may still be MLX's
+                embed_matrix = _affine(embed, "embed_tokens")
+        else:
+            raise _Unsupported(f"the embedding is a {type(embed).__name__}")
+        self.vocab = int(embed["weight"].shape[0])
         self._final_norm, eps = _norm(inner, "norm")
         layers = list(inner.layers)
-        self._keep: list[np.ndarray] = [self._embed, self._final_norm]  # the views' lifetimes
+        self._keep: list[Any] = [self._final_norm]  # the views' lifetimes
         structs = (abi.Layer * len(layers))()
-        matrices: list[np.ndarray] = []  # every layer's product weights, in abi.PRODUCTS order
+        matrices: list[_Matrix] = []  # every layer's product weights, in abi.PRODUCTS order
         first = layers[0].self_attn
         self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
         self.scale = float(first.scale)
@@ -201,8 +309,8 @@ class NativeStep:
             raise _Unsupported("rotary embedding without a table")
         self._rope = rope
         q_weight, _ = _linear(first, "q_proj")
-        self.head_dim = q_weight.shape[0] // self.heads
-        self.hidden = int(self._embed.shape[1])
+        self.head_dim = q_weight.n // self.heads
+        self.hidden = q_weight.k
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(attn, kernels.attention) or not isinstance(mlp, kernels.swiglu):
@@ -210,12 +318,13 @@ class NativeStep:
             if not (isinstance(attn.rope, TableRoPE) and attn.rope.key == rope.key):
                 raise _Unsupported("layers rotate differently")
             fields: dict[str, np.ndarray | None] = {}
+            products: dict[str, _Matrix] = {}
             fields["input_norm"], e1 = _norm(layer, "input_layernorm")
             fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm")
             for proj in ("q", "k", "v", "o"):
-                fields[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
-            shapes = {p: fields[p].shape for p in ("q", "k", "v", "o")}  # type: ignore[union-attr]
+                products[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
             q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            shapes = {p: (m.n, m.k) for p, m in products.items()}
             if shapes != {
                 "q": (q_rows, self.hidden),
                 "k": (kv_rows, self.hidden),
@@ -224,9 +333,14 @@ class NativeStep:
             }:
                 raise _Unsupported(f"attention projections {shapes}")
             for proj in ("gate", "up", "down"):
-                fields[proj], bias = _linear(mlp, f"{proj}_proj")
+                products[proj], bias = _linear(mlp, f"{proj}_proj")
                 if bias is not None:
                     raise _Unsupported("MLP biases")
+            intermediate = products["gate"].n
+            if {(m.n, m.k) for p, m in products.items() if p in ("gate", "up")} != {
+                (intermediate, self.hidden)
+            } or (products["down"].n, products["down"].k) != (self.hidden, intermediate):
+                raise _Unsupported("MLP projections")
             eps_all = {e1, e2, eps}
             for name in ("q_norm", "k_norm"):
                 if hasattr(attn, name):
@@ -240,23 +354,33 @@ class NativeStep:
                 if view is not None:
                     self._keep.append(view)
                     setattr(structs[i], name, _pointer(view))
-            matrices += [fields[name] for name in abi.PRODUCTS]  # type: ignore[misc]
-        # Exact half-precision copies of the products' weights and of the head, when the
-        # checkpoint's values allow: decode steps and short forwards read half the bytes.
-        self.half_format: str | None = None
-        self._head_half: np.ndarray | None = None  # panels (`_half_copies`)
-        self._head_vocab = 0
+            matrices += [products[name] for name in abi.PRODUCTS]
+        self._keep += matrices
+        for matrix in matrices:
+            if matrix.codes is not None and not functions.weight_supported(
+                ctypes.byref(matrix.weight()), matrix.n, matrix.k
+            ):
+                raise _Unsupported(f"a weight the library cannot read: {matrix.bits} bits")
+        # The head: the embedding's weight when tied, else lm_head's (float32 or affine); None
+        # where MLX computes it (e.g. a quantization the products do not read).
         self._head_bias: np.ndarray | None = None
-        head: np.ndarray | None = self._embed
+        head: _Matrix | None = embed_matrix
         if "lm_head" in module:
             try:
                 head, self._head_bias = _linear(module, "lm_head")
-            except _Unsupported:  # e.g. quantized: the layers' copies without the head's
+            except _Unsupported:
                 head = None
-        half = None
-        weights = [*matrices, *([head] if head is not None else [])]
-        copies_bytes = sum(w.size for w in weights) * 2
-        if functions.half_weights and half_formats:
+        if head is not None:
+            self._keep.append(head)
+        # Exact half-precision copies of the float32 products' weights and head, when the
+        # checkpoint's values allow: decode steps and short forwards read half the bytes.
+        floats = [
+            m for m in [*matrices, *([head] if head is not None else [])] if m.f32 is not None
+        ]
+        self.half_format: str | None = None
+        self.half_copies: list[np.ndarray] = []  # of `floats`, in order
+        copies_bytes = sum(m.n * m.k for m in floats) * 2
+        if functions.half_weights and half_formats and floats:
             room = available_memory()
             if room is not None and copies_bytes > room * HALF_COPIES_MEMORY_SHARE:
                 log.info(
@@ -264,22 +388,35 @@ class NativeStep:
                     "of the %d MB available", copies_bytes >> 20, room >> 20,
                 )  # fmt: skip
             else:
-                half = _half_copies(functions, weights, half_formats)
-        # the copies, layer by layer in abi.PRODUCTS order, then the head's when it has one
-        self.half_copies: list[np.ndarray] = []
-        if half is not None:
-            self.half_format, copies = half
-            self.half_copies = copies
-            log.info(
-                "short forwards read %s copies of the weights (%d MB more memory)",
-                self.half_format, copies_bytes >> 20,
-            )  # fmt: skip
-            if head is not None:
-                self._head_half, self._head_vocab = copies[-1], head.shape[0]
-            for i, struct in enumerate(structs):
-                for j, name in enumerate(abi.PRODUCTS):
-                    setattr(struct, f"{name}_half", copies[i * len(abi.PRODUCTS) + j].ctypes.data)
-        self.intermediate = int(fields["gate"].shape[0])  # type: ignore[union-attr]
+                arrays = [m.f32 for m in floats if m.f32 is not None]
+                half = _half_copies(functions, arrays, half_formats)
+                if half is not None:
+                    self.half_format, self.half_copies = half
+                    log.info(
+                        "short forwards read %s copies of the weights (%d MB more memory)",
+                        self.half_format, copies_bytes >> 20,
+                    )  # fmt: skip
+        copy_of = {id(m): c for m, c in zip(floats, self.half_copies, strict=False)}
+        half_code = abi.HALF_FORMATS.get(self.half_format or "", 0)
+
+        def weight(matrix: _Matrix) -> abi.Weight:
+            return matrix.weight(copy_of.get(id(matrix)), half_code)
+
+        for i, struct in enumerate(structs):
+            for j, name in enumerate(abi.PRODUCTS):
+                setattr(struct, name, weight(matrices[i * len(abi.PRODUCTS) + j]))
+        self.quantized = sum(m.codes is not None for m in matrices)  # products read as codes
+        # The head's product here: from its codes (any number of rows: MLX's CPU
+        # quantized_matmul is ~40x slower than these tiles), or its half copy (up to
+        # HEAD_ROWS rows, MLX's float32 product past them); None: MLX's.
+        self._head: abi.Weight | None = None
+        self._head_rows = 0
+        self._head_vocab = head.n if head is not None else 0
+        if head is not None and head.codes is not None:
+            self._head, self._head_rows = weight(head), 1 << 30
+        elif head is not None and id(head) in copy_of:
+            self._head, self._head_rows = weight(head), HEAD_ROWS
+        self.intermediate = int(matrices[4].n)
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs
@@ -334,9 +471,9 @@ class NativeStep:
                 cache_structs[i].values = v_view.ctypes.data
                 cache_structs[i].head_stride = k_view.strides[1] // 4
         ids = np.asarray(tokens).reshape(-1)
-        if ids.min() < 0 or ids.max() >= self._embed.shape[0]:
+        if ids.min() < 0 or ids.max() >= self.vocab:
             return None  # MLX's path decides what an id past the table means
-        x = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
+        x = self._embedded(ids)
         if one_row:  # every check passed: the caches move to buffers this step writes
             row = offset * self.head_dim * 4
             for i, (c, o) in enumerate(zip(caches, owned, strict=True)):
@@ -354,8 +491,7 @@ class NativeStep:
         args = abi.Args(
             batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-            layers=self.layers, offset=offset, rope_dims=self._rope.dims,
-            half_format=abi.HALF_FORMATS.get(self.half_format or "", 0), eps=self.eps,
+            layers=self.layers, offset=offset, rope_dims=self._rope.dims, eps=self.eps,
             scale=self.scale, cos=_pointer(cos_view), sin=_pointer(sin_view),
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
@@ -371,22 +507,29 @@ class NativeStep:
                 c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
         return mx.array(x.reshape(batch, t, self.hidden))  # evaluated: nothing left to schedule
 
+    def _embedded(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of `ids`, float32, contiguous and this step's to write."""
+        if self._embed is not None:
+            return np.ascontiguousarray(self._embed[ids], dtype=np.float32)
+        assert self._embed_module is not None
+        rows = self._embed_module(mx.array(ids)).astype(mx.float32)  # as MLX's path embeds
+        return np.array(rows, dtype=np.float32)
+
     def unembed(self, hidden: mx.array) -> mx.array | None:
-        """The head's logits of `hidden` [..., H] from its half-precision panels (MLX's
-        product up to float32 rounding, from half the bytes), for up to `HEAD_ROWS` rows;
-        None without a copy or for more rows (MLX's product then)."""
-        if self._head_half is None or hidden.dtype != mx.float32 or hidden.shape[-1] != self.hidden:
+        """The head's logits of `hidden` [..., H] from its codes (any number of rows) or its
+        half copy (up to `HEAD_ROWS` rows): MLX's product up to float32 rounding. None where
+        MLX computes them (another format, or more rows than a half copy takes)."""
+        if self._head is None or hidden.dtype != mx.float32 or hidden.shape[-1] != self.hidden:
             return None
         rows = hidden.size // self.hidden
-        if not 0 < rows <= HEAD_ROWS:
+        if not 0 < rows <= self._head_rows:
             return None
         x = np.ascontiguousarray(np.asarray(hidden), dtype=np.float32).reshape(rows, self.hidden)
         vocab = self._head_vocab
         out = np.empty((rows, vocab), np.float32)
         code = self._weight_product(
-            rows, vocab, self.hidden, _pointer(x), self._head_half.ctypes.data,
-            abi.HALF_FORMATS[self.half_format or ""], _pointer(out),
-        )  # fmt: skip
+            rows, vocab, self.hidden, _pointer(x), ctypes.byref(self._head), _pointer(out)
+        )
         if code != 0:
             return None
         if self._head_bias is not None:

@@ -28,15 +28,17 @@ struct field {
 };
 #define FIELD(S, F) {#F, (long)offsetof(struct S, F)}
 
+static const struct field step_weight_fields[] = {
+    FIELD(step_weight, format), FIELD(step_weight, bits), FIELD(step_weight, group),
+    FIELD(step_weight, scale_format), FIELD(step_weight, data), FIELD(step_weight, scales),
+    FIELD(step_weight, biases), FIELD(step_weight, f32),
+};
 static const struct field step_layer_fields[] = {
-    FIELD(step_layer, input_norm), FIELD(step_layer, q), FIELD(step_layer, k),
-    FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, q_bias),
-    FIELD(step_layer, k_bias), FIELD(step_layer, v_bias), FIELD(step_layer, o_bias),
-    FIELD(step_layer, q_norm), FIELD(step_layer, k_norm), FIELD(step_layer, post_norm),
-    FIELD(step_layer, gate), FIELD(step_layer, up), FIELD(step_layer, down),
-    FIELD(step_layer, q_half), FIELD(step_layer, k_half), FIELD(step_layer, v_half),
-    FIELD(step_layer, o_half), FIELD(step_layer, gate_half), FIELD(step_layer, up_half),
-    FIELD(step_layer, down_half),
+    FIELD(step_layer, input_norm), FIELD(step_layer, q_bias), FIELD(step_layer, k_bias),
+    FIELD(step_layer, v_bias), FIELD(step_layer, o_bias), FIELD(step_layer, q_norm),
+    FIELD(step_layer, k_norm), FIELD(step_layer, post_norm), FIELD(step_layer, q),
+    FIELD(step_layer, k), FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, gate),
+    FIELD(step_layer, up), FIELD(step_layer, down),
 };
 static const struct field step_cache_fields[] = {
     FIELD(step_cache, keys), FIELD(step_cache, values), FIELD(step_cache, head_stride),
@@ -46,7 +48,7 @@ static const struct field step_args_fields[] = {
     FIELD(step_args, batch), FIELD(step_args, tokens), FIELD(step_args, hidden),
     FIELD(step_args, heads), FIELD(step_args, kv_heads), FIELD(step_args, head_dim),
     FIELD(step_args, intermediate), FIELD(step_args, layers), FIELD(step_args, offset),
-    FIELD(step_args, rope_dims), FIELD(step_args, half_format), FIELD(step_args, eps),
+    FIELD(step_args, rope_dims), FIELD(step_args, eps),
     FIELD(step_args, scale), FIELD(step_args, cos), FIELD(step_args, sin),
     FIELD(step_args, layer), FIELD(step_args, cache), FIELD(step_args, final_norm),
     FIELD(step_args, x), FIELD(step_args, new_keys), FIELD(step_args, new_values),
@@ -58,7 +60,7 @@ static const struct {
     const char *type;
     const struct field *fields;
     size_t count, size;
-} tables[] = {TABLE(step_layer), TABLE(step_cache), TABLE(step_args)};
+} tables[] = {TABLE(step_weight), TABLE(step_layer), TABLE(step_cache), TABLE(step_args)};
 
 int runner_native_field(const char *type, int index, const char **name, long *offset) {
     for (size_t t = 0; t < sizeof(tables) / sizeof(tables[0]); t++) {

@@ -20,14 +20,30 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 7  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 8  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
-# The weight formats of runner_native.h (W_F16, W_BF16): the half-precision formats tried, in
-# order, for exact copies of float32 weights.
+# The weight formats of runner_native.h (struct step_weight's `format`, and `scale_format`).
+F32_FORMAT, AFFINE = 0, 3
+# The half-precision formats (W_F16, W_BF16): those tried, in order, for exact copies of float32
+# weights, and the formats of an affine quantization's scales and biases beside float32.
 HALF_FORMATS = {"float16": 1, "bfloat16": 2}
+SCALE_FORMATS = {"float32": F32_FORMAT, **HALF_FORMATS}
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
+
+
+class Weight(ctypes.Structure):  # struct step_weight
+    _fields_ = [
+        ("format", ctypes.c_int),
+        ("bits", ctypes.c_int),
+        ("group", ctypes.c_int),
+        ("scale_format", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("biases", ctypes.c_void_p),
+        ("f32", F32),
+    ]
 
 
 class Layer(ctypes.Structure):  # struct step_layer
@@ -35,11 +51,11 @@ class Layer(ctypes.Structure):  # struct step_layer
         *(
             (name, F32)
             for name in (
-                "input_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
-                "q_norm", "k_norm", "post_norm", "gate", "up", "down",
+                "input_norm", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
+                "post_norm",
             )
         ),
-        *((f"{name}_half", ctypes.c_void_p) for name in PRODUCTS),
+        *((name, Weight) for name in PRODUCTS),
     ]  # fmt: skip
 
 
@@ -59,7 +75,7 @@ class Args(ctypes.Structure):  # struct step_args
             (name, ctypes.c_int)
             for name in (
                 "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                "layers", "offset", "rope_dims", "half_format",
+                "layers", "offset", "rope_dims",
             )
         ),
         ("eps", ctypes.c_float),
@@ -77,6 +93,7 @@ class Args(ctypes.Structure):  # struct step_args
 
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "step_weight": Weight,
     "step_layer": Layer,
     "step_cache": Cache,
     "step_args": Args,
@@ -92,7 +109,8 @@ class Functions:
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
     narrow_panels: Any
     panel_halves: Any
-    weight_product: Any
+    weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c)
+    weight_supported: Any  # runner_weight_supported(POINTER(Weight), n, k)
 
 
 def _layout(library: ctypes.CDLL, type_name: str) -> tuple[int, list[tuple[str, int]]]:
@@ -187,9 +205,13 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
         ctypes.c_int,
         ctypes.c_int,
         F32,
-        ctypes.c_void_p,
-        ctypes.c_int,
+        ctypes.POINTER(Weight),
         F32,
     ]
     weight_product.restype = ctypes.c_int
-    return Functions(step, scratch, bool(half()), narrow_panels, panel_halves, weight_product)
+    supported = library.runner_weight_supported
+    supported.argtypes = [ctypes.POINTER(Weight), ctypes.c_int, ctypes.c_int]
+    supported.restype = ctypes.c_int
+    return Functions(
+        step, scratch, bool(half()), narrow_panels, panel_halves, weight_product, supported
+    )

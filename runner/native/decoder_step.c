@@ -12,9 +12,10 @@
  *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
  *   then the final rms_norm.
  *
- * Weights: float32, and where the caller made them, exact half-precision copies in panels
- * (`*_half`, runner_narrow_panels) that the products the tiles compute read instead (`to_blas`
- * says which): float32 sums of the same values, from half the bytes.
+ * Weights: each product's in its own format (struct step_weight): float32; exact
+ * half-precision copies in panels (runner_narrow_panels), with the float32 weights beside them
+ * for the BLAS where `to_blas` says; or MLX's affine-quantized codes, read as they are stored
+ * (quantized.c). Every format's products are float32 sums of the weights' values.
  *
  * The step's keys and values are returned in `new_keys` / `new_values`, and also written
  * into the cache where the caller says (`append_keys`: a buffer only the caller holds,
@@ -84,22 +85,26 @@ static void gate_up_share(const void *arg, int index, int count) {
 /* gate = silu(A Wg^T) * (A Wu^T), up = A Wu^T: one job on the pool, each thread applying the
  * activation to the columns it computed (on one thread, ~16 us a SmolLM2 layer of 15 rows
  * while the other waited). */
-static void gate_up(int m, int k, int n, const float *a, struct weight wg, struct weight wu,
-                    float *gate, float *up) {
+static void gate_up(int m, int k, int n, const float *a, const struct step_weight *wg,
+                    const struct step_weight *wu, float *gate, float *up, float *reordered) {
     const int widths[2] = {n, n};
-    const struct weight ws[2] = {wg, wu};
+    const struct step_weight *ws[2] = {wg, wu};
     float *cs[2] = {gate, up};
-    const struct gate_up_job job = {
-        {tiles_product(m, n, k, a, k, wg, k, gate, n), tiles_product(m, n, k, a, k, wu, k, up, n)},
-        gate, up};
-    if (to_blas(m, wg) || job.p[0].format != job.p[1].format) {
-        products_of(m, k, a, 2, widths, ws, cs); /* the BLAS, or shares that differ */
+    /* one job when both read A alike and share their columns alike */
+    const int alike = wg->format == wu->format && (wg->format != W_AFFINE || wg->bits == wu->bits);
+    if (!alike || to_blas(m, wg) || to_blas(m, wu)) {
+        products_of(m, k, a, 2, widths, ws, cs, reordered); /* the BLAS, or shares that differ */
         swiglu_columns(gate, up, m, n, 0, n);
-    } else if ((long)m * k * n < (1L << 18)) {
-        gate_up_share(&job, 0, 1);
-    } else {
-        parallel(gate_up_share, &job);
+        return;
     }
+    const float *rows = rows_for(wg, m, k, a, k, reordered);
+    const struct gate_up_job job = {
+        {tiles_product(m, n, k, rows, k, wg, gate, n), tiles_product(m, n, k, rows, k, wu, up, n)},
+        gate, up};
+    if ((long)m * k * n < (1L << 18))
+        gate_up_share(&job, 0, 1);
+    else
+        parallel(gate_up_share, &job);
 }
 
 static void add_bias(float *c, const float *bias, int m, int n) {
@@ -130,31 +135,55 @@ static void rotate(float *x, int rows, int tokens, int heads, int head_dim, int 
         }
 }
 
+/* The widest A a layer's products read: what `reordered` holds (rows_for). */
+static long widest_rows(const struct step_args *a) {
+    long k = a->hidden;
+    if ((long)a->heads * a->head_dim > k) k = (long)a->heads * a->head_dim;
+    if (a->intermediate > k) k = a->intermediate;
+    return k;
+}
+
 long runner_step_scratch_floats(const struct step_args *a) {
     const long T = (long)a->batch * a->tokens, qd = (long)a->heads * a->head_dim;
     const long kd = (long)a->kv_heads * a->head_dim;
     return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * a->intermediate * 2 +
-           attention_scratch_floats(a);
+           T * widest_rows(a) + attention_scratch_floats(a);
+}
+
+/* Whether every product weight of the layers can be read as a weight of its shape. */
+static int weights_supported(const struct step_args *a) {
+    const int H = a->hidden, I = a->intermediate, qd = a->heads * a->head_dim;
+    const int kd = a->kv_heads * a->head_dim;
+    for (int l = 0; l < a->layers; l++) {
+        const struct step_layer *w = &a->layer[l];
+        if (!runner_weight_supported(&w->q, qd, H) || !runner_weight_supported(&w->k, kd, H) ||
+            !runner_weight_supported(&w->v, kd, H) || !runner_weight_supported(&w->o, H, qd) ||
+            !runner_weight_supported(&w->gate, I, H) || !runner_weight_supported(&w->up, I, H) ||
+            !runner_weight_supported(&w->down, H, I))
+            return 0;
+    }
+    return 1;
 }
 
 int runner_decoder_step(const struct step_args *a) {
     const int T = a->batch * a->tokens, W = a->tokens, H = a->hidden, D = a->head_dim;
     const int I = a->intermediate;
-    const int qd = a->heads * D, kd = a->kv_heads * D, f = a->half_format;
+    const int qd = a->heads * D, kd = a->kv_heads * D;
     if (a->rope_dims > 1024 || a->rope_dims > D || a->heads % a->kv_heads || D % VL) return -1;
-    if (!HALF_WEIGHTS && a->layers && a->layer[0].q_half) return -1;
+    if (!weights_supported(a)) return -1;
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
-    float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I, *scores = up + (size_t)T * I;
+    float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I;
+    float *reordered = up + (size_t)T * I, *scores = reordered + (size_t)T * widest_rows(a);
     float *x = a->x;
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->input_norm, a->eps, H, h + (size_t)t * H);
         {
             const int n[3] = {qd, kd, kd};
-            const struct weight ws[3] = {{w->q, w->q_half, f}, {w->k, w->k_half, f}, {w->v, w->v_half, f}};
+            const struct step_weight *ws[3] = {&w->q, &w->k, &w->v};
             float *cs[3] = {q, k, v};
-            products_of(T, H, h, 3, n, ws, cs);
+            products_of(T, H, h, 3, n, ws, cs, reordered);
         }
         add_bias(q, w->q_bias, T, qd);
         add_bias(k, w->k_bias, T, kd);
@@ -184,16 +213,14 @@ int runner_decoder_step(const struct step_args *a) {
                     memcpy(c->append_values + to, nv + ((size_t)g * W + t) * D, sizeof(float) * D);
                 }
         attention(a, &a->cache[l], q, nk, nv, o, scores);
-        product(T, H, qd, o, qd, (struct weight){w->o, w->o_half, f}, qd, tmp, H);
+        product(T, H, qd, o, qd, &w->o, tmp, H, reordered);
         add_bias(tmp, w->o_bias, T, H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
-        gate_up(T, H, I, h, (struct weight){w->gate, w->gate_half, f},
-                (struct weight){w->up, w->up_half, f}, gate, up);
-        product(T, H, I, gate, I, (struct weight){w->down, w->down_half, f}, I, tmp, H);
+        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered);
+        product(T, H, I, gate, I, &w->down, tmp, H, reordered);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     }
     for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, a->final_norm, a->eps, H, x + (size_t)t * H);
     return 0;
 }
-

@@ -6,7 +6,7 @@
  * Each source has one job: dispatch.c (MLX's cblas_sgemm, routed), pool.c (the thread pool),
  * products.c (a product C = A W^T in any weight format, split over the pool or sent to the
  * BLAS), tiles.c (float32 dot-product tiles), panels.c (half-precision panels and their tiles),
- * attention.c (a layer's attention), decoder_step.c (the decoder layers), hash.c (the image
+ * quantized.c (MLX's affine-quantized weights and their tiles), attention.c (a layer's attention), decoder_step.c (the decoder layers), hash.c (the image
  * fold), abi.c (the ABI handshake).
  */
 #ifndef RUNNER_NATIVE_INTERNAL_H
@@ -89,10 +89,12 @@ static inline float hsum(vf v) {
 struct product {
     int m, n, k, lda, ldw, ldc;
     float alpha, beta;
-    const float *a;
-    const void *w; /* stored in `format` */
+    const float *a; /* W_AFFINE: in the order of its tiles' lanes (affine_rows) */
+    const void *w;  /* stored in `format` */
     float *c;
     int format;
+    int bits, group, scale_format; /* W_AFFINE (struct step_weight) */
+    const void *scales, *biases;
 };
 
 static inline void store(const struct product *p, int i, int j, float dot) {
@@ -155,13 +157,6 @@ static inline vf vexp(vf x) {
  * PANEL_ROWS; one row against ONE_ROW_PANELS panels at once. */
 enum { PANEL = 16, PANEL_ROWS = 6, ONE_ROW_PANELS = 4 };
 
-/* A weight in float32 and, where the caller has one, its exact half-precision copy. */
-struct weight {
-    const float *f32;
-    const void *half; /* NULL: none */
-    int format;       /* the copy's */
-};
-
 /* dispatch.c: the BLAS behind the library (OpenBLAS), found once; NULL when there is none. */
 sgemm_fn blas_sgemm(void);
 
@@ -183,17 +178,29 @@ void tile_1x8(const float *const *a, const float *const *w, int kv, float *dot,
 void panel_columns(const struct product *p, int j0, int j1);
 int panel_block(const struct product *p);
 
+/* quantized.c: columns [j0, j1) from W_AFFINE weights (p->a in the order affine_rows
+ * leaves it); how many columns a block of one is; whether A's rows are read in another order
+ * than k's (then affine_rows copies them into it: m * k floats at `into`). */
+void affine_columns(const struct product *p, int j0, int j1);
+int affine_block(const struct product *p);
+int affine_reordered(int bits);
+void affine_rows(int bits, int m, int k, const float *a, int lda, float *into);
+int affine_supported(const struct step_weight *w, int n, int k);
+
 /* products.c */
+int column_block(const struct product *p);
 void share_columns(const struct product *p, int index, int count, int *j0, int *j1);
 void product_share(const void *arg, int index, int count);
 void small_product(const struct product *p);
-struct product tiles_product(int m, int n, int k, const float *a, int lda, struct weight w,
-                             int ldw, float *c, int ldc);
-int to_blas(int m, struct weight w);
-void product(int m, int n, int k, const float *a, int lda, struct weight w, int ldw, float *c,
-             int ldc);
+struct product tiles_product(int m, int n, int k, const float *a, int lda,
+                             const struct step_weight *w, float *c, int ldc);
+int to_blas(int m, const struct step_weight *w);
+float *rows_for(const struct step_weight *w, int m, int k, const float *a, int lda,
+                float *reordered);
+void product(int m, int n, int k, const float *a, int lda, const struct step_weight *w,
+             float *c, int ldc, float *reordered);
 void products_of(int m, int k, const float *a, int n_products, const int *n,
-                 const struct weight *w, float *const *c);
+                 const struct step_weight *const *w, float *const *c, float *reordered);
 
 /* attention.c: one layer's attention, and the scratch floats it needs. */
 void attention(const struct step_args *a, const struct step_cache *cache, const float *q,

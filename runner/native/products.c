@@ -5,14 +5,20 @@
  */
 #include "internal.h"
 
+/* How many of C's columns a block of a product's W is: its columns are shared over the pool
+ * in whole blocks. */
+int column_block(const struct product *p) {
+    if (p->format == W_AFFINE) return affine_block(p);
+#if HALF_WEIGHTS
+    if (p->format != W_F32) return panel_block(p);
+#endif
+    return p->m == 1 ? 8 : 6;
+}
+
 /* The columns [*j0, *j1) of share `index` of `count` of a product: whole blocks of W's rows,
  * the same for any two products of one shape and weight format. */
 void share_columns(const struct product *p, int index, int count, int *j0, int *j1) {
-#if HALF_WEIGHTS
-    const int rw = p->format != W_F32 ? panel_block(p) : p->m == 1 ? 8 : 6;
-#else
-    const int rw = p->m == 1 ? 8 : 6;
-#endif
+    const int rw = column_block(p);
     const int blocks = (p->n + rw - 1) / rw, per = blocks / count, extra = blocks % count;
     const int first = index * per + (index < extra ? index : extra);
     *j0 = first * rw;
@@ -40,32 +46,50 @@ void small_product(const struct product *p) {
 /* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half panels where there
  * are: half the bytes), the BLAS (which packs) above, on AVX2 (256-bit tiles): SmolLM2
  * forwards after 480 cached tokens, BLAS above 40 rows against above 128: 64 tokens 209
- * against 178-197 ms, 128: 407 against 364. */
+ * against 178-197 ms, 128: 407 against 364. Quantized weights have no float32 copy: their
+ * tiles take any number of rows. */
 enum { BLAS_ROWS = 128 };
+
+/* The product of A (rows of k, `lda` apart; for W_AFFINE in its tiles' order: rows_for) with
+ * w, into C. */
 struct product tiles_product(int m, int n, int k, const float *a, int lda,
-                                    struct weight w, int ldw, float *c, int ldc) {
-    const int half = w.half != NULL;
-    return (struct product){m, n, k, lda, ldw, ldc, 1.0f, 0.0f, a,
-                            half ? w.half : (const void *)w.f32, c, half ? w.format : W_F32};
+                             const struct step_weight *w, float *c, int ldc) {
+    return (struct product){m, n, k, lda, k, ldc, 1.0f, 0.0f, a, w->data, c, w->format,
+                            w->bits, w->group, w->scale_format, w->scales, w->biases};
 }
 
-/* Whether a product of m rows with W goes to the BLAS: above BLAS_ROWS rows, except from half
- * panels where there are wide tiles, which beat OpenBLAS's AVX-512 kernels too (SmolLM2,
- * decisions of 64 rows x 18 tokens over 480 shared, whole request: 1.18 s against 1.34 with
- * OpenBLAS above 128 rows, its Cooperlake kernels at ~400 GFLOP/s; 1.10-1.16 against 2.05
- * with the Haswell kernels OPENBLAS_CORETYPE=Haswell asks for). */
-int to_blas(int m, struct weight w) {
-    if (m <= BLAS_ROWS || (WIDE_PANELS && w.half)) return 0;
+/* Whether a product of m rows with W goes to the BLAS: above BLAS_ROWS rows when it has W in
+ * float32, except from half panels where there are wide tiles, which beat OpenBLAS's AVX-512
+ * kernels too (SmolLM2, decisions of 64 rows x 18 tokens over 480 shared, whole request:
+ * 1.18 s against 1.34 with OpenBLAS above 128 rows, its Cooperlake kernels at ~400
+ * GFLOP/s; 1.10-1.16 against 2.05 with the Haswell kernels OPENBLAS_CORETYPE=Haswell asks
+ * for). */
+int to_blas(int m, const struct step_weight *w) {
+    const float *f32 = w->format == W_F32 ? w->data : w->f32;
+    if (m <= BLAS_ROWS || !f32 || (WIDE_PANELS && w->format != W_F32)) return 0;
     return blas_sgemm() != NULL;
 }
 
-void product(int m, int n, int k, const float *a, int lda, struct weight w, int ldw,
-                    float *c, int ldc) {
+/* A's rows as w's tiles read them: `a` itself, or (W_AFFINE codes that the tiles unpack in
+ * another order than k's) copied into `reordered` (m * k floats) in that order. */
+float *rows_for(const struct step_weight *w, int m, int k, const float *a, int lda,
+                float *reordered) {
+    if (w->format != W_AFFINE || !affine_reordered(w->bits)) return (float *)a;
+    affine_rows(w->bits, m, k, a, lda, reordered);
+    return reordered;
+}
+
+/* C = A W^T; `reordered`: m * k floats of scratch (rows_for). */
+void product(int m, int n, int k, const float *a, int lda, const struct step_weight *w,
+             float *c, int ldc, float *reordered) {
     if (to_blas(m, w)) {
-        blas_sgemm()(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, w.f32, ldw, 0.0f, c, ldc);
+        const float *f32 = w->format == W_F32 ? w->data : w->f32;
+        blas_sgemm()(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, f32, k, 0.0f, c, ldc);
         return;
     }
-    const struct product p = tiles_product(m, n, k, a, lda, w, ldw, c, ldc);
+    const float *rows = rows_for(w, m, k, a, lda, reordered);
+    const int ld = rows == a ? lda : k;
+    const struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc);
     small_product(&p);
 }
 
@@ -79,15 +103,28 @@ static void products_share(const void *arg, int index, int count) {
     for (int i = 0; i < ps->n; i++) product_share(&ps->p[i], index, count);
 }
 
-/* Products with the same rows of A, one job on the pool: no barrier between them. */
+/* Products with the same rows of A (k apart), one job on the pool: no barrier between them.
+ * `reordered`: m * k floats of scratch, filled once for the products that read A in another
+ * order (affine_rows: one order, 4-bit codes'). */
 void products_of(int m, int k, const float *a, int n_products, const int *n,
-                        const struct weight *w, float *const *c) {
-    if (to_blas(m, w[0])) {
-        for (int i = 0; i < n_products; i++) product(m, n[i], k, a, k, w[i], k, c[i], n[i]);
+                 const struct step_weight *const *w, float *const *c, float *reordered) {
+    int blas = 0;
+    for (int i = 0; i < n_products; i++) blas |= to_blas(m, w[i]);
+    if (blas) {
+        for (int i = 0; i < n_products; i++) product(m, n[i], k, a, k, w[i], c[i], n[i], reordered);
         return;
     }
     struct product p[3];
-    for (int i = 0; i < n_products; i++) p[i] = tiles_product(m, n[i], k, a, k, w[i], k, c[i], n[i]);
+    int filled = 0;
+    for (int i = 0; i < n_products; i++) {
+        const float *rows = a;
+        if (w[i]->format == W_AFFINE && affine_reordered(w[i]->bits)) {
+            if (!filled) affine_rows(w[i]->bits, m, k, a, k, reordered);
+            filled = 1;
+            rows = reordered;
+        }
+        p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i]);
+    }
     const struct products ps = {p, n_products};
     if ((long)m * k * n[0] < (1L << 18))
         products_share(&ps, 0, 1);
@@ -96,11 +133,28 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 }
 
 
-/* C[m, n] = A[m, k] W[n, k]^T with W in `format` (a head: W_F32, or an exact half copy). */
-int runner_weight_product(int m, int n, int k, const float *a, const void *w, int format,
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, or W_AFFINE). */
+int runner_weight_product(int m, int n, int k, const float *a, const struct step_weight *w,
                           float *c) {
-    if (m < 1 || n < 1 || k < 1 || (format != W_F32 && !HALF_WEIGHTS)) return -1;
-    const struct product p = {m, n, k, k, k, n, 1.0f, 0.0f, a, w, c, format};
-    small_product(&p);
+    if (m < 1 || n < 1 || k < 1 || !w || !runner_weight_supported(w, n, k)) return -1;
+    float *reordered = NULL;
+    if (w->format == W_AFFINE && affine_reordered(w->bits)) {
+        reordered = malloc(sizeof(float) * (size_t)m * k);
+        if (!reordered) return -1;
+    }
+    const struct step_weight tiles = {w->format, w->bits, w->group, w->scale_format, w->data,
+                                      w->scales, w->biases, NULL}; /* never the BLAS */
+    product(m, n, k, a, k, &tiles, c, n, reordered);
+    free(reordered);
     return 0;
+}
+
+int runner_weight_supported(const struct step_weight *w, int n, int k) {
+    if (!w || !w->data || n < 1 || k < 1) return 0;
+    switch (w->format) {
+    case W_F32: return 1;
+    case W_F16: case W_BF16: return HALF_WEIGHTS;
+    case W_AFFINE: return affine_supported(w, n, k);
+    default: return 0;
+    }
 }

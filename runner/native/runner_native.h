@@ -14,23 +14,40 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 7
+#define RUNNER_NATIVE_ABI_VERSION 8
 
-/* How a product's W is stored. The half formats hold float16 / bfloat16 copies of float32
- * weights whose every value they represent exactly (made and checked by runner_narrow_panels),
- * in panels (panels.c), so a product reads half the bytes and computes float32 sums of the same
- * values: a checkpoint stored in half precision, which the runner computes in float32 on the
- * CPU. */
-enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+/* How a product's W is stored (struct step_weight's `format`).
+ * - W_F32: float32, [n, k] row-major.
+ * - W_F16, W_BF16: float16 / bfloat16 copies of float32 weights whose every value they
+ *   represent exactly (made and checked by runner_narrow_panels), in panels (panels.c), so a
+ *   product reads half the bytes and computes float32 sums of the same values: a checkpoint
+ *   stored in half precision, which the runner computes in float32 on the CPU.
+ * - W_AFFINE: MLX's affine quantization as MLX stores it (mx.quantize, mode "affine"): each
+ *   row's k codes of `bits` bits packed as one little-endian bit stream in uint32 words
+ *   ([n, k * bits / 32]); per group of `group` consecutive codes of a row, a scale and a bias
+ *   ([n, k / group] each, in `scale_format`: W_F32, W_F16 or W_BF16). The weight a code q
+ *   stands for is MLX's dequantized value in float32, (scale * q) + bias, each operation
+ *   rounded to float32 (scale and bias widened exactly): products read the codes and compute
+ *   float32 sums of those values (quantized.c), never a float32 copy of W. */
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3 };
+
+/* One product's W [n, k]. */
+struct step_weight {
+    int format; /* W_F32, W_F16, W_BF16 or W_AFFINE */
+    int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16 */
+    const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
+    const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` */
+    /* NULL, or W in float32 (the source of an exact half copy), which a product of more rows
+     * than the tiles take goes to the BLAS with (products.c: to_blas) */
+    const float *f32;
+};
 
 struct step_layer {
-    const float *input_norm, *q, *k, *v, *o;
+    const float *input_norm;
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
     const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
-    const float *post_norm, *gate, *up, *down;
-    /* NULL, or the same weights in the step's `half_format` (exact copies in panels:
-     * runner_narrow_panels), which the tiles' products read instead (`to_blas`) */
-    const void *q_half, *k_half, *v_half, *o_half, *gate_half, *up_half, *down_half;
+    const float *post_norm;
+    struct step_weight q, k, v, o, gate, up, down;
 };
 
 struct step_cache {
@@ -44,7 +61,6 @@ struct step_cache {
 
 struct step_args {
     int batch, tokens, hidden, heads, kv_heads, head_dim, intermediate, layers, offset, rope_dims;
-    int half_format; /* W_F16 or W_BF16: the format of the layers' `*_half` weights */
     float eps, scale;
     const float *cos, *sin; /* [tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half) */
     const struct step_layer *layer;
@@ -58,9 +74,9 @@ struct step_args {
 /* The ABI version (RUNNER_NATIVE_ABI_VERSION); also what tells the runner the library is
  * preloaded in its process (runner/native/preload.py). */
 RUNNER_API int runner_native_abi_version(void);
-/* Field `index` of struct `type` ("step_layer", "step_cache", "step_args"): its name and
- * offset, returning 1; with index -1 the struct's size in *offset; 0 past the last field or
- * for an unknown type. */
+/* Field `index` of struct `type` ("step_weight", "step_layer", "step_cache", "step_args"):
+ * its name and offset, returning 1; with index -1 the struct's size in *offset; 0 past the
+ * last field or for an unknown type. */
 RUNNER_API int runner_native_field(const char *type, int index, const char **name, long *offset);
 /* The instruction-set path this build computes with (internal.h chooses it at compile time
  * from -march): "avx512" (256-bit tiles, half panels and 512-bit wide panel tiles), "avx2"
@@ -76,10 +92,13 @@ RUNNER_API long runner_panel_halves(int n, int k);
  * its values exactly (bit for bit back in float32): returns 1; else 0, dst undefined. */
 RUNNER_API int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst,
                                     int format);
-/* C[m, n] = A[m, k] W[n, k]^T with W in `format` (a head: W_F32, or an exact half copy);
- * 0, or -1 for arguments it cannot take. */
-RUNNER_API int runner_weight_product(int m, int n, int k, const float *a, const void *w,
-                                     int format, float *c);
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, or W_AFFINE); 0, or -1
+ * for arguments it cannot take (runner_weight_supported). */
+RUNNER_API int runner_weight_product(int m, int n, int k, const float *a,
+                                     const struct step_weight *w, float *c);
+/* 1 when products can read `w` as a weight [n, k] (its format, bits, group and scale
+ * format, k a multiple of its group), else 0. */
+RUNNER_API int runner_weight_supported(const struct step_weight *w, int n, int k);
 
 /* Floats of scratch memory runner_decoder_step needs for `a`. */
 RUNNER_API long runner_step_scratch_floats(const struct step_args *a);

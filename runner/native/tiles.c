@@ -51,7 +51,8 @@
 TILE(tile_2x6, 2, 6, 1)
 TILE(tile_1x8, 1, 8, 0)
 
-/* Columns [j0, j1) of C, W in float32 (the half formats: panel_columns): RW rows of W at a
+/* Columns [j0, j1) of C, W in float32 (the half formats: panel_columns; W_AFFINE:
+ * affine_columns): RW rows of W at a
  * time (streamed from memory once, the next block fetched while this one is computed from the
  * cache), each against every row of A (from the cache), RA rows at a time.
  *
@@ -62,6 +63,10 @@ TILE(tile_1x8, 1, 8, 0)
  * row, both cores, 230 MB of weights: float16 9-10 GB/s at once, 14-18 spread; float32
  * 12-14 either way). */
 void columns(const struct product *p, int j0, int j1) {
+    if (p->format == W_AFFINE) {
+        affine_columns(p, j0, j1);
+        return;
+    }
     if (p->format != W_F32) {
         panel_columns(p, j0, j1);
         return;

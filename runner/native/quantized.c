@@ -1,0 +1,627 @@
+/*
+ * Products from MLX's affine-quantized weights (W_AFFINE, runner_native.h), read as MLX stores
+ * them: the codes packed in uint32 words, a scale and a bias per group of a row. No float copy
+ * of W is ever made: each tile unpacks the codes it reads into float32 weights in registers.
+ *
+ * Numbers. The weight a code q stands for is MLX's dequantized value in float32,
+ * w = (scale * q) + bias with each operation rounded to float32 (what mx.dequantize computes
+ * from float32 scales, and what MLX's quantized_matmul multiplies with a float32 input). Every
+ * value of C is the float32 sum over k of a[t] * w[t] in one fixed order, whatever the number
+ * of rows and whichever tile computes it: lane l of a QL-lane accumulator takes the products
+ * of the positions the format's unpacking puts in lane l (below: `unit`), one fused
+ * multiply-add each, in order of k; then the QL lanes are summed by halving (lane l plus lane
+ * l + QL/2, until one is left: `lanes_sum`). Only the build (its QL) changes the order.
+ *
+ * Units: the codes are unpacked a unit at a time, QL values (5 and 8 bits; natural order:
+ * lane l holds position t0 + l) or 2 QL (4 bits: the unit's bytes widened one to a lane, the
+ * low nibbles, positions t0 + 2l, making the first vector and the high ones, t0 + 2l + 1, the
+ * second). A's rows are read in the same order: for 4 bits the caller copies them into it
+ * once per product (affine_rows), so a tile reads both operands as plain vectors.
+ *
+ * Dequantizing: with AVX-512, 4- and 5-bit codes index a table of the group's 16 or 32
+ * dequantized values held in one or two registers (vpermps / vpermt2ps: one instruction for
+ * 16 weights, the table computed once a group with the same two roundings); 8-bit codes, and
+ * every width on AVX2, are converted and scaled (cvtdq2ps, mul, add); elsewhere one value at
+ * a time, in the same order.
+ *
+ * Tiles. Few rows (decode, a few rows of a forward: STREAM_ROWS) take stream tiles: STREAM_RW
+ * rows of W unpacked in registers against one or two rows of A, W read once from memory.
+ * More rows take block tiles: BLOCK_RW rows of W dequantized into a buffer of the thread's
+ * (a few KB, in L1/L2: never the matrix), then dot products of RA x BLOCK_RW against every row
+ * of A in a chunk of rows that fits L2, the dequantizing paid once per chunk.
+ */
+#include "internal.h"
+
+/* The tiles' vectors: 512-bit with AVX-512 (F and BW), 256-bit with AVX2 and FMA, else the
+ * library's (128-bit, or 256-bit with AVX alone). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QBYTES 64
+#define QPATH 512
+#define QPIN(v) __asm__("" : "+v"(v))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QBYTES 32
+#define QPATH 256
+#define QPIN(v) __asm__("" : "+x"(v))
+#else
+#define QBYTES VBYTES
+#define QPATH 0
+#define QPIN(v) PIN(v)
+#endif
+enum { QL = QBYTES / 4 };
+typedef float qv __attribute__((vector_size(QBYTES)));
+typedef float qv_unaligned __attribute__((vector_size(QBYTES), aligned(4), may_alias));
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+ALWAYS qv qload(const float *p) { return *(const qv_unaligned *)p; }
+ALWAYS void qstore(float *p, qv v) { *(qv_unaligned *)p = v; }
+
+/* A float kept from being fused with the operation that follows it (the dequantizing rounds
+ * the product and the sum each: -ffp-contract=fast would make them one FMA). */
+#if defined(__x86_64__) || defined(__i386__)
+#define FPIN(f) __asm__("" : "+x"(f))
+#elif defined(__aarch64__)
+#define FPIN(f) __asm__("" : "+w"(f))
+#else
+#define FPIN(f) do { volatile float pinned_ = (f); (f) = pinned_; } while (0)
+#endif
+
+/* --- scales, codes, values: one at a time --------------------------------------------------- */
+
+static inline float half_to_float(unsigned short h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    unsigned sign = (unsigned)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man)
+        bits = sign;
+    else { /* subnormal: normalised */
+        unsigned e = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Scale (or bias) i of an array in `format` (W_F32, W_F16, W_BF16), widened exactly. */
+static inline float scale_at(const void *base, int format, size_t i) {
+    if (format == W_F16) return half_to_float(((const unsigned short *)base)[i]);
+    if (format == W_BF16) {
+        const unsigned bits = (unsigned)((const unsigned short *)base)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
+
+/* Code t of a row (a little-endian bit stream of `bits`-bit codes), reading no byte past it. */
+static inline unsigned code_at(const unsigned char *row, int bits, size_t t) {
+    const size_t bit = t * bits, byte = bit / 8;
+    const int shift = (int)(bit % 8);
+    unsigned v = (unsigned)row[byte] >> shift;
+    if (shift + bits > 8) v |= (unsigned)row[byte + 1] << (8 - shift);
+    return v & ((1u << bits) - 1);
+}
+
+/* MLX's dequantized value: the product rounded, then the sum. */
+static inline float dequantized(float scale, unsigned q, float bias) {
+    float p = scale * (float)q;
+    FPIN(p);
+    return p + bias;
+}
+
+/* Scales (or biases) [i0, i0 + n) of an array in `format` as float32: the array itself when it
+ * is float32, else widened into `out`. A tile widens its rows' scales once (16 a vector), not
+ * one at a time for each group. */
+static const float *float_scales(const void *base, int format, size_t i0, int n, float *out) {
+    if (format == W_F32) return (const float *)base + i0;
+    const unsigned short *h = (const unsigned short *)base + i0;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
+        const __m512 y = format == W_F16 ? _mm512_cvtph_ps(x)
+                                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+        _mm512_storeu_ps(out + i, y);
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(h + i));
+        const __m256 y = format == W_F16 ? _mm256_cvtph_ps(x)
+                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+        _mm256_storeu_ps(out + i, y);
+    }
+#endif
+    for (; i < n; i++) out[i] = scale_at(base, format, i0 + i);
+    return out;
+}
+
+/* Values per unit, and the position (from the unit's first) of lane l of vector v. */
+#define UNIT(bits) ((bits) == 4 ? 2 * QL : QL)
+static inline int lane_position(int bits, int v, int l) { return bits == 4 ? 2 * l + v : l; }
+
+/* --- units: a group's constants, a unit's codes, its vectors of values ------------------------ */
+
+/* What a tile keeps for a (row, group): a table of the dequantized values of every code (4 and
+ * 5 bits with AVX-512: t0 codes 0-15, t1 16-31), or the scale and bias in every lane. */
+struct qgroup {
+    qv t0, t1;
+};
+
+#if QPATH == 512
+
+ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
+    const qv low = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const qv s = (qv){0} + *scale, b = (qv){0} + *bias; /* broadcasts from memory */
+    struct qgroup g;
+    if (bits == 8) {
+        g.t0 = s;
+        g.t1 = b;
+        return g;
+    }
+    qv p = low * s;
+    QPIN(p);
+    g.t0 = p + b;
+    if (bits == 5) {
+        qv p1 = (low + 16.0f) * s;
+        QPIN(p1);
+        g.t1 = p1 + b;
+    } else {
+        g.t1 = g.t0;
+    }
+    return g;
+}
+
+typedef __m512i qraw;
+
+/* lane l of a 5-bit unit: the 4 bytes from byte 5l / 8 of its 10 (each 128-bit lane of the
+ * register holds the unit's first 16), shifted right by 5l % 8 */
+#define B5(l) (5 * (l) / 8)
+#define C5(l) B5(l), B5(l) + 1, B5(l) + 2, B5(l) + 3
+#define CTRL5_128(l) C5(l), C5(l + 1), C5(l + 2), C5(l + 3)
+
+/* The codes of the unit that starts at position t of a row. 5-bit units read 16 bytes, 6
+ * past their 10 (columns_of reads the matrix's last row from a padded copy). */
+ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
+    if (bits == 5) {
+        static const char ctrl[64] __attribute__((aligned(64))) = {
+            CTRL5_128(0), CTRL5_128(4), CTRL5_128(8), CTRL5_128(12)};
+        const __m512i shifts = _mm512_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3, 0, 5, 2, 7, 4, 1, 6, 3);
+        const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + t * 5 / 8)));
+        return _mm512_srlv_epi32(_mm512_shuffle_epi8(x, _mm512_load_si512(ctrl)), shifts);
+    }
+    /* 4 bits: 16 bytes, each byte's two codes; 8 bits: 16 codes */
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * bits / 8)));
+}
+
+ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
+    if (bits == 4) /* vpermps reads the low 4 bits of each lane: the low nibble, then the high */
+        return (qv)_mm512_permutexvar_ps(v ? _mm512_srli_epi32(raw, 4) : raw, (__m512)g->t0);
+    if (bits == 5) /* the low 5 bits: t0 for 0-15, t1 for 16-31 */
+        return (qv)_mm512_permutex2var_ps((__m512)g->t0, raw, (__m512)g->t1);
+    qv p = (qv)_mm512_cvtepi32_ps(raw) * g->t0;
+    QPIN(p);
+    return p + g->t1;
+}
+
+#elif QPATH == 256
+
+ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
+    (void)bits;
+    return (struct qgroup){(qv){0} + *scale, (qv){0} + *bias};
+}
+
+typedef __m256i qraw;
+
+#define B5(l) (5 * (l) / 8)
+#define C5(l) B5(l), B5(l) + 1, B5(l) + 2, B5(l) + 3
+
+/* 5-bit units read 8 bytes, 3 past their 5 (see the 512-bit unit_load). */
+ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
+    if (bits == 5) {
+        const __m256i ctrl = _mm256_setr_epi8(C5(0), C5(1), C5(2), C5(3), C5(4), C5(5), C5(6), C5(7));
+        const __m256i shifts = _mm256_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3);
+        const __m256i x = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(row + t * 5 / 8)));
+        return _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, ctrl), shifts),
+                                _mm256_set1_epi32(31));
+    }
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + t * bits / 8)));
+}
+
+ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
+    if (bits == 4)
+        raw = v ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, _mm256_set1_epi32(15));
+    qv p = (qv)_mm256_cvtepi32_ps(raw) * g->t0;
+    QPIN(p);
+    return p + g->t1;
+}
+
+#else /* one value at a time */
+
+ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
+    (void)bits;
+    return (struct qgroup){(qv){0} + *scale, (qv){0} + *bias};
+}
+
+typedef struct {
+    const unsigned char *row;
+    size_t t;
+    int bits;
+} qraw;
+
+ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
+    return (qraw){row, t, bits};
+}
+
+ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
+    float out[QL];
+    for (int l = 0; l < QL; l++)
+        out[l] = dequantized(g->t0[0], code_at(raw.row, bits, raw.t + lane_position(bits, v, l)),
+                             g->t1[0]);
+    return qload(out);
+}
+
+#endif
+
+/* Whether unit_load reads past a unit's bytes (then the matrix's last row is read from a
+ * padded copy), and how far at most. */
+static inline int overread(int bits) { return QPATH && bits == 5 ? 8 : 0; }
+
+/* --- sums --------------------------------------------------------------------------------- */
+
+/* The sum of a vector's lanes by halving: lane l plus lane l + QL/2, until one is left. The
+ * order every value of C is summed in (with the lanes' own sums before it). */
+ALWAYS float lanes_sum(qv v) {
+    float t[QL];
+    memcpy(t, &v, sizeof t);
+    _Pragma("GCC unroll 8") for (int w = QL / 2; w >= 1; w /= 2)
+        _Pragma("GCC unroll 8") for (int l = 0; l < w; l++) t[l] = t[l] + t[l + w];
+    return t[0];
+}
+
+/* out[0..3] = lanes_sum of a, b, c, d: the same additions, four sums in each instruction. */
+ALWAYS void lanes_sum4(float *out, qv a, qv b, qv c, qv d) {
+#if QPATH == 512
+    const __m512 A = (__m512)a, B = (__m512)b, C = (__m512)c, D = (__m512)d;
+    /* lanes l + 8: [a, b] and [c, d] halves */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, 0x44), _mm512_shuffle_f32x4(A, B, 0xee));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(C, D, 0x44), _mm512_shuffle_f32x4(C, D, 0xee));
+    /* lanes l + 4: a, b, c, d's 4 lanes each */
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4e)); /* lanes l + 2 */
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xb1)); /* lane l + 1 */
+    const __m512i at = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(at, x)));
+#elif QPATH == 256
+    const __m256 A = (__m256)a, B = (__m256)b, C = (__m256)c, D = (__m256)d;
+    /* lanes l + 4: [a, b] and [c, d] halves */
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(A, B, 0x20), _mm256_permute2f128_ps(A, B, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(C, D, 0x20), _mm256_permute2f128_ps(C, D, 0x31));
+    /* lanes l + 2, then l + 1, within each half; then the four sums gathered */
+    __m256 x = _mm256_add_ps(ab, _mm256_permute_ps(ab, 0x4e)), y = _mm256_add_ps(cd, _mm256_permute_ps(cd, 0x4e));
+    x = _mm256_add_ps(x, _mm256_permute_ps(x, 0xb1));
+    y = _mm256_add_ps(y, _mm256_permute_ps(y, 0xb1));
+    /* x: a's sum in lane 0, b's in lane 4; y: c's, d's */
+    const __m256 xy = _mm256_shuffle_ps(x, y, 0x00); /* [a, a, c, c | b, b, d, d] */
+    out[0] = _mm256_cvtss_f32(xy);
+    out[1] = _mm_cvtss_f32(_mm256_extractf128_ps(xy, 1));
+    out[2] = xy[2];
+    out[3] = xy[6];
+#else
+    out[0] = lanes_sum(a);
+    out[1] = lanes_sum(b);
+    out[2] = lanes_sum(c);
+    out[3] = lanes_sum(d);
+#endif
+}
+
+/* dot[q] = lanes_sum(acc[q]) for q < n (a multiple of 4). */
+ALWAYS void sums(float *dot, const qv *acc, const int n) {
+    _Pragma("GCC unroll 8") for (int q = 0; q < n; q += 4)
+        lanes_sum4(dot + q, acc[q], acc[q + 1], acc[q + 2], acc[q + 3]);
+}
+
+/* --- stream tiles: W unpacked in registers ------------------------------------------------- */
+
+/* Few rows: at most STREAM_ROWS rows of A take stream tiles (one or two rows of A against
+ * STREAM_RW rows of W); more take block tiles. */
+enum { STREAM_ROWS = 2 };
+#if QPATH == 512
+enum { STREAM_RW = 8 };
+#else
+enum { STREAM_RW = 4 };
+#endif
+_Static_assert(STREAM_RW % 4 == 0, "sums are taken 4 at a time");
+/* Lines a stream tile prefetches a unit step: a block's lines over its steps are
+ * STREAM_RW * bits * UNIT / 512, at most 2 (8 rows of 4-bit units of 32 or 8-bit ones of 16). */
+enum { STREAM_FETCH = 2 };
+enum { MAX_ACC = 2 * STREAM_RW > 16 ? 2 * STREAM_RW : 16 }; /* a tile's accumulators at most */
+
+/* dot[i * RW + r] = row i of A (a[i]) . row r of W (codes rows[r], scales and biases as
+ * float32 scale[r], bias[r]). */
+ALWAYS void stream_tile(const int bits, const int RA, const int RW, const struct product *p,
+                        const unsigned char *const *rows, const float *const *scale,
+                        const float *const *bias, const float *const *a, float *dot,
+                        const char *ahead, int lines) {
+    const int k = p->k, G = p->group, U = UNIT(bits), V = bits == 4 ? 2 : 1;
+    /* `lines` cache lines from `ahead` prefetched, spread over the unit steps (16.16 fixed
+     * point, as the panel tiles do; a line asked for twice is on its way already) */
+    const char *fetch = ahead ? ahead : (const char *)rows[0];
+    const unsigned long step = ahead ? ((unsigned long)lines << 16) / (unsigned)(k / U) : 0;
+    unsigned long at = 0;
+    /* fixed sizes (RA and RW are constants where this is inlined, but an array sized by them
+     * would be a variable-length one, kept in memory) */
+    qv acc[MAX_ACC], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 16") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    for (int g0 = 0, g = 0; g0 < k; g0 += G, g++) {
+        struct qgroup c[STREAM_RW];
+        _Pragma("GCC unroll 8") for (int r = 0; r < RW; r++) c[r] = group_of(bits, scale[r] + g, bias[r] + g);
+        for (int t = g0; t < g0 + G; t += U, at += step) {
+            _Pragma("GCC unroll 2") for (int q = 0; q < STREAM_FETCH; q++)
+                __builtin_prefetch(fetch + ((at >> 16) + q) * 64, 0, 3);
+            qv x[4];
+            _Pragma("GCC unroll 4") for (int i = 0; i < RA; i++)
+                _Pragma("GCC unroll 2") for (int v = 0; v < V; v++) x[i * 2 + v] = qload(a[i] + t + v * QL);
+            _Pragma("GCC unroll 8") for (int r = 0; r < RW; r++) {
+                const qraw raw = unit_load(bits, rows[r], (size_t)t);
+                _Pragma("GCC unroll 2") for (int v = 0; v < V; v++) {
+                    const qv w = unit_values(bits, raw, v, &c[r]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < RA; i++)
+                        acc[i * RW + r] += x[i * 2 + v] * w;
+                }
+            }
+        }
+    }
+    sums(dot, acc, RA * RW);
+}
+
+#define STREAM_TILE(BITS, RA)                                                                   \
+    static void stream_##BITS##_##RA(const struct product *p, const unsigned char *const *rows, \
+                                     const float *const *scale, const float *const *bias,       \
+                                     const float *const *a, float *dot, const char *ahead,      \
+                                     int lines) {                                               \
+        stream_tile(BITS, RA, STREAM_RW, p, rows, scale, bias, a, dot, ahead, lines);           \
+    }
+STREAM_TILE(4, 1)
+STREAM_TILE(4, 2)
+STREAM_TILE(5, 1)
+STREAM_TILE(5, 2)
+STREAM_TILE(8, 1)
+STREAM_TILE(8, 2)
+
+typedef void (*stream_fn)(const struct product *, const unsigned char *const *,
+                          const float *const *, const float *const *, const float *const *, float *,
+                          const char *, int);
+
+/* --- block tiles: W dequantized into a buffer, dot products over many rows ------------------ */
+
+enum { BLOCK_RW = 4, BLOCK_RA = 4 };
+/* Rows of A in a chunk: the chunk's reordered rows stay in L2 while every block of W's rows
+ * passes (each block dequantized once a chunk). */
+enum { CHUNK_BYTES = 256 << 10 };
+
+/* Row `row` of W dequantized into out[k], in the tiles' order (units in order of k, each's
+ * vectors in order). */
+ALWAYS void dequantize_row(const int bits, const struct product *p, const unsigned char *row,
+                           const float *scale, const float *bias, float *out) {
+    const int k = p->k, G = p->group, U = UNIT(bits), V = bits == 4 ? 2 : 1;
+    for (int g0 = 0, g = 0; g0 < k; g0 += G, g++) {
+        const struct qgroup c = group_of(bits, scale + g, bias + g);
+        for (int t = g0; t < g0 + G; t += U) {
+            const qraw raw = unit_load(bits, row, (size_t)t);
+            _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)
+                qstore(out + t + v * QL, unit_values(bits, raw, v, &c));
+        }
+    }
+}
+
+#define DEQUANTIZE_ROW(BITS)                                                                   \
+    static void dequantize_##BITS(const struct product *p, const unsigned char *row,          \
+                                  const float *scale, const float *bias, float *out) {         \
+        dequantize_row(BITS, p, row, scale, bias, out);                                        \
+    }
+DEQUANTIZE_ROW(4)
+DEQUANTIZE_ROW(5)
+DEQUANTIZE_ROW(8)
+
+/* dot[i * RW + r] = a[i] . w[r] over k (both in the tiles' order): the same lanes, the same
+ * order as the stream tiles. */
+ALWAYS void block_tile(const int RA, const int RW, const float *const *a, const float *const *w,
+                       int k, float *dot) {
+    qv acc[MAX_ACC], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 16") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    for (int t = 0; t < k; t += QL) {
+        qv x[BLOCK_RA];
+        _Pragma("GCC unroll 8") for (int i = 0; i < RA; i++) {
+            x[i] = qload(a[i] + t);
+            QPIN(x[i]);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < RW; r++) {
+            qv y = qload(w[r] + t);
+            QPIN(y);
+            _Pragma("GCC unroll 8") for (int i = 0; i < RA; i++) acc[i * RW + r] += x[i] * y;
+        }
+    }
+    _Static_assert(BLOCK_RW % 4 == 0, "sums are taken 4 at a time");
+    sums(dot, acc, RA * RW);
+}
+
+#define BLOCK_TILE(RA)                                                                          \
+    static void block_##RA(const float *const *a, const float *const *w, int k, float *dot) {  \
+        block_tile(RA, BLOCK_RW, a, w, k, dot);                                                 \
+    }
+BLOCK_TILE(1)
+BLOCK_TILE(2)
+BLOCK_TILE(3)
+BLOCK_TILE(4)
+
+typedef void (*block_fn)(const float *const *, const float *const *, int, float *);
+static const block_fn block_tiles[BLOCK_RA + 1] = {NULL, block_1, block_2, block_3, block_4};
+
+/* Buffer `slot` of the calling thread's (the pool's threads keep theirs), grown as needed. */
+static float *thread_buffer(int slot, size_t floats) {
+    static __thread float *buffer[2];
+    static __thread size_t size[2];
+    if (floats > size[slot]) {
+        free(buffer[slot]);
+        buffer[slot] = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        size[slot] = buffer[slot] ? floats : 0;
+        if (!buffer[slot]) abort();
+    }
+    return buffer[slot];
+}
+
+/* --- products ------------------------------------------------------------------------------ */
+
+int affine_block(const struct product *p) { return p->m <= STREAM_ROWS ? STREAM_RW : BLOCK_RW; }
+
+int affine_reordered(int bits) { return bits == 4; }
+
+/* into[i] = row i of A in the tiles' order for `bits` (4: each unit's even positions, then its
+ * odd ones). */
+void affine_rows(int bits, int m, int k, const float *a, int lda, float *into) {
+    (void)bits;
+    const int U = 2 * QL;
+    for (int i = 0; i < m; i++) {
+        const float *row = a + (size_t)i * lda;
+        float *out = into + (size_t)i * k;
+        for (int t = 0; t < k; t += U)
+            for (int l = 0; l < QL; l++) {
+                out[t + l] = row[t + lane_position(4, 0, l)];
+                out[t + QL + l] = row[t + lane_position(4, 1, l)];
+            }
+    }
+}
+
+int affine_supported(const struct step_weight *w, int n, int k) {
+    const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 8;
+    const int group_ok = w->group == 32 || w->group == 64 || w->group == 128;
+    const int scales_ok = w->scale_format == W_F32 || w->scale_format == W_F16 ||
+                          w->scale_format == W_BF16;
+    return w->format == W_AFFINE && bits_ok && group_ok && scales_ok && w->data && w->scales &&
+           w->biases && n > 0 && k > 0 && k % w->group == 0;
+}
+
+/* Columns [j0, j1) of C from W_AFFINE weights; bits fixed (a constant in each instance). */
+ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) {
+    const int k = p->k, groups = k / p->group;
+    const size_t row_bytes = (size_t)k * bits / 8;
+    const unsigned char *base = p->w;
+    /* the matrix's last row, copied with room for what unit_load reads past it */
+    unsigned char *padded = NULL;
+    const unsigned char *last = base + (size_t)(p->n - 1) * row_bytes;
+    if (overread(bits) && j1 == p->n) {
+        padded = malloc(row_bytes + overread(bits));
+        if (!padded) abort();
+        memcpy(padded, last, row_bytes);
+        memset(padded + row_bytes, 0, overread(bits));
+        last = padded;
+    }
+#define ROW(j) ((j) == p->n - 1 ? last : base + (size_t)(j) * row_bytes)
+    /* the scales and biases of the rows in hand, as float32 */
+    float *widened = thread_buffer(1, (size_t)2 * STREAM_RW * groups);
+    const float *scale[STREAM_RW], *bias[STREAM_RW];
+    float dot[BLOCK_RA * STREAM_RW > 2 * STREAM_RW ? BLOCK_RA * STREAM_RW : 2 * STREAM_RW];
+    if (p->m <= STREAM_ROWS) {
+        const stream_fn one = bits == 4 ? stream_4_1 : bits == 5 ? stream_5_1 : stream_8_1;
+        const stream_fn two = bits == 4 ? stream_4_2 : bits == 5 ? stream_5_2 : stream_8_2;
+        for (int j = j0; j < j1; j += STREAM_RW) {
+            const int nj = j1 - j < STREAM_RW ? j1 - j : STREAM_RW;
+            const unsigned char *rows[STREAM_RW];
+            for (int r = 0; r < STREAM_RW; r++) {
+                const int row = j + (r < nj ? r : 0);
+                rows[r] = ROW(row);
+                float *into = widened + (size_t)2 * r * groups;
+                scale[r] = float_scales(p->scales, p->scale_format, (size_t)row * groups, groups, into);
+                bias[r] = float_scales(p->biases, p->scale_format, (size_t)row * groups, groups, into + groups);
+            }
+            /* the block PREFETCH_BLOCKS ahead: its rows' codes (one run), and its scales and
+             * biases now */
+            const int ahead = j + PREFETCH_BLOCKS * STREAM_RW;
+            const int fetch = ahead + STREAM_RW <= j1;
+            const char *codes = fetch ? (const char *)(base + (size_t)ahead * row_bytes) : NULL;
+            const int lines = (int)(STREAM_RW * row_bytes / 64);
+            if (fetch) {
+                const int size = p->scale_format == W_F32 ? 4 : 2;
+                const char *sa = (const char *)p->scales + (size_t)ahead * groups * size;
+                const char *ba = (const char *)p->biases + (size_t)ahead * groups * size;
+                for (size_t o = 0; o < (size_t)STREAM_RW * groups * size; o += 64) {
+                    __builtin_prefetch(sa + o, 0, 3);
+                    __builtin_prefetch(ba + o, 0, 3);
+                }
+            }
+            for (int i = 0; i < p->m; i += 2) {
+                const int ni = p->m - i < 2 ? p->m - i : 2;
+                const float *a[2] = {p->a + (size_t)i * p->lda, p->a + (size_t)(i + ni - 1) * p->lda};
+                (ni == 2 ? two : one)(p, rows, scale, bias, a, dot, i ? NULL : codes, lines);
+                for (int ii = 0; ii < ni; ii++)
+                    for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * STREAM_RW + r]);
+            }
+        }
+    } else {
+        float *w = thread_buffer(0, (size_t)BLOCK_RW * k);
+        const float *wr[BLOCK_RW];
+        for (int r = 0; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
+        /* rows of A a chunk, as even as they divide */
+        const int most = CHUNK_BYTES / (k * 4) > BLOCK_RA ? CHUNK_BYTES / (k * 4) : BLOCK_RA;
+        const int chunks = ceil_div(p->m, most);
+        void (*const dequantize)(const struct product *, const unsigned char *, const float *,
+                                 const float *, float *) =
+            bits == 4 ? dequantize_4 : bits == 5 ? dequantize_5 : dequantize_8;
+        for (int ch = 0; ch < chunks; ch++) {
+            const int i0 = (int)((long)p->m * ch / chunks), i1 = (int)((long)p->m * (ch + 1) / chunks);
+            const int groups_a = ceil_div(i1 - i0, BLOCK_RA);
+            for (int j = j0; j < j1; j += BLOCK_RW) {
+                const int nj = j1 - j < BLOCK_RW ? j1 - j : BLOCK_RW;
+                /* the rows PREFETCH_BLOCKS blocks ahead (the first chunk's pass reads them
+                 * from memory; later chunks find them in L3 if at all) */
+                const int ahead = j + PREFETCH_BLOCKS * BLOCK_RW;
+                if (ahead + BLOCK_RW <= j1) {
+                    const char *next = (const char *)(base + (size_t)ahead * row_bytes);
+                    for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+                }
+                for (int r = 0; r < nj; r++) {
+                    const size_t at = (size_t)(j + r) * groups;
+                    const float *s = float_scales(p->scales, p->scale_format, at, groups, widened);
+                    const float *b = float_scales(p->biases, p->scale_format, at, groups, widened + groups);
+                    dequantize(p, ROW(j + r), s, b, w + (size_t)r * k);
+                }
+                for (int r = nj; r < BLOCK_RW; r++) wr[r] = wr[0];
+                for (int g = 0, i = i0; g < groups_a; g++) {
+                    const int ni = (i1 - i0) / groups_a + (g < (i1 - i0) % groups_a);
+                    const float *a[BLOCK_RA];
+                    for (int ii = 0; ii < BLOCK_RA; ii++)
+                        a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
+                    block_tiles[ni](a, wr, k, dot);
+                    for (int ii = 0; ii < ni; ii++)
+                        for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * BLOCK_RW + r]);
+                    i += ni;
+                }
+                for (int r = nj; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
+            }
+        }
+    }
+#undef ROW
+    free(padded);
+}
+
+static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p, j0, j1); }
+static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
+static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
+
+void affine_columns(const struct product *p, int j0, int j1) {
+    (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
+}
