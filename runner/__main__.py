@@ -112,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     try:
-        asyncio.run(serve(runner, flags.port, stop))
+        asyncio.run(serve(runner, flags.port, stop, flags.host, flags.serve))
     except ListenError as e:
         fail(str(e))
     stopped = runner.engine.stop(timeout=STOP_SECONDS)
     if not stopped:  # a forward is still inside MLX; the supervisor's deadline comes first
         log.warning("MLX job still running at exit; exiting now")
+    if distributed_mode(flags):
+        from runner.distributed.start import stop_group
+
+        stop_group()  # the other ranks exit too
     finish(0)
     return 0
 
@@ -141,6 +145,12 @@ def load(flags: cli.Flags, stop: Stop):
         try:
             log.info("CPU BLAS: %s", preload.describe())
             limit = flags.cache_bytes if flags.cache_bytes is not None else budget_from_env()
+            if distributed_mode(flags):  # one rank of a process group: runner/distributed/
+                from runner.distributed.start import start
+
+                mode = distributed_mode(flags)
+                outcome.update(start(mode, flags.pipeline_split, flags.model, limit, fail))
+                return
             engine = Engine()
             outcome["runner"] = Runner.load(engine, flags.model, cache_budget=ByteBudget(limit))
         except Exception as e:  # reported by the main thread
@@ -154,31 +164,47 @@ def load(flags: cli.Flags, stop: Stop):
             finish(0)
     if "error" in outcome:
         fail(str(outcome["error"]))
+    if "exit" in outcome:  # a rank other than 0 served its group and is done
+        finish(int(outcome["exit"]))  # type: ignore[call-overload]
     return outcome["runner"]
+
+
+def distributed_mode(flags: cli.Flags) -> str:
+    """--distributed, else OLLAMA_MLX_RUNNER_DISTRIBUTED (runner/distributed/start.py)."""
+    return flags.distributed or os.environ.get("OLLAMA_MLX_RUNNER_DISTRIBUTED", "").strip()
 
 
 class ListenError(Exception):
     """The port cannot be listened on; the message is Go's net.Listen error text."""
 
 
-async def serve(runner, port: int, stop: Stop) -> None:
+async def serve(
+    runner, port: int, stop: Stop, host: str = HOST, public_faces: bool = False
+) -> None:
+    """Serve until stopped; `public_faces` (`serve`): the OpenAI and Ollama faces too, on
+    `host` (runner/server/serve.py)."""
     from aiohttp import web
 
     from runner.server.app import build_app
 
     if not 0 <= port <= 65535:
         raise ListenError(f"listen tcp: address {port}: invalid port")
-    app = build_app(runner)
+    if public_faces:
+        from runner.server.serve import build_serve_app
+
+        app = build_serve_app(runner)
+    else:
+        app = build_app(runner)
     app_runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await app_runner.setup()
-    site = web.TCPSite(app_runner, HOST, port)
+    site = web.TCPSite(app_runner, host, port)
     try:
         await site.start()
     except OSError as e:
         await app_runner.cleanup()
         reason = e.strerror.lower() if e.strerror else str(e)
-        raise ListenError(f"listen tcp {HOST}:{port}: bind: {reason}") from None
-    log.info("listening on %s:%d", HOST, port)
+        raise ListenError(f"listen tcp {host}:{port}: bind: {reason}") from None
+    log.info("listening on %s:%d", host, port)
     stop.event = asyncio.Event()
     stop.loop = asyncio.get_running_loop()
     if stop.requested.is_set():

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 USAGE = """Usage of runner:
   -cache-bytes int
     \tbyte budget of the prefix caches (default: $OLLAMA_MLX_RUNNER_CACHE_BYTES or 8 GiB)
+  -distributed string
+    \tone rank of a process group (mlx.launch, or MLX_RANK and MLX_HOSTFILE): tensor or pipeline
   -model string
     \tOllama model name or a model directory
+  -pipeline-split string
+    \tlayers per rank in pipeline mode, rank 0 first (default: even)
   -port int
     \tTCP port on 127.0.0.1
   -verbose
@@ -47,12 +51,30 @@ class HelpRequested(Exception):
     """-h or -help: the usage, exit 0."""
 
 
+SERVE_USAGE = """Usage of serve (the runner with the OpenAI and Ollama faces):
+  -cache-bytes int
+    \tbyte budget of the prefix caches (default: $OLLAMA_MLX_RUNNER_CACHE_BYTES or 8 GiB)
+  -host string
+    \taddress to listen on (default 127.0.0.1)
+  -model string
+    \tOllama model name or a model directory
+  -port int
+    \tTCP port
+  -verbose
+    \tdebug logging
+"""
+
+
 @dataclass
 class Flags:
     model: str = ""
     port: int = 0
     verbose: bool = False
     cache_bytes: int | None = None
+    distributed: str = ""  # tensor | pipeline (runner/distributed/)
+    pipeline_split: str = ""
+    host: str = "127.0.0.1"
+    serve: bool = False  # `serve`: the public faces too (runner/server/serve.py)
 
 
 def parse_go_int(text: str) -> int:
@@ -112,7 +134,7 @@ def parse(argv: list[str]) -> Flags:
                 message = f'invalid boolean value "{value}" for -{name}: parse error'
                 raise FlagError(message) from None
             continue
-        if name not in ("model", "port", "cache-bytes"):
+        if name not in ("model", "port", "cache-bytes", "distributed", "pipeline-split"):
             raise FlagError(f"flag provided but not defined: -{name}")
         if not has_value:
             if not args:
@@ -120,6 +142,12 @@ def parse(argv: list[str]) -> Flags:
             value, args = args[0], args[1:]
         if name == "model":
             flags.model = value
+            continue
+        if name == "distributed":
+            flags.distributed = value
+            continue
+        if name == "pipeline-split":
+            flags.pipeline_split = value
             continue
         try:
             number = parse_go_int(value)
@@ -132,13 +160,41 @@ def parse(argv: list[str]) -> Flags:
     return flags
 
 
+def parse_serve(argv: list[str]) -> Flags:
+    """`serve FLAGS`: the runner's flags (as Go parses them) and `-host`."""
+    args, rest, host = list(argv), [], "127.0.0.1"
+    while args:
+        arg = args.pop(0)
+        name, has_value, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name == "host" and arg not in ("-", "--"):
+            if not has_value:
+                if not args:
+                    raise FlagError("flag needs an argument: -host")
+                value = args.pop(0)
+            host = value
+            continue
+        rest.append(arg)
+        if not arg.startswith("-") or arg in ("-", "--"):
+            rest += args  # the flags end here
+            break
+        if has_value or name in ("verbose", "h", "help") or not args:
+            continue
+        rest.append(args.pop(0))  # a flag's value
+    flags = parse(rest)
+    flags.host, flags.serve = host, True
+    return flags
+
+
 def parse_or_exit(argv: list[str]) -> Flags:
-    """`parse`, exiting as flag.ExitOnError does: usage and 2 on an error, 0 on -help."""
+    """`parse` (`parse_serve` after a leading `serve`), exiting as flag.ExitOnError does:
+    usage and 2 on an error, 0 on -help."""
+    serve = argv[:1] == ["serve"]
+    usage = SERVE_USAGE if serve else USAGE
     try:
-        return parse(argv)
+        return parse_serve(argv[1:]) if serve else parse(argv)
     except HelpRequested:
-        sys.stderr.write(USAGE)
+        sys.stderr.write(usage)
         raise SystemExit(0) from None
     except FlagError as e:
-        sys.stderr.write(f"{e}\n{USAGE}")
+        sys.stderr.write(f"{e}\n{usage}")
         raise SystemExit(2) from None
