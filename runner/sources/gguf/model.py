@@ -95,40 +95,50 @@ def _tensors(
         "kept": Counter(),
         "dequantized": Counter(),
     }
-    for gguf_name, target in plan.targets.items():
-        if target is None:
+    for gguf_name, planned in plan.targets.items():
+        if planned is None:
             continue
         info = file.tensors[gguf_name]
         converted = quants.convert(file.raw(gguf_name), info.ggml_type, info.shape)
-        if isinstance(converted, quants.Repacked):
-            treated["repacked"][info.type_name] += 1
-            if target.minus_one:
-                raise ModelLoadError(f"GGUF: {gguf_name} is quantized where a float is expected")
-            weight, scales, biases = quants.mlx_repacked(_rows(converted, target.rows))
-            base = target.name.removesuffix(".weight")
-            weights[target.name], weights[f"{base}.scales"] = weight, scales
-            if biases is not None:
-                weights[f"{base}.biases"] = biases
-            layers[base] = {
-                "group_size": converted.group_size,
-                "bits": converted.bits,
-                "mode": converted.mode,
-            }
-            continue
-        plain = quants.kind(info.ggml_type) == "plain" and not target.minus_one
-        if target.minus_one:  # stored as 1 + w: w in float32, as the converter computed it
-            values = quants.dequantize(file.raw(gguf_name), info.ggml_type, info.shape) - 1
-        else:
-            values = converted
-        treated["kept" if plain else "dequantized"][info.type_name] += 1
-        if target.rows is not None:
-            values = values[target.rows]
-        values = np.ascontiguousarray(values)
-        weights[target.name] = (
-            quants.mlx_plain(values, info.ggml_type)
-            if plain
-            else mx.array(values.astype(np.float32))
-        )
+        if isinstance(converted, quants.Repacked) and not all(
+            t.name.endswith(".weight")
+            for t in (planned if isinstance(planned, tuple) else (planned,))
+        ):  # only a layer's weight takes MLX's quantization (its .scales, .biases beside it)
+            converted = quants.dequantize(file.raw(gguf_name), info.ggml_type, info.shape)
+        # one GGUF tensor may be several checkpoint tensors (a fused Q/K/V: row ranges)
+        parts = planned if isinstance(planned, tuple) else (planned,)
+        plain = quants.kind(info.ggml_type) == "plain" and not any(t.minus_one for t in parts)
+        how = "repacked" if isinstance(converted, quants.Repacked) else None
+        treated[how or ("kept" if plain else "dequantized")][info.type_name] += 1
+        for target in parts:
+            if isinstance(converted, quants.Repacked):
+                if target.minus_one:
+                    raise ModelLoadError(
+                        f"GGUF: {gguf_name} is quantized where a float is expected"
+                    )
+                weight, scales, biases = quants.mlx_repacked(_rows(converted, target.rows))
+                base = target.name.removesuffix(".weight")
+                weights[target.name], weights[f"{base}.scales"] = weight, scales
+                if biases is not None:
+                    weights[f"{base}.biases"] = biases
+                layers[base] = {
+                    "group_size": converted.group_size,
+                    "bits": converted.bits,
+                    "mode": converted.mode,
+                }
+                continue
+            if target.minus_one:  # stored as 1 + w: w in float32, as the converter computed it
+                values = quants.dequantize(file.raw(gguf_name), info.ggml_type, info.shape) - 1
+            else:
+                values = converted
+            if target.rows is not None:
+                values = values[target.rows]
+            values = np.ascontiguousarray(values)
+            weights[target.name] = (
+                quants.mlx_plain(values, info.ggml_type)
+                if plain
+                else mx.array(values.astype(np.float32))
+            )
     quantization: dict[str, Any] = {}
     if layers:
         first = next(iter(layers.values()))
