@@ -513,6 +513,8 @@ def _ollama(
     renames = OLLAMA_KEYS.get(arch, {})
     dropped = OLLAMA_DROPPED.get(arch, ())
     metadata = {renames.get(k, k): v for k, v in metadata.items() if k not in dropped}
+    if arch == "gpt-oss":  # converted from OpenAI's checkpoint, whose attn.qkv is one
+        tensors = fuse_qkv(tensors)
     for old, new in OLLAMA_TENSORS.get(arch, {}).items():
         tensors = [(n.replace(old, new), v) for n, v in tensors]
     if arch in ("gemma3", "mistral3"):
@@ -531,32 +533,71 @@ def _ollama(
     return ("gptoss" if arch == "gpt-oss" else arch), metadata, tensors
 
 
+def fuse_qkv(tensors: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's --fuse-qkv (ModelBase.modify_tensors): each layer's Q, K and V rows, as
+    written (Q and K permuted for llama), in one attn_qkv; biases too where all three have
+    them."""
+    parts = dict(tensors)
+    fused = []
+    for name, values in tensors:
+        match = re.fullmatch(r"(blk\.\d+\.)attn_([qkv])\.(weight|bias)", name)
+        if match is None:
+            fused.append((name, values))
+            continue
+        p, which, kind = match.groups()
+        three = [parts.get(f"{p}attn_{x}.{kind}") for x in "qkv"]
+        if any(t is None for t in three):
+            fused.append((name, values))
+        elif which == "q":
+            fused.append((f"{p}attn_qkv.{kind}", np.concatenate(three)))
+    return fused
+
+
+def gguf_names(path: Path) -> list[str]:
+    return [t.name for t in gguf.GGUFReader(str(path)).tensors]
+
+
 def checkpoint_of(gguf_path: Path, like: Path, out: Path) -> Path:
     """The checkpoint whose weights are the GGUF's stored values (gguf-py's dequantization,
     the converter's changes undone, Hugging Face's names and layouts), with `like`'s config
-    (its vocab_size the embedding's rows) and tokenizer."""
+    (its vocab_size the embedding's rows) and tokenizer. Reads the converter's files, with
+    fused Q/K/V too, and Ollama's."""
     reader = gguf.GGUFReader(str(gguf_path))
+    ollama = reader.fields["general.architecture"].contents() == "gptoss"
     config = json.loads((like / "config.json").read_text())
     conversion = CONVERSIONS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     names = {v: k for k, v in TOP.items()}
     block = {v: k for k, v in conversion.block.items()}
-    weights: dict[str, np.ndarray] = {}
-    experts: dict[str, dict[str, np.ndarray]] = {}
+    stored: list[tuple[str, np.ndarray]] = []
     for t in reader.tensors:
         if t.name.startswith(("rope_freqs", "rope_factors", "v.", "mm.")):
             continue
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         values = np.asarray(values, np.float32).reshape([int(d) for d in reversed(t.shape)])
-        match = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        name = _from_ollama(t.name) if ollama else t.name
+        fused = re.fullmatch(r"(blk\.\d+\.)attn_qkv\.(weight|bias)", name)
+        if fused and "attn_qkv.weight" not in block:  # --fuse-qkv: Q, K, V rows in order
+            q, k = heads * head_dim, kv_heads * head_dim
+            for x, part in zip("qkv", np.split(values, [q, q + k]), strict=True):
+                stored.append((f"{fused.group(1)}attn_{x}.{fused.group(2)}", part))
+        else:
+            stored.append((name, values))
+    weights: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[str, np.ndarray]] = {}
+    for gguf_name, values in stored:
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
         if match and "_exps." in match.group(2):
             experts.setdefault(match.group(1), {})[match.group(2)] = values
             continue
-        name = f"model.layers.{match.group(1)}.{block[match.group(2)]}" if match else names[t.name]
-        if conversion.permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if match:
+            name = f"model.layers.{match.group(1)}.{block[match.group(2)]}"
+        else:
+            name = names[gguf_name]
+        if conversion.permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             values = values[unpermute_rows(heads * head_dim, heads)]
-        if conversion.permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        if conversion.permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             values = values[unpermute_rows(kv_heads * head_dim, kv_heads)]
         if conversion.plus_one and name.endswith("norm.weight"):
             values = values - np.float32(1)
@@ -570,6 +611,13 @@ def checkpoint_of(gguf_path: Path, like: Path, out: Path) -> Path:
         shutil.copy(like / file, out / file)
     save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
     return out
+
+
+def _from_ollama(name: str) -> str:
+    """Ollama's gpt-oss tensor names (OLLAMA_TENSORS) back to llama.cpp's."""
+    name = re.sub(r"\.attn_out\.", ".attn_output.", name)
+    name = re.sub(r"\.attn_sinks$", ".attn_sinks.weight", name)
+    return re.sub(r"\.ffn_norm\.", ".post_attention_norm.", name)
 
 
 def _checkpoint_experts(

@@ -14,7 +14,8 @@ skipped where neither holds it), to float32 and to Q8_0:
 - the Q8_0 file computes what the checkpoint of its stored values computes (1e-4).
 - the files tests/gguf_models.py writes for the everyday tier are the converter's: the same
   `{arch}.*` metadata (keys, types, values), the same tensors (names, shapes, and in float32
-  the same values).
+  the same values);
+- `--fuse-qkv` files (one attn_qkv per layer) are the same models as the files without.
 
 The converter runs through a small shim, because the tiny checkpoint's tokenizer is not one
 it knows: it recognises a BPE pre-tokenizer by the hash of a test string's tokens, which a
@@ -47,6 +48,7 @@ from tests.gguf_models import (
     GGUF_CANNOT,
     checkpoint_of,
     gguf_metadata,
+    gguf_names,
     tiny_checkpoint,
     write_gguf,
 )
@@ -85,13 +87,13 @@ def converter() -> Path:
     return src
 
 
-def convert(model_dir: Path, out: Path, outtype: str) -> Path:
+def convert(model_dir: Path, out: Path, outtype: str, *options: str) -> Path:
     """convert_hf_to_gguf.py --outtype `outtype` on `model_dir`, through the shim, with the
     converter's own gguf-py first on the path."""
     src = converter()
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
     command = [sys.executable, "-c", SHIM, str(src), str(model_dir)]
-    command += ["--outtype", outtype, "--outfile", str(out)]
+    command += ["--outtype", outtype, "--outfile", str(out), *options]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -206,3 +208,16 @@ def test_the_files_written_here_are_the_converters(
             np.testing.assert_allclose(mine.data, t.data, rtol=1e-6)
         else:
             assert np.array_equal(mine.data, t.data), name
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"])
+def test_the_converters_fused_qkv_file_is_the_same_model(
+    checkpoints: dict[str, Path], converted, arch: str, tmp_path: Path
+) -> None:
+    """--fuse-qkv (Llama's Q and K permuted before they are fused, GPT-OSS's biases fused
+    too): the same logits as the file with Q, K and V apart."""
+    fused = convert(checkpoints[arch], tmp_path / "fused.gguf", "f32", "--fuse-qkv")
+    assert any(".attn_qkv." in n for n in gguf_names(fused))
+    model, apart = build_model(load_gguf(fused)), build_model(load_gguf(converted[arch, "f32"]))
+    for tokens in golden_sequences(model.vocab_size):
+        assert np.array_equal(last_logits(model, tokens)[0], last_logits(apart, tokens)[0])

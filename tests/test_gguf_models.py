@@ -28,6 +28,8 @@ from tests.gguf_models import (
     GGUF_ARCHITECTURES,
     checkpoint_of,
     float32,
+    fuse_qkv,
+    gguf_names,
     mixed,
     tiny_checkpoint,
     write_gguf,
@@ -170,11 +172,12 @@ def test_ollamas_own_files_load_as_the_converters_do(
 ) -> None:
     """What Ollama's converter published (tests/gguf_models.py `ollama`: gemma3 and mistral3
     with their vision tower inside and their own key spellings, gpt-oss as `gptoss` with its
-    own tensor names and keys left out) computes what the llama.cpp converter's file does;
-    an embedded vision tower is left unloaded, and a log line says so."""
+    own tensor names, its Q/K/V fused and keys left out) computes what the llama.cpp
+    converter's file does, and quantized what its stored values do; an embedded vision tower
+    is left unloaded, and a log line says so."""
     checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
-    theirs = write_gguf(checkpoint, tmp_path / "ollama.gguf", mixed, ollama=True)
-    ours = write_gguf(checkpoint, tmp_path / "llama.cpp.gguf", mixed)
+    theirs = write_gguf(checkpoint, tmp_path / "ollama.gguf", ollama=True)
+    ours = write_gguf(checkpoint, tmp_path / "llama.cpp.gguf")
     with caplog.at_level(logging.WARNING, logger="runner.sources.gguf.architectures"):
         source = load_gguf(theirs)
     vision = arch != "GptOssForCausalLM"
@@ -182,6 +185,10 @@ def test_ollamas_own_files_load_as_the_converters_do(
     assert not any(k.startswith(("v.", "mm.")) for k in source.weights)
     assert source.config["architectures"] == [arch]
     assert np.abs(logits(build_model(source)) - logits(build_model(load_gguf(ours)))).max() <= 1e-6
+    quantized = write_gguf(checkpoint, tmp_path / "q.gguf", mixed, ollama=True)
+    stored = load_local_dir(checkpoint_of(quantized, checkpoint, tmp_path / "x"))
+    got = logits(build_model(load_gguf(quantized)))
+    assert np.abs(got - logits(build_model(stored))).max() <= 1e-4
 
 
 Edit = tuple[str, dict[str, Any], list[tuple[str, np.ndarray]]]
@@ -209,19 +216,22 @@ def _add_tensor(name: str):
 
 
 def _fuse_qkv(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
-    """llama.cpp's --fuse-qkv: each layer's Q, K and V rows in one attn_qkv."""
+    """llama.cpp's --fuse-qkv: each layer's Q, K and V rows (weights, and biases where all
+    three have them) in one attn_qkv."""
+    return arch, metadata, fuse_qkv(tensors)
+
+
+def _fuse_gate_up(arch: str, metadata: dict[str, Any], tensors: list) -> Edit:
+    """llama.cpp's --fuse-gate-up-exps: each layer's expert gate and up rows in one tensor."""
     parts = dict(tensors)
     fused = []
     for name, values in tensors:
-        if name.endswith("attn_q.weight"):
-            p = name.removesuffix("attn_q.weight")
-            qkv = [
-                parts[p + "attn_q.weight"],
-                parts[p + "attn_k.weight"],
-                parts[p + "attn_v.weight"],
-            ]
-            fused.append((p + "attn_qkv.weight", np.concatenate(qkv)))
-        elif not name.endswith(("attn_k.weight", "attn_v.weight")):
+        if name.endswith("ffn_gate_exps.weight"):
+            up = parts[name.replace("gate_exps", "up_exps")]
+            fused.append(
+                (name.replace("gate_exps", "gate_up_exps"), np.concatenate([values, up], 1))
+            )
+        elif not name.endswith("ffn_up_exps.weight"):
             fused.append((name, values))
     return arch, metadata, fused
 
@@ -259,8 +269,30 @@ REFUSED = [
         _add_tensor("per_layer_token_embd.weight"),
         r"tensor per_layer_token_embd\.weight is not one",
     ),
-    ("LlamaForCausalLM", _fuse_qkv, r"tensor blk\.0\.attn_qkv\.weight is a fused Q/K/V projection"),
+    (
+        "Qwen3MoeForCausalLM",
+        _fuse_gate_up,
+        r"tensor blk\.0\.ffn_gate_up_exps\.weight is fused expert gate/up projections",
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "Qwen2ForCausalLM", "GptOssForCausalLM"]
+)
+def test_a_fused_qkv_loads_as_the_three_projections(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's --fuse-qkv (Q/K permuted before fusing for llama; Qwen2's and GPT-OSS's
+    biases fused too), quantized: the same model as the file with Q, K and V apart."""
+    checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
+    fused = write_gguf(checkpoint, tmp_path / "fused.gguf", edit=_fuse_qkv)
+    apart = write_gguf(checkpoint, tmp_path / "apart.gguf")
+    assert any(".attn_qkv." in n for n in gguf_names(fused))
+    got, want = logits(build_model(load_gguf(fused))), logits(build_model(load_gguf(apart)))
+    assert np.array_equal(got, want)
+    quantized = write_gguf(checkpoint, tmp_path / "q.gguf", mixed, edit=_fuse_qkv)
+    got = logits(build_model(load_gguf(quantized)))
+    stored = load_local_dir(checkpoint_of(quantized, checkpoint, tmp_path / "x"))
+    assert np.abs(got - logits(build_model(stored))).max() <= 1e-4
 
 
 @pytest.mark.parametrize(("arch", "edit", "message"), REFUSED, ids=[m for _, _, m in REFUSED])

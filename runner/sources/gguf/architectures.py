@@ -44,15 +44,19 @@ is the one llama.cpp's own loader, src/models/<arch>.cpp, assumes):
   spell `attn_out`, `attn_sinks` and `ffn_norm` for the post-attention norm.
 - tied heads: `output.weight` absent.
 
-Not mapped (a ModelLoadError names the tensor): fused `attn_qkv` where the checkpoint has
-separate projections (llama.cpp's `--fuse-qkv`, Ollama's gpt-oss converted from OpenAI's
-original checkpoint) and `ffn_gate_up_exps` (`--fuse-gate-up-exps`): one GGUF tensor would
-be several checkpoint tensors.
+- fused Q/K/V (`attn_qkv`, llama.cpp's `--fuse-qkv`, and Ollama's gpt-oss, converted from
+  OpenAI's original checkpoint whose `attn.qkv` is one tensor) where the checkpoint has three
+  projections: Q's, K's and V's row ranges (after the permutation, for llama's).
+
+Not mapped (a ModelLoadError names the tensor): `ffn_gate_up_exps` (`--fuse-gate-up-exps`),
+[E, 2I, H], whose gate and up halves lie along the second axis, where a `Target`'s rows
+select along the first.
 
 `plan(metadata, tensor_names)` returns the config and, per GGUF tensor, where it goes (a
-`Target`), or None for a tensor the config has consumed (`rope_freqs`, Phi-3's rope factors)
-or that is left unloaded (an embedded vision tower); a tensor it does not know, or an
-architecture it does not serve, is a ModelLoadError naming it.
+`Target`, or several for a fused tensor: each its rows of it), or None for a tensor the
+config has consumed (`rope_freqs`, Phi-3's rope factors) or that is left unloaded (an
+embedded vision tower); a tensor it does not know, or an architecture it does not serve, is a
+ModelLoadError naming it.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ class Target:
 @dataclass(frozen=True)
 class Plan:
     config: dict[str, Any]
-    targets: dict[str, Target | None]  # GGUF name -> target; None: consumed or left unloaded
+    # GGUF name -> target (several: a fused tensor's row ranges); None: consumed or unloaded
+    targets: dict[str, Target | tuple[Target, ...] | None]
     notes: list[str] = field(default_factory=list)
 
 
@@ -207,13 +212,13 @@ TOP = {
 }
 # An embedded vision tower and projector (Ollama's gemma3 and mistral3 files).
 VISION_PREFIXES = ("v.", "mm.")
-# The tensors a fused projection replaces, and why it is not split here.
+# Fused tensors no mapping splits, and why (one GGUF tensor, several checkpoint tensors whose
+# rows are not rows of it: the experts' gate/up concatenated along each expert's rows).
 _FUSED = {
-    "attn_qkv.weight": "a fused Q/K/V projection (attn_qkv) where the checkpoint has three",
-    "attn_qkv.bias": "a fused Q/K/V projection (attn_qkv) where the checkpoint has three",
     "ffn_gate_up_exps.weight": "fused expert gate/up projections (ffn_gate_up_exps)",
     "ffn_gate_up_exps.bias": "fused expert gate/up projections (ffn_gate_up_exps)",
 }
+QKV = ("attn_qkv.weight", "attn_qkv.bias")
 
 
 def _targets(
@@ -223,8 +228,11 @@ def _targets(
     transform: Callable[[str, str, int | None], Target] | None = None,
     consumed: tuple[str, ...] = (),
     unloaded: tuple[str, ...] = (),
-) -> dict[str, Target | None]:
-    out: dict[str, Target | None] = {}
+    qkv: tuple[int, int, int] | None = None,
+) -> dict[str, Target | tuple[Target, ...] | None]:
+    """Each GGUF tensor's target; `qkv`: the rows of Q, K and V, where a fused `attn_qkv`
+    (llama.cpp's --fuse-qkv, Ollama's gpt-oss) goes to the block's three projections."""
+    out: dict[str, Target | tuple[Target, ...] | None] = {}
     for name in names:
         if name in consumed or name.startswith(unloaded):
             out[name] = None
@@ -232,11 +240,14 @@ def _targets(
         match = _BLOCK.fullmatch(name)
         if match:
             layer, part = int(match.group(1)), match.group(2)
+            if part in QKV and part not in block and qkv is not None:
+                out[name] = _split_qkv(layer, part, block, qkv, transform)
+                continue
             if part not in block:
                 if part in _FUSED:
                     raise ModelLoadError(
                         f"GGUF: tensor {name} is {_FUSED[part]}, which the runner does not "
-                        "split (convert without --fuse-qkv / --fuse-gate-up-exps)"
+                        "split (convert without --fuse-gate-up-exps)"
                     )
                 raise ModelLoadError(f"GGUF: tensor {name} is not one the runner maps")
             hf = f"model.layers.{layer}.{block[part]}"
@@ -246,6 +257,45 @@ def _targets(
             raise ModelLoadError(f"GGUF: tensor {name} is not one the runner maps")
         out[name] = transform(hf, part, layer) if transform else Target(hf)
     return out
+
+
+def _split_qkv(
+    layer: int,
+    part: str,
+    block: Mapping[str, str],
+    qkv: tuple[int, int, int],
+    transform: Callable[[str, str, int | None], Target] | None,
+) -> tuple[Target, ...]:
+    """A fused Q/K/V tensor as the block's Q, K and V: its row ranges, in that order (base
+    ModelBase.modify_tensors concatenates them after LlamaModel's permutation, so a Q or K
+    transform's rows apply within its range)."""
+    suffix = part.removeprefix("attn_qkv")
+    parts, offset = [], 0
+    for projection, rows in zip(("attn_q", "attn_k", "attn_v"), qkv, strict=True):
+        sub = projection + suffix
+        hf = f"model.layers.{layer}.{block[sub]}"
+        target = transform(hf, sub, layer) if transform else Target(hf)
+        own = target.rows if target.rows is not None else np.arange(rows)
+        parts.append(Target(target.name, offset + own, target.minus_one))
+        offset += rows
+    return tuple(parts)
+
+
+def _qkv_rows(m: Meta, c: dict[str, Any]) -> tuple[int, int, int]:
+    """The rows of Q, K and V in a fused attn_qkv."""
+    value_dim = m.int("attention.value_length", c["head_dim"])
+    kv_heads = c["num_key_value_heads"]
+    rows = (
+        c["num_attention_heads"] * c["head_dim"],
+        kv_heads * c["head_dim"],
+        kv_heads * value_dim,
+    )
+    for name, shape in m.shapes.items():
+        if name.endswith(QKV) and name.startswith("blk.") and shape[0] != sum(rows):
+            raise ModelLoadError(
+                f"GGUF: tensor {name} has {shape[0]} rows, not Q, K and V's {sum(rows)}"
+            )
+    return rows
 
 
 def _unloaded_vision(names: list[str], m: Meta) -> list[str]:
@@ -453,10 +503,16 @@ def _llama_like(
     c = _common(m, architecture, model_type)
     c["rope_parameters"] = _rope(m, rope_freqs, c["head_dim"])
     _tied(c, names)
-    c["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
+    c["attention_bias"] = any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in names)
     c["mlp_bias"] = False
     transform = _permuting(c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
-    targets = _targets(names, LLAMA_BLOCK, transform=transform, consumed=("rope_freqs.weight",))
+    targets = _targets(
+        names,
+        LLAMA_BLOCK,
+        transform=transform,
+        consumed=("rope_freqs.weight",),
+        qkv=_qkv_rows(m, c),
+    )
     return Plan(c, targets)
 
 
@@ -491,7 +547,9 @@ def _mistral3(m: Meta, names: list[str]) -> Plan:
     c["sliding_window"] = None
     _tied(c, names)
     transform = _permuting(c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
-    targets = _targets(names, LLAMA_BLOCK, transform=transform, unloaded=VISION_PREFIXES)
+    targets = _targets(
+        names, LLAMA_BLOCK, transform=transform, unloaded=VISION_PREFIXES, qkv=_qkv_rows(m, c)
+    )
     return Plan(c, targets, _unloaded_vision(names, m))
 
 
@@ -503,8 +561,8 @@ def _qwen(m: Meta, names: list[str], architecture: str, model_type: str) -> Plan
     block = dict(LLAMA_BLOCK)
     if model_type == "qwen3":
         block |= QK_NORMS
-        c["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
-    return Plan(c, _targets(names, block))
+        c["attention_bias"] = any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in names)
+    return Plan(c, _targets(names, block, qkv=_qkv_rows(m, c)))
 
 
 def _qwen3moe(m: Meta, names: list[str]) -> Plan:
@@ -514,7 +572,7 @@ def _qwen3moe(m: Meta, names: list[str]) -> Plan:
     c["rope_parameters"] = _rope(m, None, c["head_dim"])
     _tied(c, names)
     c |= {
-        "attention_bias": any(n.endswith("attn_q.bias") for n in names),
+        "attention_bias": any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in names),
         "hidden_act": "silu",
         "num_local_experts": m.int("expert_count"),
         "num_experts_per_tok": m.int("expert_used_count"),
@@ -527,7 +585,7 @@ def _qwen3moe(m: Meta, names: list[str]) -> Plan:
     }
     block = {k: v for k, v in LLAMA_BLOCK.items() if not k.startswith("ffn_")}
     block |= {"ffn_norm.weight": "post_attention_layernorm.weight", **QK_NORMS, **EXPERTS}
-    return Plan(c, _targets(names, block))
+    return Plan(c, _targets(names, block, qkv=_qkv_rows(m, c)))
 
 
 GEMMA3_ALIASES = {
@@ -594,7 +652,7 @@ def _gemma(m: Meta, names: list[str], version: int) -> Plan:
 
     block = GEMMA_BLOCK | (QK_NORMS if version == 3 else {})
     unloaded = VISION_PREFIXES if version == 3 else ()
-    targets = _targets(names, block, transform=transform, unloaded=unloaded)
+    targets = _targets(names, block, transform=transform, unloaded=unloaded, qkv=_qkv_rows(m, c))
     notes = _unloaded_vision(names, m) if version == 3 else []
     return Plan(c, targets, notes)
 
@@ -698,13 +756,13 @@ def _gpt_oss(m: Meta, names: list[str]) -> Plan:
     c |= {
         "num_local_experts": m.int("expert_count"),
         "num_experts_per_tok": m.int("expert_used_count"),
-        "attention_bias": any(n.endswith("attn_q.bias") for n in names),
+        "attention_bias": any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in names),
         "hidden_act": "silu",
         "swiglu_alpha": 1.702,  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
         "swiglu_limit": 7.0,
     }
     _tied(c, names)
-    return Plan(c, _targets(names, GPT_OSS_BLOCK))
+    return Plan(c, _targets(names, GPT_OSS_BLOCK, qkv=_qkv_rows(m, c)))
 
 
 Planner = Callable[[Meta, list[str], Callable[[str], np.ndarray]], Plan]
