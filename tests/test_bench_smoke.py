@@ -80,12 +80,14 @@ def _assert_latency(section: dict, result: dict, own_cost: bool) -> None:
     assert result["later_request_p95_s"] >= result["later_request_median_s"]
     if own_cost:
         assert 0 < result["arithmetic_median_s"] < result["later_request_median_s"]
-        assert result["own_median_s"] > 0
+        # own cost: the time minus the arithmetic at a measured rate; on a busy machine the
+        # rate measured may be below the rate the request ran at, so it may be below zero
+        assert math.isfinite(result["own_median_s"])
         # reckoned at the matmul rate probed around each request; the rate beside its
         # trials and the run's rate kept too
         rates = result["request_gflops"]
         assert len(rates) == timed and all(rate > 0 for rate in rates)
-        assert result["peak_gflops"] > 0 and result["own_at_run_peak_s"] > 0
+        assert result["peak_gflops"] > 0 and math.isfinite(result["own_at_run_peak_s"])
         assert "own_beside_trials_s" in result
         # later requests reuse the stored system prompt: only their question is computed
         assert max(result["request_computed_tokens"][1:]) <= section["params"]["question"]
