@@ -79,7 +79,7 @@ def _assert_latency(section: dict, result: dict, own_cost: bool) -> None:
     assert all(result[k] > 0 for k in LATENCY), result
     assert result["later_request_p95_s"] >= result["later_request_median_s"]
     if own_cost:
-        assert 0 < result["arithmetic_median_s"] < result["later_request_median_s"]
+        assert result["arithmetic_median_s"] > 0
         # own cost: the time minus the arithmetic at a measured rate; on a busy machine the
         # rate measured may be below the rate the request ran at, so it may be below zero
         assert math.isfinite(result["own_median_s"])
