@@ -1,4 +1,4 @@
-"""The Ollama face of `serve` (docs/PROTOCOL.md §8): what the `ollama` client and the tools
+"""The Ollama face of `serve` (docs/SERVE.md): what the `ollama` client and the tools
 built on it call.
 
 - `POST /api/generate`: `prompt` (through the model's chat template as a user message after

@@ -1,4 +1,4 @@
-"""The OpenAI face of `serve` (docs/PROTOCOL.md §8), and the tokenizer endpoints of vLLM's
+"""The OpenAI face of `serve` (docs/SERVE.md), and the tokenizer endpoints of vLLM's
 server that lm-eval's `remote` tokenizer reads.
 
 - `GET /v1/models`: the one model, as OpenAI lists models.

@@ -2,7 +2,7 @@
 
 `build_serve_app(runner)` is `build_app(runner)` plus the OpenAI face and vLLM's tokenizer
 endpoints (runner/server/openai.py) and the Ollama face (runner/server/ollama.py). Two paths
-are shared with the Go wire, and the request decides (docs/PROTOCOL.md §8.1):
+are shared with the Go wire, and the request decides (docs/SERVE.md §1):
 - `POST /v1/completions`: a body that is a JSON object with a key the Go `CompletionRequest`
   does not have (OpenAI's `model`, `max_tokens`, `echo`, ...), or a number for `logprobs`
   (Go's is a boolean), is OpenAI's, and so is a body that is not JSON but names one of
