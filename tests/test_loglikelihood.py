@@ -37,9 +37,13 @@ def _reference(runner, tokens):
 
 
 def _prompts(runner):
+    """Choices after one context, then two questions' choices after it (groups that share
+    more than the context: each batched over its own question)."""
     enc = runner.tokenizer.encode
     context = enc("The quick brown fox jumps over the lazy dog. Is the sky blue?")
-    return [context + enc(c) for c in (" Yes.", " No, it is green.", " A", " the cat sat")]
+    choices = [context + enc(c) for c in (" Yes.", " No, it is green.", " A", " the cat sat")]
+    questions = [context + enc(q) for q in (" Is grass red? Answer:", " Who sat? Answer:")]
+    return choices + [q + enc(c) for q in questions for c in (" the cat", " a dog, No.")]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,10 +68,21 @@ def test_equal_to_score_through_log_softmax(fresh_runner, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cached_equals_uncached_and_batched_equals_alone(fresh_runner, arch):
+def test_cached_equals_uncached_and_batched_equals_alone(fresh_runner, arch, monkeypatch):
+    from runner.cache.session import PrefixSession
+
+    batches = []
+    original = PrefixSession.forward_rows
+
+    def counted(self, suffixes, *args, **kwargs):
+        batches.append(len(suffixes))
+        return original(self, suffixes, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixSession, "forward_rows", counted)
     runner = fresh_runner(arch)
     prompts = _prompts(runner)
-    batched = _compute(runner, prompts, top=3)  # one call: batched over the shared context
+    batched = _compute(runner, prompts, top=3)  # one call: each question's choices batched
+    assert batches == ([2, 2] if runner._test_ll.batches else [])
     again = _compute(runner, prompts, top=3)  # every position from the cache
     alone = [_compute(fresh_runner(arch), [p], top=3)[0] for p in prompts]
     for b, a, one in zip(batched, again, alone, strict=True):

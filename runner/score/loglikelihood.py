@@ -6,9 +6,11 @@ continuation) is a decision over many positions. `Loglikelihoods.compute` answer
 
 - **Every prefix once.** The hidden rows come from the scoring prefix cache: positions it
   holds are read from its stored final hidden rows (`PrefixCache.stored_rows`), never
-  recomputed; the rest are computed through its sessions, prompts of one call that share a
-  prefix as batches over it (`PrefixSession.forward_rows`, as the scorer batches rows), and
-  stored there for later calls and for `/v1/score`.
+  recomputed; the rest are computed through its sessions, and stored there for later calls
+  and for `/v1/score`. Prompts of one call are grouped by what they share beyond what all
+  of them share (a question's choices after a few-shot block); a group's prompts run as
+  batches over its own prefix (`PrefixSession.forward_rows`, as the scorer batches rows),
+  computed once or restored, and a prompt alone restores its longest stored prefix.
 - **The head only where asked.** The output projection runs on the positions whose logprob
   is asked for (from `start` on; the last position's row only when the next token is
   wanted), in blocks of `HEAD_ROWS`.
@@ -199,15 +201,18 @@ class Loglikelihoods:
                 out[i] = _joined(parts)
             else:
                 todo.append(i)
-        prefix = shared_prefix([prompts[i] for i in todo])
-        if prefix and self.batches:
-            batch = [i for i in todo if 0 < len(prompts[i]) - prefix <= BATCH_MAX_SUFFIX]
-            if len(batch) > 1:
-                out.update(self._batched(prompts, batch, prefix, check))
-                todo = [i for i in todo if i not in out]
-        for i in todo:
-            check()
-            out[i] = self._alone(prompts[i], [prefix] if prefix else [], check)
+        base = shared_prefix([prompts[i] for i in todo])
+        for group in _groups(prompts, todo, base):
+            prefix = shared_prefix([prompts[i] for i in group])
+            if prefix and self.batches:
+                batch = [i for i in group if 0 < len(prompts[i]) - prefix <= BATCH_MAX_SUFFIX]
+                if len(batch) > 1:
+                    out.update(self._batched(prompts, batch, prefix, check))
+            for i in group:
+                if i not in out:
+                    check()
+                    schedule = [p for p in {base, prefix} if p]
+                    out[i] = self._alone(prompts[i], sorted(schedule), check)
         return out
 
     def _batched(
@@ -316,6 +321,21 @@ class Loglikelihoods:
                 answers[i].positions[r + 1] = entry
                 self.positions.put(keys[i][r + 1], entry)
         return len(items)
+
+
+def _groups(prompts: Sequence[list[int]], which: list[int], base: int) -> list[list[int]]:
+    """The prompts `which` in groups that share more than the `base` tokens they all share
+    (a multiple-choice question's choices, after a few-shot block every question has): each
+    group's own prefix is then computed once, not once per batch row. Neighbours in token
+    order share the most, so a group is a run of them."""
+    order = sorted(which, key=lambda i: prompts[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and shared_prefix([prompts[groups[-1][-1]], prompts[i]]) > base:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _joined(parts: list[mx.array]) -> mx.array:

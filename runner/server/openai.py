@@ -51,6 +51,7 @@ from runner.server.faces import (
     Faces,
     Finished,
     StopText,
+    TooLong,
     generate,
     off_loop,
     request_scope,
@@ -290,9 +291,10 @@ def plan_completion(faces: Faces, body: bytes) -> CompletionPlan:
     for tokens in prompts:
         if max_tokens == 0:
             if len(tokens) > faces.context_length:
-                from runner.server.faces import too_long
-
-                raise too_long(len(tokens), faces.context_length + 1)
+                raise TooLong(
+                    f"This model's maximum context length is {faces.context_length} tokens. "
+                    f"However, the prompt has {len(tokens)} tokens. Please reduce the prompt."
+                )
             budgets.append(0)
         else:
             asked = request.max_tokens
