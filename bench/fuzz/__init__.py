@@ -1,6 +1,7 @@
 """Fuzz the runner's HTTP surface: generated bodies against a real runner process.
 
     python -m bench.fuzz --bodies 10000 --seed 1 [--out DIR] [--model-dir DIR]
+    python -m bench.fuzz --bodies 0 --media full     # the hostile-media section alone
 
 Writes a tiny random-weight Llama (tests/tiny.py) to a temporary directory, spawns
 `python -m runner --model DIR` (tools/spawned.py) and sends it generated bodies for
@@ -50,5 +51,9 @@ One job per module (this file imports none of them):
 - `process`: the runner under test as a process: the tiny model, the spawn, its RSS;
 - `fuzzer`: each case sent and every answer judged by the checks; a whole run;
 - `report`: the checks' names, the run's record, its summary and JSON form;
+- `media`: the hostile-media section (`--media small|full`): images that cost far more than
+  their bytes (J, a 653-byte JPEG declaring 9000 x 9000; a 330 KB RGBA PNG of 81
+  megapixels; a million tags) against spawned tiny Gemma3 and Qwen3.5 runners, each case's
+  answer judged and its time, peak RSS and `/v1/status` latency reported;
 - `__main__`: the command line.
 """

@@ -1,5 +1,6 @@
-"""The command line: `python -m bench.fuzz --bodies N --seed S [--out DIR] [--json FILE] ...`;
-prints the summary, exits 1 when any check failed."""
+"""The command line: `python -m bench.fuzz --bodies N --seed S [--out DIR] [--json FILE] ...`
+[--media small|full] (the hostile-media section, `media`; with `--bodies 0`, alone); prints
+the summaries, exits 1 when any check failed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from pathlib import Path
 
 from bench.fuzz.client import MIB
 from bench.fuzz.fuzzer import run_fuzz
+from bench.fuzz.media import (
+    SIZES,
+    format_peaks,
+    media_json,
+    media_summary,
+    peaks_summary,
+    run_media,
+)
 from bench.fuzz.report import CHECKS, summary
 
 
@@ -25,7 +34,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-bytes", type=int, default=64 * MIB, help="runner cache budget")
     parser.add_argument("--no-oversize", action="store_true", help="no bodies over 64 MiB")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    parser.add_argument(
+        "--media", choices=sorted(SIZES), help="also run the hostile-media cases at this size"
+    )
     args = parser.parse_args(argv)
+    failed = False
+    data: dict = {}
+    if args.media:
+        sizes = SIZES[args.media]
+        results = run_media(sizes, progress=True)
+        print(media_summary(results, sizes))
+        peaks = format_peaks(sizes.peak_side)
+        print(peaks_summary(peaks, sizes.peak_side))
+        data["media"] = media_json(results)
+        data["media_peaks"] = peaks
+        failed = not all(r.ok for r in results)
+    if args.bodies <= 0 and args.media:
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+        return 1 if failed else 0
     out = args.out or Path(tempfile.mkdtemp(prefix="runner-fuzz-"))
     report = run_fuzz(
         args.bodies,
@@ -38,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(summary(report))
     if args.json:
-        data = {
+        data |= {
             "seed": report.seed,
             "bodies": report.bodies,
             "twins": report.twins,
@@ -50,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             "rss_after": report.rss_after,
         }
         args.json.write_text(json.dumps(data, indent=1))
-    return 1 if report.failures or report.slow_status else 0
+    return 1 if failed or report.failures or report.slow_status else 0
 
 
 if __name__ == "__main__":
