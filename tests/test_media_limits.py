@@ -5,6 +5,8 @@ Pillow's is wider, read from the header before anything is decoded.
   header, as Go's decoders refuse it (libjpeg fills the missing blocks with grey), as are
   JPEG codings Go does not decode; valid files of every kind are not (the bounds are
   tight: maximally compressed files sit at them).
+- Transparency is composited without `Image.alpha_composite` (it holds the GIL), to the
+  same pixels for all 65,536 (value, alpha) pairs and every transparent mode.
 - Error texts hold no object address, name the unsupported format and the pixel limit
   actually applied.
 """
@@ -23,6 +25,7 @@ from PIL import Image
 from bench.fuzz.media import declared_jpeg, pixel_bomb_png
 from runner.media import images as images_module
 from runner.media.images import MAX_IMAGE_PIXELS, check_jpeg, decode_image, read_header
+from runner.media.pixels import to_rgb
 
 QWEN = "Qwen3_5ForConditionalGeneration"
 GEMMA = "Gemma3ForConditionalGeneration"
@@ -45,6 +48,42 @@ def image_bytes(
     out = io.BytesIO()
     image.save(out, fmt, **kwargs)
     return out.getvalue()
+
+
+# --- transparency without holding the GIL ---------------------------------------------------
+
+
+def _reference_rgb(image: Image.Image) -> np.ndarray:
+    """transformers' convert_to_rgb path: alpha_composite onto white, then RGB."""
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
+
+
+def test_compositing_equals_alpha_composite_for_every_value_and_alpha(monkeypatch):
+    value, alpha = np.meshgrid(np.arange(256), np.arange(256))
+    pixels = np.stack([value, 255 - value, (value * 7) % 256, alpha], -1).astype(np.uint8)
+    rgba = Image.fromarray(pixels, "RGBA")
+    expected = _reference_rgb(rgba)
+    la = Image.fromarray(np.stack([value, alpha], -1).astype(np.uint8), "LA")
+    expected_la = _reference_rgb(la)
+    palette = Image.fromarray((value % 256).astype(np.uint8), "L").convert("P")
+    palette.info["transparency"] = 7
+    expected_palette = _reference_rgb(palette)
+    rgb_key = Image.fromarray(pixels[..., :3].copy(), "RGB")
+    rgb_key.info["transparency"] = (0, 255, 0)
+    expected_key = _reference_rgb(rgb_key)
+
+    def holds_the_gil(*args: Any) -> None:
+        raise AssertionError("Image.alpha_composite holds the GIL")
+
+    monkeypatch.setattr(Image, "alpha_composite", holds_the_gil)
+    assert (np.asarray(to_rgb(rgba)) == expected).all()
+    assert (np.asarray(to_rgb(la)) == expected_la).all()
+    assert (np.asarray(to_rgb(palette)) == expected_palette).all()
+    assert (np.asarray(to_rgb(rgb_key)) == expected_key).all()
+    plain = Image.fromarray(pixels[..., :3].copy(), "RGB")
+    assert to_rgb(plain) is plain  # nothing to convert: no copy
 
 
 # --- what Go's decoders refuse ---------------------------------------------------------------
