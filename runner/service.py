@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from runner.backend import Backend
 from runner.cache.budget import ByteBudget, budget_from_env
@@ -38,6 +40,7 @@ class Runner:
         name: str,
         cache_budget: ByteBudget | None = None,
         backend: Backend | None = None,
+        prefix_cache: Callable[..., PrefixCache] = PrefixCache,
     ):
         self.engine = engine
         self.model = model
@@ -47,7 +50,7 @@ class Runner:
         self.context_length = model.context_length
         self.cache_budget = cache_budget or ByteBudget(budget_from_env())
         chunk, batch = self.backend.prefill_chunk_tokens, self.backend.batch_tokens
-        self.score_cache = PrefixCache(
+        self.score_cache = prefix_cache(
             model,
             name="score",
             budget=self.cache_budget,
@@ -57,7 +60,7 @@ class Runner:
             defer_stores=True,
         )
         self.scorer = Scorer(model, self.score_cache)
-        self.generate_cache = PrefixCache(
+        self.generate_cache = prefix_cache(
             model,
             name="generate",
             budget=self.cache_budget,
@@ -78,8 +81,11 @@ class Runner:
         name: str,
         cache_budget: ByteBudget | None = None,
         backend: Backend | None = None,
+        distribute: Callable[[Any, str], None] | None = None,
+        prefix_cache: Callable[..., PrefixCache] = PrefixCache,
     ) -> Runner:
-        """Load `name` on the engine thread; raises ModelLoadError (or ValueError) on failure."""
+        """Load `name` on the engine thread; raises ModelLoadError (or ValueError) on failure.
+        `distribute` and `prefix_cache`: a rank of a process group's (runner/distributed/)."""
 
         def load(_: Job) -> Runner:
             started = time.perf_counter()
@@ -98,7 +104,7 @@ class Runner:
                     chosen.compute_dtype,
                     chosen.name,
                 )
-            model = build_model(source, chosen)
+            model = build_model(source, chosen, distribute)
             log.info(
                 "loaded model=%s architecture=%s context=%d backend=%s seconds=%.2f",
                 name,
@@ -107,6 +113,6 @@ class Runner:
                 chosen.name,
                 time.perf_counter() - started,
             )
-            return cls(engine, model, tokenizer, name, cache_budget, chosen)
+            return cls(engine, model, tokenizer, name, cache_budget, chosen, prefix_cache)
 
         return engine.call(load)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from runner.cache.batch import forward_suffixes
 from runner.cache.kinds import HiddenRows, Kind, kind_of
 
 if TYPE_CHECKING:
@@ -84,6 +85,14 @@ class LiveState:
             raise
         self._pending.append(token)
         return hidden[0]
+
+    def forward_rows(self, batch: list[Any], rows: list[list[int]], layout: Any = None) -> mx.array:
+        """Build (lazily) the forward of `rows`, right-padded, over `batch` (caches broadcast
+        from these: runner/cache/batch.py); their final hidden states [B, W, H]. `layout`: the
+        prefix's position layout, if its prompt has one."""
+        if layout is None:
+            return forward_suffixes(self.model, batch, rows)
+        return forward_suffixes(self.model, batch, rows, layout)
 
     def settle(self) -> None:
         """Wait for decode steps still in flight and record their tokens."""

@@ -94,7 +94,7 @@ class PrefixCache:
         self.chunk_tokens = chunk_tokens
         self.batch_tokens = batch_tokens
         self.clock = clock
-        self.live = LiveState(model, keep_hidden)
+        self.live = self.make_live(model, keep_hidden)
         self.kinds: list[Kind] = list(self.live.kinds)
         self.root = Node([], 0, None, len(self.kinds), clock())
         self.nbytes = 0
@@ -104,6 +104,11 @@ class PrefixCache:
         # and whether one is waiting.
         self.defer_stores = defer_stores
         self._unstored = False
+
+    def make_live(self, model: Any, keep_hidden: bool) -> LiveState:
+        """The live state this cache computes through (a subclass may make its own: the
+        distributed leader's, runner/distributed/leader.py)."""
+        return LiveState(model, keep_hidden)
 
     # --- a closed session's store -------------------------------------------------------
     def session_ended(self) -> None:
@@ -225,14 +230,16 @@ class PrefixCache:
         return parts, covered
 
     def store_rows(
-        self, rows: list[list[int]], start: int, batch: list[Any], hidden: mx.array
+        self, rows: list[list[int]], start: int, batch: list[Any], hidden: mx.array | None
     ) -> None:
         """Store rows computed together from the live state at `start` (their shared prefix):
         row i's tokens [start, len) are in row i of the batched caches `batch` and of
         `hidden` [B, L, H]. Edge kinds get their segments; point kinds none (the padded
         batch ran past shorter rows' ends), so these nodes serve full hits and KV restores."""
         self.settle()
-        assert self.live.hidden is not None, "only a cache that keeps hidden rows stores batches"
+        # `hidden` is None only for a replica that keeps no hidden rows (another rank's copy
+        # of the scoring cache, runner/distributed/follower.py)
+        assert (self.live.hidden is None) == (hidden is None), "hidden rows go where they are kept"
         # Nodes first, then their segments: a later row may cut the node an earlier row's
         # suffix was stored in (rows sharing more with each other than with the batch), and
         # both parts then take their span from the row that made the node.
@@ -253,6 +260,7 @@ class PrefixCache:
         for node, i in made.values():
             for slot, kind in enumerate(self.kinds):
                 if kind is HIDDEN:
+                    assert hidden is not None
                     rows_i = hidden[i : i + 1, node.start - start : node.end - start, :]
                     entries.append((node, slot, Snap(node.start, node.end, (mx.array(rows_i),))))
                 elif not kind.point:
@@ -381,16 +389,21 @@ class PrefixCache:
             if not candidates:
                 return
             victim = min(candidates, key=lambda n: (n.last_used, -n.end, -_node_bytes(n)))
-            before = _node_bytes(victim)
-            if victim.children:
-                (child,) = victim.children.values()
-                before += _node_bytes(child)
-                merged = trie.merge_with_child(victim, self.ops)
-                self.nbytes += _node_bytes(merged) - before
-            else:
-                trie.remove_leaf(victim, self.ops)
-                self.nbytes -= before
-            log.debug("prefix cache %s evicted [%d,%d)", self.name, victim.start, victim.end)
+            self.evict_node(victim)
+
+    def evict_node(self, victim: Node) -> None:
+        """Remove one node chosen by `evict` (a leaf; a single-child node is merged into its
+        child). Another rank's replica evicts the node rank 0 chose through this too."""
+        before = _node_bytes(victim)
+        if victim.children:
+            (child,) = victim.children.values()
+            before += _node_bytes(child)
+            merged = trie.merge_with_child(victim, self.ops)
+            self.nbytes += _node_bytes(merged) - before
+        else:
+            trie.remove_leaf(victim, self.ops)
+            self.nbytes -= before
+        log.debug("prefix cache %s evicted [%d,%d)", self.name, victim.start, victim.end)
 
     def _log(self, what: str, total: int, matched: int, cached: int) -> None:
         log.info(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
-from runner.cache.batch import broadcast, forward_suffixes
+from runner.cache.batch import broadcast
 from runner.cache.live import LiveState
 from runner.protocol.errors import Cancelled
 
@@ -157,10 +157,7 @@ class PrefixSession:
             chunk = order[begin : begin + size]
             batch = broadcast(kinds, live.caches, len(chunk))
             rows = [suffixes[i] for i in chunk]
-            if layout is None:
-                hidden = forward_suffixes(owner.model, batch, rows)
-            else:
-                hidden = forward_suffixes(owner.model, batch, rows, layout)
+            hidden = live.forward_rows(batch, rows, layout)
             for j, i in enumerate(chunk):
                 n = len(suffixes[i])
                 out[i] = hidden[j, (0 if every_position else n - 1) : n, :]

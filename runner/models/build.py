@@ -13,6 +13,7 @@ runner/models/base.py), and `verify_batched_rows` runs on the model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ from runner.backend import Backend
 from runner.backend.install import install
 from runner.cache.batch import broadcast, forward_suffixes
 from runner.cache.kinds import kind_of
+from runner.cache.live import live_arrays
 from runner.models import quantized
 from runner.models.base import GenerationConfigReader, MLXPathSwitch, Model, SourceReader
 from runner.models.registry import resolve_architecture
@@ -33,10 +35,16 @@ from runner.sources.source import ModelLoadError, ModelSource
 log = logging.getLogger(__name__)
 
 
-def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
+def build_model(
+    source: ModelSource,
+    backend: Backend | None = None,
+    distribute: Callable[[nn.Module, str], None] | None = None,
+) -> Model:
     """Build, quantize and load the model in `source` for `backend` (default: the one MLX
     runs on): weights cast to its compute dtype, its kernels installed. Run on the MLX
-    thread."""
+    thread. `distribute(module, architecture)` shards the loaded module over a process group
+    before its weights are evaluated (runner/distributed/shard.py), so a rank reads only its
+    share; it raises ModelLoadError for a family or mode it cannot shard."""
     backend = Backend.for_device() if backend is None else backend
     architecture, family = resolve_architecture(source.config)
     try:
@@ -55,6 +63,8 @@ def build_model(source: ModelSource, backend: Backend | None = None) -> Model:
     module.load_weights(list(weights.items()), strict=True)
     if backend.compute_dtype is not None:
         _cast(module, backend.compute_dtype)
+    if distribute is not None:
+        distribute(module, architecture)
     mx.eval(module.parameters())
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
@@ -168,10 +178,13 @@ def _verify_batched_rows(model: Any) -> None:
     prefix, suffixes = ids[:6], [ids[6:9], ids[9:11]]
     caches = model.make_caches()
     kinds = [kind_of(c) for c in caches]
-    model.hidden(mx.array([prefix], dtype=mx.int32), caches)
+    # One forward per evaluation: over a pipeline of processes a graph holding two forwards
+    # may receive their hidden states in either order (runner/distributed/shard.py).
+    mx.eval(model.hidden(mx.array([prefix], dtype=mx.int32), caches), *live_arrays(caches))
     if not all(kind.batches for kind in kinds):  # scoring runs rows one by one
         return
     batched = forward_suffixes(model, broadcast(kinds, caches, len(suffixes)), suffixes)
+    mx.eval(batched)
     worst, largest = 0.0, 0.0
     for i, suffix in enumerate(suffixes):
         alone = model.hidden(mx.array([prefix + suffix], dtype=mx.int32), model.make_caches())
