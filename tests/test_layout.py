@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),  # the model contract, the registry, the families
     ("score", "generate"),  # the two pipelines
     ("service",),  # the composition root: a loaded model and what serves with it
+    ("distributed",),  # one model over a process group: shards, rank 0's commands, the others
     ("server",),  # HTTP
     ("process",),  # the process: runner/__main__.py, flags.py, environment.py
 ]

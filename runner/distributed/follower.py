@@ -1,0 +1,172 @@
+"""Every rank but 0: its share of the model and replicas of rank 0's prefix caches, driven
+only by rank 0's commands (runner/distributed/leader.py lists them).
+
+A follower decides nothing. Its prefix caches are the runner's `PrefixCache`, with no hidden
+rows (only rank 0 unembeds) and a budget that is never over: every store, restore,
+eviction and batch is one rank 0 made and sent, applied here through the same code, so the
+cache index stays rank 0's (tests compare a digest of it, runner/distributed/digest.py).
+Each forward is evaluated at once, so its collectives run in the order rank 0's do.
+
+`serve(sock)` runs the loop: a reader thread answers pings and queues commands; this thread
+executes them in order and acknowledges (with its cache bytes) whenever its queue runs
+empty, and at least every `ACK_SECONDS` while busy. `stop` ends it with 0; a closed
+connection (rank 0 gone) with 1, and if a command is still inside MLX two seconds later
+(a collective whose peer is gone), `fail` ends the process from the reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from runner.cache import trie
+from runner.cache.batch import broadcast
+from runner.cache.budget import ByteBudget
+from runner.cache.prefix_cache import PrefixCache
+from runner.distributed import wire
+from runner.distributed.digest import index_digest
+
+log = logging.getLogger(__name__)
+
+ACK_SECONDS = 0.25
+UNBOUNDED = 1 << 62  # a follower never evicts on its own count
+
+
+class Follower:
+    """Replica prefix caches over this rank's share of the model."""
+
+    def __init__(self, model: Any, chunk_tokens: int, batch_tokens: int):
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.batch_tokens = batch_tokens
+        self.budget = ByteBudget(UNBOUNDED)
+        self.caches: dict[str, PrefixCache] = {}
+        self._batches: dict[str, list[Any]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+    def digest(self) -> str:
+        return index_digest(self.caches)
+
+    def execute(self, message: wire.Message) -> str | None:
+        """Apply one command; returns a digest when it asks for one."""
+        op, name = message.op, message.get("c")
+        if op == "open":
+            self.caches[name] = PrefixCache(
+                self.model,
+                name=name,
+                budget=self.budget,
+                chunk_tokens=self.chunk_tokens,
+                batch_tokens=self.batch_tokens,
+            )
+            return None
+        if op == "digest":
+            return self.digest()
+        cache = self.caches[name]
+        live = cache.live
+        if op == "switch":
+            (prefix,) = message.lists
+            path, matched = trie.match(cache.root, prefix)
+            if matched != len(prefix):
+                raise RuntimeError(f"switch to {len(prefix)} tokens of which {matched} are stored")
+            cache._switch(path, prefix, len(prefix))
+        elif op == "feed":
+            (tokens,) = message.lists
+            live.feed(tokens)
+        elif op == "step":
+            ((token,),) = message.lists
+            mx.eval(live.step(token))
+            live.settle()
+        elif op == "rows":
+            rows = message.lists
+            kinds = live.kinds[: len(live.caches)]
+            batch = broadcast(kinds, live.caches, len(rows))
+            mx.eval(live.forward_rows(batch, rows))
+            self._batches[name] = batch
+        elif op == "store":
+            cache.store_live()
+        elif op == "store_rows":
+            batch = self._batches.pop(name)
+            cache.store_rows(message.lists, int(message.get("start")), batch, None)
+        elif op == "evict":
+            (key,) = message.lists
+            path, matched = trie.match(cache.root, key)
+            node = path[-1]
+            if matched != len(key) or node.end != len(key):
+                raise RuntimeError(f"evict: no node ends at the {len(key)} tokens given")
+            cache.evict_node(node)
+        elif op == "reset":
+            live.reset()
+        else:
+            raise RuntimeError(f"unknown command {op!r}")
+        return None
+
+
+def serve(follower: Follower, sock: socket.socket, rank: int, fail: Callable[[str], None]) -> int:
+    """Execute rank 0's commands until `stop` (0) or a lost connection (1)."""
+    commands: queue.SimpleQueue[wire.Message | None] = queue.SimpleQueue()
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def send(frame: bytes) -> None:
+        with lock:
+            sock.sendall(frame)
+
+    def read() -> None:
+        reader = wire.Reader()
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+                messages = reader.feed(data) if data else []
+            except (OSError, wire.WireError):
+                data = b""
+            if not data:
+                commands.put(None)
+                if not done.wait(2.0):
+                    fail(f"rank {rank}: lost rank 0 (the control connection closed) mid-command")
+                return
+            for message in messages:
+                if message.op == "ping":
+                    with contextlib.suppress(OSError):
+                        send(wire.encode("pong"))
+                else:
+                    commands.put(message)
+
+    threading.Thread(target=read, name="group-reader", daemon=True).start()
+    last_ack = time.monotonic()
+    try:
+        while True:
+            message = commands.get()
+            if message is None:
+                log.error("rank %d: rank 0 closed the control connection; stopping", rank)
+                return 1
+            if message.op == "stop":
+                log.info("rank %d: stopping (rank 0 stops)", rank)
+                return 0
+            try:
+                digest = follower.execute(message)
+            except Exception as e:
+                text = f"{message.op} failed: {type(e).__name__}: {e}"
+                log.exception("rank %d: %s", rank, text)
+                with contextlib.suppress(OSError):
+                    send(wire.encode("error", message=text))
+                raise
+            seq = int(message.get("seq", 0))
+            if digest is not None:
+                log.info("rank %d: cache index digest=%s command=%d", rank, digest, seq)
+            now = time.monotonic()
+            if digest is not None or commands.empty() or now - last_ack > ACK_SECONDS:
+                last_ack = now
+                send(wire.encode("ack", seq=seq, bytes=follower.nbytes, digest=digest))
+    finally:
+        done.set()
