@@ -2,11 +2,13 @@
 
 `TinyImageModel` implements `ImageModel` (runner/models/base.py) around a loaded tiny Llama:
 an image's bytes become `[BOI] + k * [IMG] + [EOI]` with k = 2 + len(bytes) % 4 (so the
-expansion's length depends on the image, as Qwen3.5's does), its pixels a deterministic
-[k, 8] array of the bytes, its features those pixels through a fixed random projection. An
-atomic model (`causal=False`) lets an image's tokens attend to each other, as Gemma3's do,
-so a forward that splits an image differs from one that does not; a causal one is plain
-causal. The real families' vision towers are tested against transformers elsewhere.
+expansion's length depends on the image, as Qwen3.5's does; `plan_image` says so from the
+length alone, and counts the pixels as the bytes), its pixels a deterministic [k, 8] array
+of the bytes (bytes starting with `BROKEN` plan but do not decode), its features those
+pixels through a fixed random projection. An atomic model (`causal=False`) lets an image's
+tokens attend to each other, as Gemma3's do, so a forward that splits an image differs from
+one that does not; a causal one is plain causal. The real families' vision towers are tested
+against transformers elsewhere.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from runner.media.prepare import Expansion, ExpansionItem, Item
+from runner.media.prepare import Expansion, ExpansionItem, ImagePlan, Item
 
 BOI, IMG, EOI = 341, 342, 343  # ids past the tiny tokenizer's 340, inside the model's 384
+BROKEN = b"BROKEN"  # bytes starting so have a header but no pixels: `prepare_image` refuses
 PIXELS = 8
 
 
@@ -33,11 +36,23 @@ class TinyImageModel:
         self.projection = 0.5 * mx.random.normal((PIXELS, hidden), key=mx.random.key(7))
         mx.eval(self.projection)  # built on the MLX thread: evaluate it there
         self.encoded = 0  # items encoded, to see that shared images are computed once
+        self.planned = 0  # images planned from their "headers"
+        self.prepared = 0  # images "decoded"
 
     # --- ImageModel ----------------------------------------------------------------------
+    def plan_image(self, data: bytes) -> ImagePlan:
+        if not data:
+            raise ValueError("invalid image data: no bytes")
+        k = 2 + len(data) % 4
+        self.planned += 1
+        return ImagePlan([BOI, *[IMG] * k, EOI], len(data), k * PIXELS * 4)
+
     def prepare_image(self, data: bytes) -> Expansion:
         if not data:
             raise ValueError("invalid image data: no bytes")
+        self.prepared += 1
+        if data.startswith(BROKEN):
+            raise ValueError("invalid image data: broken pixels")
         k = 2 + len(data) % 4
         values = np.frombuffer(data, dtype=np.uint8).astype(np.float32) / 255.0
         pixels = np.resize(values, (k, PIXELS))

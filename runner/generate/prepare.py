@@ -2,18 +2,20 @@
 
 Runs off the MLX thread (it tokenizes, and decodes images). Checks, in Go's order, each a 400
 with Go's text: media sent to a model without image support, the images
-(runner/media/prepare.py: unknown ids, undecodable bytes), an empty prompt, a prompt that
-does not leave room for one token. Then resolves the token budget: `num_predict` <= 0 means
-the rest of the context.
+(runner/media/prepare.py: unknown ids, headers refused), an empty prompt, a prompt that
+does not leave room for one token. The images' tokens are counted from their headers; they
+are decoded (undecodable bytes, the request's image budget) only for a prompt that fits.
+Then resolves the token budget: `num_predict` <= 0 means the rest of the context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from runner.generate.pipeline import GenerateOptions
 from runner.generate.sampling import SamplerOptions
-from runner.media.prepare import PreparedPrompt, prepare_prompt
+from runner.media.prepare import PreparedPrompt, RequestImages, plan_prompt
 from runner.models import ImageModel
 from runner.protocol.errors import BadRequest
 from runner.protocol.wire import CompletionRequest
@@ -21,14 +23,23 @@ from runner.text.tokenizer import Tokenizer
 
 
 def prepare_completion(
-    request: CompletionRequest, tokenizer: Tokenizer, context_length: int, model: Any = None
+    request: CompletionRequest,
+    tokenizer: Tokenizer,
+    context_length: int,
+    model: Any = None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[PreparedPrompt, GenerateOptions]:
-    """The prompt (with its images expanded, for an `ImageModel`) and the resolved options."""
+    """The prompt (with its images expanded, for an `ImageModel`) and the resolved options;
+    `check` (raising `Cancelled`) runs before each image is decoded."""
     if request.media and not isinstance(model, ImageModel):
         kind = request.media[0].kind or "media"
         raise BadRequest(f"this model does not support {kind} input")
     if request.media:
-        prompt = prepare_prompt(request.prompt, request.media, tokenizer, model, tokenizer.add_bos)
+        images = RequestImages(request.media, model, check)
+        planned = plan_prompt(request.prompt, images, tokenizer, tokenizer.add_bos, context_length)
+        if planned.count >= context_length:  # refused before anything is decoded
+            _too_long(planned.count, context_length)
+        prompt = planned.realize()
     else:  # past the context, only the count: a prompt of millions of tokens is not listed
         # (a beginning kept from earlier prompts is not tokenized again: runner/text/tokenizer.py)
         ((ids, _),) = tokenizer.encode_extended([(request.prompt, [])], context_length)

@@ -34,18 +34,21 @@ scoring is dispatched (runner/server/endpoints.py, runner/score/scorer.py):
   prefix (the live state shares them) and need not be written. False when it cannot
   (nothing changed: the prefix cache installs them as usual). Equal to `KVKind.install` in
   what the cache then holds.
-- `ImageModel`: the model takes images in prompts. `prepare_image(data)` (off the MLX
-  thread, deterministic) decodes and preprocesses one image's bytes into the `Expansion` its
-  `[img-N]` tag becomes: tokens, and items (token ranges with pixels, causal or atomic),
-  raising ValueError for bytes it cannot decode; `encode_item(item)` computes an item's
-  features [end - start, H]; `hidden(tokens, caches, media)` takes, besides the token ids,
-  the features for this block: (position in the block, rows) pairs that replace those
-  positions' embeddings. An atomic item is always whole inside one block
-  (runner/media/request.py). A model whose token positions are not their indices once a
-  prompt has images (Qwen3.5's 3-channel rotary positions) is also a `PositionLayouts`
-  (declared by its user, runner/media/prepare.py): `position_layout(tokens, items)` (off
-  the MLX thread, deterministic; called only for prompts with items), and its `hidden`
-  takes `layout=`: the runner passes the prompt's
+- `ImageModel`: the model takes images in prompts. `plan_image(data)` (off the MLX thread,
+  cheap: the header only) says what the image's tag will become before anything is decoded
+  (`ImagePlan`: the expansion's tokens, the pixels decoding makes, the bytes its items
+  keep), raising ValueError for a header it refuses; `prepare_image(data)` (off the MLX
+  thread, on the image pool, deterministic) decodes and preprocesses one image's bytes into
+  the `Expansion` its `[img-N]` tag becomes: exactly the planned tokens, and items (token
+  ranges with pixels, causal or atomic), raising ValueError for bytes it cannot decode;
+  `encode_item(item)` computes an item's features [end - start, H]; `hidden(tokens, caches,
+  media)` takes, besides the token ids, the features for this block: (position in the block,
+  rows) pairs that replace those positions' embeddings. An atomic item is always whole
+  inside one block (runner/media/request.py). A model whose token positions are not their
+  indices once a prompt has images (Qwen3.5's 3-channel rotary positions) is also a
+  `PositionLayouts` (declared by its user, runner/media/prepare.py):
+  `position_layout(tokens, items)` (off the MLX thread, deterministic; called only for
+  prompts with items), and its `hidden` takes `layout=`: the runner passes the prompt's
   layout with every forward of that request (prefill chunks, batched rows over a shared
   prefix, decode steps), and the model reads its block's absolute indices from its caches'
   offset. Models without `position_layout` are never given one.
@@ -60,8 +63,8 @@ model serves:
   path, for a model whose forwards usually take another (the native decoder step): the
   load-time checks run both paths.
 
-Every method except `prepare_image` runs on the MLX thread and builds lazy graphs; callers
-evaluate.
+Every method except `plan_image` and `prepare_image` runs on the MLX thread and builds lazy
+graphs; callers evaluate.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from runner.media.prepare import Expansion, Item
+    from runner.media.prepare import Expansion, ImagePlan, Item
     from runner.protocol.wire import ScoreRequest, ScoreResponse
     from runner.sources.source import ModelSource
     from runner.text.tokenizer import Tokenizer
@@ -109,6 +112,8 @@ class CachedScorer(Protocol):
 
 @runtime_checkable
 class ImageModel(Protocol):
+    def plan_image(self, data: bytes) -> ImagePlan: ...
+
     def prepare_image(self, data: bytes) -> Expansion: ...
 
     def encode_item(self, item: Item) -> mx.array: ...

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from runner.media.prepare import Placed, PreparedPrompt, prepare_prompt, split_prompt
+from runner.media.prepare import PreparedPrompt, RequestImages, plan_prompt
 from runner.models import ImageModel
 from runner.protocol.errors import BadRequest, go_quote
 from runner.protocol.wire import ScoreRequest, ScoreRow
@@ -38,12 +38,15 @@ def prepare_rows(
     context_length: int,
     vocab_size: int,
     model: Any = None,
+    check: Callable[[], None] | None = None,
 ) -> list[Row]:
     """Tokenize and validate every row; raises BadRequest with the Go handler's text.
 
     With `media` (an `ImageModel` only), each row's `[img-N]` tags expand to the model's
     image tokens (runner/media/prepare.py); a candidate is checked against the text after the
-    row's last tag."""
+    row's last tag. A row's images are counted from their headers, and decoded only once
+    its length is within `max_tokens` (after Go's length check, before its candidates');
+    `check` (raising `Cancelled`) runs before each image is decoded."""
     if request.media and not isinstance(model, ImageModel):
         raise BadRequest("this model does not support image input")
     if not 1 <= len(request.rows) <= MAX_ROWS:
@@ -54,14 +57,18 @@ def prepare_rows(
     # An id must index both the tokenizer's table and the model's output rows.
     id_limit = min(tokenizer.vocab_size, vocab_size)
     if request.media:
-        prompts = _image_prompts(request, tokenizer, model)
+        prompts = _image_prompts(request, tokenizer, model, max_tokens, check)
     else:
         prompts = _text_prompts(request, tokenizer, max_tokens)
     rows: list[Row] = []
-    for i, (row, (prompt, count, tail, joined)) in enumerate(
+    for i, (row, (realize, count, tail, joined)) in enumerate(
         zip(request.rows, prompts, strict=True)
     ):
-        refused = _row_refusal(i, row, count, max_tokens)
+        refused = _length_refusal(i, count, max_tokens)
+        if refused is not None:
+            raise BadRequest(refused)
+        prompt = realize()  # a row's images are decoded here, once it is known to fit
+        refused = _candidates_refusal(i, row)
         if refused is not None:
             raise BadRequest(refused)
         candidates: list[int] = []
@@ -84,22 +91,37 @@ def prepare_rows(
     return rows
 
 
-# Per row, lazily in Go's order of checks: the prepared prompt, its length in tokens, the tokens
-# a candidate must extend (the prompt's, or its text after the last tag), and the candidates'
-# tokenizations (a count only past the limit, None where a candidate is longer than any token).
+# Per row, lazily in Go's order of checks: the prepared prompt (made on demand: a prompt with
+# images decodes them then), its length in tokens, the tokens a candidate must extend (the
+# prompt's, or its text after the last tag), and the candidates' tokenizations (a count only
+# past the limit, None where a candidate is longer than any token).
 Prompts = Iterator[
-    tuple[PreparedPrompt, int, list[int], Callable[[], list[list[int] | int | None]]]
+    tuple[
+        Callable[[], PreparedPrompt],
+        int,
+        list[int],
+        Callable[[], list[list[int] | int | None]],
+    ]
 ]
 
 
-def _row_refusal(i: int, row: ScoreRow, tokens: int, max_tokens: int) -> str | None:
-    """Go's checks of row `i` before its candidates are read: its prompt's length, then how
-    many candidates it has."""
+def _length_refusal(i: int, tokens: int, max_tokens: int) -> str | None:
+    """Go's first check of row `i`: its prompt's length."""
     if not 1 <= tokens <= max_tokens:
         return f"prompt {i} has {tokens} tokens; expected 1–{max_tokens} (input is never truncated)"
+    return None
+
+
+def _candidates_refusal(i: int, row: ScoreRow) -> str | None:
+    """Go's second check of row `i`: how many candidates it has."""
     if not 1 <= len(row.candidates) <= MAX_CANDIDATES:
         return f"prompt {i} requires 1–{MAX_CANDIDATES} candidates"
     return None
+
+
+def _row_refusal(i: int, row: ScoreRow, tokens: int, max_tokens: int) -> str | None:
+    """Go's checks of row `i` before its candidates are read."""
+    return _length_refusal(i, tokens, max_tokens) or _candidates_refusal(i, row)
 
 
 # A prompt of more characters than this many a token of `max_tokens` is tokenized before its
@@ -141,7 +163,8 @@ def _text_prompts(request: ScoreRequest, tokenizer: Tokenizer, max_tokens: int) 
     rows = zip(prompts, counts, later, encoded, strict=True)
     for i, (tokens, count, wait, (_, joined)) in enumerate(rows):
         mine = [] if wait and i >= read else next(second)[1] if wait else joined
-        yield PreparedPrompt(tokens), count, tokens, functools.partial(list, mine)
+        prompt = functools.partial(PreparedPrompt, tokens)
+        yield prompt, count, tokens, functools.partial(list, mine)
 
 
 def _appended(tokenizer: Tokenizer, candidates: list[str]) -> list[str | None]:
@@ -150,16 +173,23 @@ def _appended(tokenizer: Tokenizer, candidates: list[str]) -> list[str | None]:
     return [c if tokenizer.may_be_one_token(c) else None for c in candidates]
 
 
-def _image_prompts(request: ScoreRequest, tokenizer: Tokenizer, model: ImageModel) -> Prompts:
-    """Each row's tags expanded (every media item decoded once per request); candidates are
-    checked against the text after the row's last tag."""
-    expansions: dict[int, Placed] = {}
+def _image_prompts(
+    request: ScoreRequest,
+    tokenizer: Tokenizer,
+    model: ImageModel,
+    max_tokens: int,
+    check: Callable[[], None] | None,
+) -> Prompts:
+    """Each row's tags planned from the images' headers (every media item decoded at most
+    once per request, when `realize` is called); candidates are checked against the text
+    after the row's last tag."""
+    images = RequestImages(request.media, model, check)
     for row in request.rows:
-        prompt = prepare_prompt(row.prompt, request.media, tokenizer, model, False, expansions)
-        tail_text = str(split_prompt(row.prompt)[-1])
+        planned = plan_prompt(row.prompt, images, tokenizer, False, max_tokens)
+        tail_text = str(planned.parts[-1])
 
         def joined(row=row, tail_text=tail_text) -> list[list[int] | int | None]:
             appended = _appended(tokenizer, row.candidates)
             return tokenizer.encode_extended([(tail_text, appended)], None)[0][1]
 
-        yield prompt, len(prompt.tokens), prompt.tokens[prompt.tail_start :], joined
+        yield planned.realize, planned.count, planned.tail, joined

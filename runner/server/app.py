@@ -1,10 +1,11 @@
 """The HTTP face of the runner: routes, decoding, encoding, cancellation (docs/PROTOCOL.md).
 
 Handlers only decode bodies, hand them to the endpoint façades (runner/server/endpoints.py:
-`prepare` in a CPU executor, never on the loop; `execute` as an engine job) and encode what
-comes back; the loop never touches MLX. One mechanism cancels: `cancelled_on_disconnect`
-sets the job's flag when the client goes away (a transport watcher) or the handler task is
-cancelled, and the job stops before its next chunk or token.
+`prepare` in a CPU executor, never on the loop, its images on the image pool; `execute` as an
+engine job) and encode what comes back; the loop never touches MLX. One mechanism cancels:
+`cancelled_on_disconnect` cancels the request's scope when the client goes away (a transport
+watcher) or the handler task is cancelled: its preparation stops before its next image, its
+job (once submitted) before its next chunk or token.
 
 Go conventions kept: every response is `application/json` unless a route says otherwise;
 errors are `http.Error` text (message + newline, text/plain); unknown paths answer
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -118,12 +121,14 @@ async def tokenize(request: web.Request) -> web.Response:
 async def score(request: web.Request) -> web.Response:
     endpoint = request.app[SCORE_KEY]
     body = await request.read()
-    try:  # decoding a large body takes time: never on the loop (/v1/status must answer)
-        plan = await _off_loop(decode_score_request, endpoint.prepare, body)
-    except _Undecodable as e:
-        raise BadRequest(str(e.error)) from None
-    job = _submit(request, lambda job: endpoint.execute(plan, job))
-    with cancelled_on_disconnect(request, job):
+    with cancelled_on_disconnect(request) as scope:
+        try:  # decoding a large body takes time: never on the loop (/v1/status must answer)
+            plan = await _off_loop(
+                decode_score_request, lambda r: endpoint.prepare(r, scope.check), body
+            )
+        except _Undecodable as e:
+            raise BadRequest(str(e.error)) from None
+        job = scope.attach(_submit(request, lambda job: endpoint.execute(plan, job)))
         answer = await _outcome(job)
     if not go_encodable(answer):
         # Go's encoder refuses a non-finite logit and writes nothing: the answer is a 200
@@ -136,11 +141,15 @@ async def score(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     endpoint = request.app[COMPLETIONS_KEY]
     body = await request.read()
-    try:
-        prepared = await _off_loop(decode_completion_request, endpoint.prepare, body)
-    except _Undecodable:
-        raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
-    return await stream_jsonl(request, lambda job, emit: endpoint.execute(prepared, job, emit))
+    with cancelled_on_disconnect(request) as scope:
+        try:
+            prepared = await _off_loop(
+                decode_completion_request, lambda r: endpoint.prepare(r, scope.check), body
+            )
+        except _Undecodable:
+            raise BadRequest("Bad Request") from None  # Go's handler hides the decoder's text
+        work = functools.partial(endpoint.execute, prepared)
+        return await stream_jsonl(request, scope, work)
 
 
 class _Undecodable(Exception):
@@ -169,9 +178,10 @@ _STARTED, _FINISHED = object(), object()
 
 
 async def stream_jsonl(
-    request: web.Request, work: Callable[[Job, Callable[[Any], None]], None]
+    request: web.Request, scope: RequestScope, work: Callable[[Job, Callable[[Any], None]], None]
 ) -> web.StreamResponse:
-    """Run `work(job, emit)` on the engine and stream what it emits, one JSON line each.
+    """Run `work(job, emit)` on the engine and stream what it emits, one JSON line each; the
+    job is `scope`'s (inside its `cancelled_on_disconnect`).
 
     The 200 header goes out when the job starts running (it is accepted), so a request still
     queued can end without one. Emitted items cross from the MLX thread in order through
@@ -189,35 +199,35 @@ async def stream_jsonl(
         emit(_STARTED)
         work(job, emit)
 
-    job = _submit(request, job_fn)
+    job = scope.attach(_submit(request, job_fn))
     assert job.future is not None
     job.future.add_done_callback(lambda _: queue.put_nowait(_FINISHED))
     response: web.StreamResponse | None = None
-    with cancelled_on_disconnect(request, job):
-        try:
-            while (item := await queue.get()) is not _FINISHED:
-                if _gone(request):
-                    continue  # the job is cancelled; wait for it to stop
-                if item is _STARTED:
-                    response = web.StreamResponse(status=200)
-                    response.content_type = "application/jsonl"
-                    await response.prepare(request)
-                elif not go_encodable(item):
-                    # Go's encoder refuses a non-finite logprob and its handler stops the
-                    # stream there: no more lines, no Done line, the work cancelled.
-                    log.error("completion: a logprob is not finite; ending the stream")
-                    job.cancel()
-                    break
-                else:
-                    assert response is not None
-                    await response.write(encode_json(item))
-            error = job.error
-            if response is not None and error is not None and not isinstance(error, Cancelled):
-                log.error("Request terminated: %s", error, exc_info=error)
-                if not _gone(request):
-                    await response.write(encode_json(_error_line(error)))
-        except ConnectionError:
-            log.info("client disconnected; cancelling %s", request.path)
+    try:
+        while (item := await queue.get()) is not _FINISHED:
+            if _gone(request):
+                continue  # the job is cancelled; wait for it to stop
+            if item is _STARTED:
+                response = web.StreamResponse(status=200)
+                response.content_type = "application/jsonl"
+                await response.prepare(request)
+            elif not go_encodable(item):
+                # Go's encoder refuses a non-finite logprob and its handler stops the
+                # stream there: no more lines, no Done line, the work cancelled.
+                log.error("completion: a logprob is not finite; ending the stream")
+                job.cancel()
+                break
+            else:
+                assert response is not None
+                await response.write(encode_json(item))
+        error = job.error
+        if response is not None and error is not None and not isinstance(error, Cancelled):
+            log.error("Request terminated: %s", error, exc_info=error)
+            if not _gone(request):
+                await response.write(encode_json(_error_line(error)))
+    except ConnectionError:
+        log.info("client disconnected; cancelling %s", request.path)
+        scope.cancel()
     if response is None:
         raise Cancelled()  # gone (or the runner stopped) before the job started
     with contextlib.suppress(ConnectionError):
@@ -245,26 +255,58 @@ async def _outcome(job: Job) -> Any:
     return await asyncio.shield(job.future)
 
 
+class RequestScope:
+    """What a client's disconnect cancels: the request's preparation (`check`, called before
+    each image it decodes, raises `Cancelled`) and, once submitted, its engine job."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()  # read from the executor and image threads
+        self.job: Job | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self.job is not None:
+            self.job.cancel()
+
+    def check(self) -> None:
+        if self._cancelled.is_set():
+            raise Cancelled()
+
+    def attach(self, job: Job) -> Job:
+        """`job` is the request's: cancelled with it (at once if it already is)."""
+        self.job = job
+        if self._cancelled.is_set():
+            job.cancel()
+        return job
+
+
 @contextlib.contextmanager
-def cancelled_on_disconnect(request: web.Request, job: Job) -> Iterator[None]:
-    """The one cancellation mechanism: while inside, a client that goes away cancels `job`;
-    leaving early (the handler task cancelled, an error) cancels it too. Cancelling a job
-    that has finished does nothing."""
-    watcher = asyncio.ensure_future(_cancel_when_gone(request, job))
+def cancelled_on_disconnect(request: web.Request) -> Iterator[RequestScope]:
+    """The one cancellation mechanism: while inside, a client that goes away cancels the
+    request's scope (its preparation, then its job); leaving early (the handler task
+    cancelled, an error) cancels it too. Cancelling what has finished does nothing."""
+    scope = RequestScope()
+    watcher = asyncio.ensure_future(_cancel_when_gone(request, scope))
     try:
-        yield
+        yield scope
     finally:
         watcher.cancel()
-        job.cancel()
-        assert job.future is not None
-        job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        scope.cancel()
+        job = scope.job
+        if job is not None:
+            assert job.future is not None
+            job.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-async def _cancel_when_gone(request: web.Request, job: Job) -> None:
+async def _cancel_when_gone(request: web.Request, scope: RequestScope) -> None:
     while not _gone(request):
         await asyncio.sleep(DISCONNECT_POLL_SECONDS)
     log.info("client disconnected; cancelling %s", request.path)
-    job.cancel()
+    scope.cancel()
 
 
 def _gone(request: web.Request) -> bool:

@@ -2,8 +2,10 @@
 
 Each façade has two halves with different homes, so the event loop and the MLX thread each
 do only their own work (docs/DESIGN.md §1):
-- `prepare(request)` runs on any thread but the MLX one (the HTTP side uses an executor):
-  tokenizing and validation, raising BadRequest with the Go runner's texts;
+- `prepare(request, check)` runs on any thread but the MLX one (the HTTP side uses an
+  executor; images go to the image pool from there): tokenizing and validation, raising
+  BadRequest with the Go runner's texts; `check` raises `Cancelled` once the client has
+  gone, and is called before each image is decoded;
 - `execute(prepared, job, ...)` runs on the MLX thread (an engine job) and checks
   `job.check()` between units of work.
 `__call__` does both from a plain thread (bench, tests): prepare here, execute on the engine.
@@ -28,6 +30,8 @@ from runner.score.validate import Row, prepare_rows
 from runner.server.memory import scratch_released
 from runner.service import Runner
 
+Check = Callable[[], None]  # raises Cancelled once the request is cancelled
+
 
 @dataclass(frozen=True)
 class ScorePlan:
@@ -43,7 +47,7 @@ class ScoreEndpoint:
     def __init__(self, runner: Runner):
         self.runner = runner
 
-    def prepare(self, request: ScoreRequest) -> ScorePlan:
+    def prepare(self, request: ScoreRequest, check: Check | None = None) -> ScorePlan:
         runner = self.runner
         if isinstance(runner.model, CachedScorer):  # it validates on the MLX thread itself
             return ScorePlan(request, None)
@@ -53,6 +57,7 @@ class ScoreEndpoint:
             runner.context_length,
             runner.model.vocab_size,
             runner.model,
+            check,
         )
         return ScorePlan(request, rows)
 
@@ -94,10 +99,10 @@ class CompletionEndpoint:
     def __init__(self, runner: Runner):
         self.runner = runner
 
-    def prepare(self, request: CompletionRequest) -> PreparedCompletion:
+    def prepare(self, request: CompletionRequest, check: Check | None = None) -> PreparedCompletion:
         runner = self.runner
         prompt, options = prepare_completion(
-            request, runner.tokenizer, runner.context_length, runner.model
+            request, runner.tokenizer, runner.context_length, runner.model, check
         )
         return PreparedCompletion(prompt, options)
 

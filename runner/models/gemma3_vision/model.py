@@ -29,8 +29,8 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 from runner.backend import Backend
-from runner.media.images import decode_image
-from runner.media.prepare import Expansion, ExpansionItem, Item
+from runner.media.images import decode_image, read_header
+from runner.media.prepare import Expansion, ExpansionItem, ImagePlan, Item
 from runner.models import gemma3
 from runner.models.config import SLIDING, flag, integer, json_object
 from runner.models.decoder import splice_features
@@ -203,6 +203,14 @@ class Gemma3Multimodal(Gemma3):
         """Image bytes to the tower's float32 [3, S, S] pixels (any thread; deterministic).
         Raises ValueError("invalid image data: ...") for bytes that are not an image."""
         return self.preprocessor(decode_image(data))
+
+    def plan_image(self, data: bytes) -> ImagePlan:
+        """`ImageModel`: from the header alone (checked as `preprocess` checks it), the
+        expansion's tokens (the same for every image), the pixels decoding makes and the
+        bytes of the [3, S, S] float32 pixels."""
+        header = read_header(data)
+        size = self.preprocessor.size
+        return ImagePlan(self.expansion()[0], header.pixels, 3 * size * size * 4)
 
     def prepare_image(self, data: bytes) -> Expansion:
         """`ImageModel`: the expansion of one image, its soft tokens one atomic item."""

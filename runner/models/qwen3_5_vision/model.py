@@ -21,8 +21,8 @@ import mlx.nn as nn
 import numpy as np
 
 from runner.backend import Backend
-from runner.media.images import decode_image
-from runner.media.prepare import Expansion, Item
+from runner.media.images import decode_image, read_header
+from runner.media.prepare import Expansion, ImagePlan, Item
 from runner.models.config import flag, integer
 from runner.models.decoder import DecoderModel, splice_features
 from runner.models.qwen3_5 import ImageTextModel, Qwen3_5, image_text_config
@@ -35,7 +35,12 @@ from runner.models.qwen3_5_vision.positions import (
     mrope_section,
     rotary_table,
 )
-from runner.models.qwen3_5_vision.processor import Grid, Qwen3_5ImagePreprocessor, image_expansion
+from runner.models.qwen3_5_vision.processor import (
+    Grid,
+    Qwen3_5ImagePreprocessor,
+    image_expansion,
+    image_tokens,
+)
 from runner.models.qwen3_5_vision.vision import VisionModel, vision_config
 from runner.models.registry import register
 from runner.sources.source import ModelLoadError, ModelSource
@@ -145,6 +150,21 @@ class Qwen3_5ImageModel(DecoderModel):
         """Image bytes to the tower's patches and grid (any thread; deterministic). Raises
         ValueError("invalid image data: ...") for bytes that are not an image."""
         return self.preprocessor(decode_image(data))
+
+    def plan_image(self, data: bytes) -> ImagePlan:
+        """`ImageModel`: from the header alone, the tokens `prepare_image` will give (the
+        grid `smart_resize` makes of the declared size), the pixels decoding makes and the
+        bytes of the patches. Raises ValueError("invalid image data: ...") as `preprocess`."""
+        header = read_header(data)
+        grid, patch_bytes = self.preprocessor.grid(header.height, header.width)
+        tokens = image_tokens(
+            grid,
+            self.merge,
+            self.vision_start_token_id,
+            self.image_token_id,
+            self.vision_end_token_id,
+        )
+        return ImagePlan(tokens, header.pixels, patch_bytes)
 
     def prepare_image(self, data: bytes) -> Expansion:
         """vision_start, the image's pads (one causal item, its grid the item's opaque

@@ -101,13 +101,23 @@ class Qwen3_5ImagePreprocessor:
             raise ModelLoadError("preprocessor_config.json: no resizing is not supported")
         self.pixels = PixelRules.read(p, Image.Resampling.BICUBIC, RESCALE, IMAGE_MEAN, IMAGE_STD)
 
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """The size `smart_resize` gives an image of `height` x `width` (ValueError for an
+        aspect ratio over MAX_ASPECT): what decoding will give, known from a header."""
+        factor = self.patch * self.merge
+        return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+
+    def grid(self, height: int, width: int) -> tuple[Grid, int]:
+        """The grid (1, h, w) in patches of an image of `height` x `width`, and the bytes of
+        its float32 patches."""
+        resized_height, resized_width = self.resized(height, width)
+        gh, gw = resized_height // self.patch, resized_width // self.patch
+        return (1, gh, gw), gh * gw * 3 * self.temporal * self.patch * self.patch * 4
+
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, Grid]:
         """float32 patches [h * w, 3 * T * P * P] and the grid (1, h, w) in patches."""
         rgb = self.pixels.rgb(image)
-        factor = self.patch * self.merge
-        height, width = smart_resize(
-            rgb.height, rgb.width, factor, self.min_pixels, self.max_pixels
-        )
+        height, width = self.resized(rgb.height, rgb.width)
         resized = rgb.resize((width, height), resample=self.pixels.resample)
         pixels = self.pixels.normalise(resized)
         p, m, t = self.patch, self.merge, self.temporal
@@ -118,12 +128,17 @@ class Qwen3_5ImagePreprocessor:
         return patches, (1, gh, gw)
 
 
+def image_tokens(grid: Grid, merge: int, start_id: int, pad_id: int, end_id: int) -> list[int]:
+    """vision_start, one pad per merged patch of `grid`, vision_end."""
+    n = grid[0] * grid[1] * grid[2] // (merge * merge)
+    return [start_id, *[pad_id] * n, end_id]
+
+
 def image_expansion(
     patches: np.ndarray, grid: Grid, merge: int, start_id: int, pad_id: int, end_id: int
 ) -> Expansion:
     """vision_start, the image's pads (one causal item, its grid the item's opaque state),
     vision_end."""
-    n = grid[0] * grid[1] * grid[2] // (merge * merge)
-    tokens = [start_id, *[pad_id] * n]
-    tokens.append(end_id)
+    tokens = image_tokens(grid, merge, start_id, pad_id, end_id)
+    n = len(tokens) - 2
     return Expansion(tokens, [ExpansionItem(1, 1 + n, patches, causal=True, opaque=grid)])
