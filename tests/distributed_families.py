@@ -54,9 +54,11 @@ def main(argv: list[str]) -> None:
         distribute = None if group is None else distributor(Mode(mode), group, None)
         model = build_model(load_local_dir(Path(path)), backend, distribute)
         result = logits(model)
-        if group is None or group.rank() == 0:
+        rank = 0 if group is None else group.rank()
+        if rank == 0:
             np.save(out / f"{arch}-{mode}.npy", result)
-        print(f"{arch} {mode} done", flush=True)
+        layers = len(model.module.layers)  # the rank's own, in pipeline mode
+        print(f"{arch} {mode} rank {rank} layers {layers}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner.distributed.shard import SUPPORTED, Mode
+from runner.distributed.shard import SUPPORTED, Mode, even_split
 from runner.distributed.start import backend_for_group
 from runner.native import preload
 from runner.protocol.wire import decode_completion_request
@@ -191,7 +191,7 @@ def pids_gone(pids: list[int]) -> bool:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     out = {}
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM"):
         out[arch] = write_tiny_model(arch, tmp_path_factory.mktemp(arch))
     # three ranks of tensor parallelism need heads that three share: 6 heads, 3 KV heads
     six = {**tiny_config("LlamaForCausalLM"), "num_attention_heads": 6, "num_key_value_heads": 3}
@@ -311,7 +311,12 @@ def test_every_supported_family_matches_one_process(tmp_path):
     with Ranks(tmp_path, 2, None, command=[*command, str(split), *specs]) as ranks:
         codes = [p.wait(timeout=240) for p in ranks.procs]
         assert codes == [0, 0], ranks.output(0)[-3000:] + ranks.output(1)[-3000:]
+    said = ranks.output(0) + ranks.output(1)
     for arch, mode in FAMILIES:
+        total = int(re.search(rf"{arch} {mode} rank 0 layers (\d+)", run.stdout).group(1))
+        for rank in (0, 1):
+            n = int(re.search(rf"{arch} {mode} rank {rank} layers (\d+)", said).group(1))
+            assert n == (total if mode == "tensor" else even_split(total, 2)[rank]), (arch, rank)
         one = np.load(alone / f"{arch}-{mode}.npy")
         two = np.load(split / f"{arch}-{mode}.npy")
         if mode == "pipeline":
@@ -430,7 +435,7 @@ def test_a_stuck_rank_is_caught_by_the_watchdog(tmp_path, dirs):
     ("name", "size", "flags", "message"),
     [
         ("LlamaForCausalLM", 3, ("--distributed", "tensor"), "cannot share evenly"),
-        ("LlamaForCausalLM", 2, ("--distributed", "pipeline"), "is not supported"),
+        ("Phi3ForCausalLM", 2, ("--distributed", "pipeline"), "is not supported"),
         ("Qwen2ForCausalLM", 2, ("--distributed", "pipeline", "--pipeline-split", "2,2"), "split"),
     ],
 )

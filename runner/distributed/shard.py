@@ -1,4 +1,4 @@
-"""A loaded module split over a process group: tensor or pipeline parallel, as mlx-lm splits it.
+"""A loaded module split over a process group: tensor or pipeline parallel.
 
 Called by `build_model` (runner/models/build.py) between loading the weights and evaluating
 them, so each rank materialises only its share (`distribute(module, architecture)`).
@@ -9,13 +9,16 @@ them, so each rank materialises only its share (`distribute(module, architecture
   has `shard`. The heads (query and key/value) must divide by the group's size.
 - pipeline (`Mode.PIPELINE`): contiguous layers per rank, mlx-lm's assignment (rank 0 the
   last layers, rank size-1 the first; `split`, layers per rank from rank 0, or an even
-  split with the extra layers on the low ranks). Offered where mlx-lm's text model takes
-  `pipeline` (`PipelineMixin`). Where the family keeps mlx-lm's forward, mlx-lm's
-  `pipeline(group, split)` is called as it is (it receives from rank r+1, sends to rank r-1
-  and all-gathers the result); where the runner's adapter has its own forward (per-layer
-  masks: `LayerKinds`), the rank keeps its layers (and their kinds) and its first layer
-  receives the hidden state from rank r+1, its last sends it to rank r-1: rank 0 ends with
-  the final hidden state, which is all the runner needs (only rank 0 unembeds).
+  split with the extra layers on the low ranks). Where the text model's forward is one
+  plain loop over its layers (`_stageable`: the runner's `LayerKinds` adapters, which
+  replace mlx-lm's forward for Qwen2, Qwen3, Qwen3-MoE, Mistral and GPT-OSS, and mlx-lm's
+  Llama), the rank keeps its layers (and their kinds), its first layer receives the hidden
+  state from rank r+1 and its last sends it to rank r-1: rank 0 ends with the final hidden
+  state, which is all the runner needs (only rank 0 unembeds). Where the family keeps
+  mlx-lm's own pipelined forward (GLM-4-MoE-Lite), mlx-lm's `pipeline(group, split)` is
+  called as it is (it all-gathers the result). The runner's staging goes past mlx-lm's list
+  (which has neither Llama, Qwen3, Mistral nor GPT-OSS): the same loop, the same hand-over,
+  each family held bit-identical to one process in tests/test_distributed.py.
 
 One forward per evaluation: a rank's receive has no input in its graph, so in one graph
 holding two forwards MLX may run the second's receive first and take the first's hidden
@@ -26,7 +29,7 @@ Each rank's caches are its own layers' (`make_caches` follows the kept layers), 
 kinds and bytes differ between ranks in pipeline mode; runner/distributed/leader.py makes
 rank 0's decisions hold for every rank's kinds and bytes.
 
-Anything else is a `ModelLoadError` at start-up naming what is supported (`supported()`).
+Anything else is a `ModelLoadError` at start-up naming what is supported (`SUPPORTED`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama
 from mlx_lm.models.pipeline import PipelineMixin
 
 from runner.models.decoder import LayerKinds
@@ -123,10 +127,7 @@ def shard_pipeline(
 ) -> None:
     size, rank = group.size(), group.rank()
     inner = getattr(module, "model", None)
-    if not isinstance(inner, PipelineMixin):
-        # the image families' text models: mlx-lm's own pipelined text model under another name
-        inner = getattr(getattr(module, "language_model", None), "model", inner)
-    if not isinstance(inner, PipelineMixin):
+    if inner is None or not isinstance(getattr(inner, "layers", None), list):
         raise ModelLoadError(_refusal(architecture, Mode.PIPELINE))
     layers = len(inner.layers)
     if split is None:
@@ -137,9 +138,9 @@ def shard_pipeline(
             f"{size} ranks (layers per rank, rank 0 first, summing to {layers})"
         )
     start, end = owned_layers(split, rank)
-    if isinstance(inner, LayerKinds):
+    if _stageable(inner):
         _stage(inner, group, start, end)
-    elif _forward_is_mlx_lms(inner):
+    elif isinstance(inner, PipelineMixin) and _forward_is_mlx_lms(inner):
         inner.pipeline(group, split)
     else:
         raise ModelLoadError(_refusal(architecture, Mode.PIPELINE))
@@ -161,6 +162,15 @@ def _layers(module: nn.Module) -> list[Any]:
     return list(layers or [])
 
 
+def _stageable(inner: Any) -> bool:
+    """Whether the text model's forward is one plain loop the runner can stage: embed, one
+    mask per layer kind from the first cache of that kind, each layer over its cache, the
+    final norm. The runner's `LayerKinds` models, and mlx-lm's Llama without windows."""
+    if isinstance(inner, LayerKinds):
+        return True
+    return type(inner).__call__ is llama.LlamaModel.__call__ and inner.swa_idx is None
+
+
 def _forward_is_mlx_lms(inner: Any) -> bool:
     """Whether the text model's forward is mlx-lm's (which knows its pipeline), not one of
     the runner's adapters."""
@@ -171,7 +181,7 @@ def _forward_is_mlx_lms(inner: Any) -> bool:
 
 
 def _stage(inner: Any, group: Any, start: int, end: int) -> None:
-    """Keep layers [start, end) of a `LayerKinds` text model (and their kinds); the first
+    """Keep layers [start, end) of a text model (`_stageable`; and their kinds); the first
     receives the hidden state from the rank before it in the pipeline (rank + 1), the last
     sends its output to the rank after it (rank - 1). Rank 0 runs the last layers: its
     output is the model's. Other ranks' outputs are their last layer's (sent on), which the
@@ -179,7 +189,10 @@ def _stage(inner: Any, group: Any, start: int, end: int) -> None:
     rank, size = group.rank(), group.size()
     kept = inner.layers[start:end]
     inner.layers = kept  # the others are never evaluated: their weights stay unread
-    inner.kinds = inner.kinds[start:end]
+    if isinstance(inner, LayerKinds):
+        inner.kinds = inner.kinds[start:end]
+    else:  # mlx-lm's Llama: full attention only, its mask from the first cache
+        inner.fa_idx = 0
     receive = rank + 1 if rank < size - 1 else None
     send = rank - 1 if rank > 0 else None
     if receive is not None:
@@ -238,13 +251,21 @@ SUPPORTED: dict[Mode, tuple[str, ...]] = {
         "ministral3",
     ),
     Mode.PIPELINE: (
+        "LlamaForCausalLM",
+        "llama",
         "Qwen2ForCausalLM",
         "qwen2",
+        "Qwen3ForCausalLM",
+        "qwen3",
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
+        "GptOssForCausalLM",
+        "gpt_oss",
         "Glm4MoeLiteForCausalLM",
         "GLM4MoeLite",
         "glm4_moe_lite",
+        "MistralForCausalLM",
+        "mistral",
     ),
 }
 
