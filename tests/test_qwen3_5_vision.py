@@ -515,7 +515,7 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
 ) -> None:
     """Rows whose images lie in their shared prefix run as one batch over it: the prefix's
     layout gives every row's positions (index + the same delta past the images)."""
-    from runner.cache import session
+    from runner.cache import live
     from runner.cache.batch import forward_suffixes
     from runner.protocol.wire import decode_score_request
     from runner.server.endpoints import ScoreEndpoint
@@ -535,7 +535,7 @@ def test_rows_sharing_an_image_are_batched_over_it_and_equal_rows_alone(
         batches.append((len(suffixes), layout))
         return forward_suffixes(model, caches, suffixes, layout)
 
-    monkeypatch.setattr(session, "forward_suffixes", recording)
+    monkeypatch.setattr(live, "forward_suffixes", recording)  # the live state's batched forward
     answer = endpoint(decode_score_request(body))
     assert batches and batches[0][0] == 2  # the two rows longer than the shared prefix
     assert batches[0][1] is not None

@@ -361,16 +361,16 @@ async def test_a_cached_scorer_model_answers_score_as_the_runner_would(
 async def test_the_runner_scores_rows_sharing_a_prefix_in_one_batch(
     client, llama_runner, monkeypatch
 ):
-    from runner.cache import session
+    from runner.cache import live
 
     batches = []
-    original = session.forward_suffixes
+    original = live.forward_suffixes
 
     def counting(model, caches, suffixes):
         batches.append(len(suffixes))
         return original(model, caches, suffixes)
 
-    monkeypatch.setattr(session, "forward_suffixes", counting)
+    monkeypatch.setattr(live, "forward_suffixes", counting)  # the live state's batched forward
     rows = [{"prompt": PREFIX + q, "candidates": [" Yes", " No"]} for q in (" A?", " B?", " C?")]
     answer = await score(client, rows)
     assert batches == [3]
