@@ -8,26 +8,82 @@ decode step is T = 1), best of `--repeats`, in interleaved rounds; each T's MLX 
 ratio to the native one. The threshold in runner/backend/__init__.py comes from this.
 
     python -m bench.native_step --model default --tokens 1,4,8,16,24,32,48,64
+
+`--quantize BITS:GROUP` compares a quantization of the model instead, made as
+`mlx_lm.convert(..., quantize=True, q_bits=BITS, q_group_size=GROUP)` makes one (its weights
+in float16, every linear layer and the embedding quantized by mlx-lm's `quantize_model`,
+written as a converted model and loaded by the runner): the quantized model through the
+native step (`q-native`), through MLX's path (`q-mlx`: its CPU quantized_matmul; its
+prompt's cache is the native one's, and it runs once a round, being slow), and the float
+model through the native step (`float`, with its half copies): each time, and q-native's as a
+ratio to float's (the issue's target: at most 1.3, below 1 for a decode step).
+
+    python -m bench.native_step --model default --tokens 1,15 --quantize 4:64
+    python -m bench.native_step --model qwen3-0.6b --tokens 1,15 --quantize 4:64
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 from runner.native import preload
+
+
+def quantized_dir(source: Path, into: Path, bits: int, group: int) -> Path:
+    """`source` (a model directory) quantized as mlx_lm.convert quantizes it, written at
+    `into`: weights in float16, mlx-lm's `quantize_model` (affine), mlx-lm's save."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    module, config = load_model(source)
+    module.update(
+        tree_map(
+            lambda a: a.astype(mx.float16) if mx.issubdtype(a.dtype, mx.floating) else a,
+            module.parameters(),
+        )
+    )
+    module, config = quantize_model(module, config, group, bits)
+    into.mkdir(parents=True, exist_ok=True)
+    save_model(into, module)
+    save_config(config, into / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, into / name)
+    return into
+
+
+def model_path(name: str) -> Path:
+    """A model directory: `default`, a bench shape (bench/models.py SHAPES, by name or
+    shape name: random weights, written once), or a path."""
+    from bench.models import SHAPES, write_model_dir
+    from runner.sources.default_model import cache_root, resolve_default_model
+
+    if name == "default":
+        return Path(resolve_default_model())
+    shapes = {s.name: s for s in SHAPES.values()} | SHAPES
+    if name in shapes:
+        shape = shapes[name]
+        return write_model_dir(shape, cache_root() / "bench-models" / shape.name)
+    return Path(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     preload.reexec_preloaded("bench.native_step", argv)  # the BLAS is chosen at process start
     p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__)
-    p.add_argument("--model", default="default", help="a model directory, or `default`")
+    p.add_argument("--model", default="default", help="a model directory, `default`, or a shape")
     p.add_argument("--cached", type=int, default=480)
     p.add_argument("--tokens", default="1,4,16,64,128,256,512")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quantize", default=None, help="BITS:GROUP (e.g. 4:64): see above")
     args = p.parse_args(argv)
 
     import mlx.core as mx
@@ -35,25 +91,54 @@ def main(argv: list[str] | None = None) -> int:
 
     from runner.backend import Backend
     from runner.models import build_model
-    from runner.sources.default_model import resolve_default_model
     from runner.sources.loader import load_model_source
 
-    path = str(resolve_default_model()) if args.model == "default" else args.model
-    source = load_model_source(path)
+    path = model_path(args.model)
     sizes = [int(t) for t in args.tokens.split(",")]
-    native = build_model(source, Backend.cpu().replace(native_step_max_tokens=max(sizes)))
-    plain = build_model(source, Backend.cpu().replace(native_step_max_tokens=None))
-    if getattr(native, "_native", None) is None:
+    native_backend = Backend.cpu().replace(native_step_max_tokens=max(sizes))
+    mlx_backend = Backend.cpu().replace(native_step_max_tokens=None)
+    scratch = tempfile.TemporaryDirectory()
+    if args.quantize:
+        bits, group = (int(x) for x in args.quantize.split(":"))
+        qpath = quantized_dir(path, Path(scratch.name) / "q", bits, group)
+        systems = {
+            "q-native": build_model(load_model_source(str(qpath)), native_backend),
+            "q-mlx": build_model(load_model_source(str(qpath)), mlx_backend),
+            "float": build_model(load_model_source(str(path)), native_backend),
+        }
+    else:
+        source = load_model_source(str(path))
+        systems = {
+            "native": build_model(source, native_backend),
+            "mlx": build_model(source, mlx_backend),
+        }
+    first = next(iter(systems.values()))
+    if getattr(first, "_native", None) is None:
         raise SystemExit("this model (or this machine: no dispatch library) has no native step")
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 5000, size=args.cached + max(sizes)).tolist()
+    prompt_caches: dict[str, Any] = {}
 
-    def timed(model, t: int) -> float:
+    def cached(name: str, model: Any) -> list[Any]:
+        """Caches holding the prompt: computed by `model`, or for q-mlx (MLX's quantized
+        product at ~1 GFLOP/s) copies of q-native's, the same quantized model's."""
         caches = model.make_caches()
-        if args.cached:
-            mx.eval(model.hidden(mx.array([prompt[: args.cached]], dtype=mx.int32), caches))
+        if not args.cached:
+            return caches
+        if name == "q-mlx":
+            for mine, theirs in zip(caches, prompt_caches["q-native"], strict=True):
+                mine.update_and_fetch(
+                    theirs.keys[..., : args.cached, :], theirs.values[..., : args.cached, :]
+                )
+            return caches
+        mx.eval(model.hidden(mx.array([prompt[: args.cached]], dtype=mx.int32), caches))
+        prompt_caches[name] = caches
+        return caches
+
+    def timed(name: str, model: Any, t: int) -> float:
+        caches = cached(name, model)
         best = float("inf")
-        for _ in range(args.repeats):
+        for _ in range(1 if name == "q-mlx" else args.repeats):
             for c in caches:
                 c.offset = args.cached  # rewind to the prompt (a KV cache's rewind)
             new = mx.array([prompt[args.cached : args.cached + t]], dtype=mx.int32)
@@ -64,18 +149,29 @@ def main(argv: list[str] | None = None) -> int:
         return best
 
     best: dict[tuple[int, str], float] = {}
+    started = time.strftime("%Y-%m-%d %H:%M")
     for _ in range(args.rounds):  # interleaved: the machine's load drifts
         for t in sizes:
-            for name, model in (("native", native), ("mlx", plain)):
+            for name, model in systems.items():
                 key = (t, name)
-                best[key] = min(best.get(key, float("inf")), timed(model, t))
+                best[key] = min(best.get(key, float("inf")), timed(name, model, t))
     print(
-        f"model {path}: {args.cached} tokens cached, then T new; best of {args.repeats} x "
-        f"{args.rounds} rounds; ms for the forward and the head's last row"
+        f"model {path}{f' quantized {args.quantize}' if args.quantize else ''}: {args.cached} "
+        f"tokens cached, then T new; best of {args.repeats} x {args.rounds} rounds (q-mlx: 1 "
+        f"x {args.rounds}), {started}; ms for the forward and the head's last row"
     )
     for t in sizes:
-        n, m = best[(t, "native")] * 1e3, best[(t, "mlx")] * 1e3
-        print(f"T={t:3d}  native {n:7.1f} ms  mlx {m:7.1f} ms  mlx/native x{m / n:.2f}")
+        ms = {name: best[(t, name)] * 1e3 for name in systems}
+        cells = "  ".join(f"{name} {v:8.1f} ms" for name, v in ms.items())
+        if args.quantize:
+            ratios = (
+                f"q-native/float x{ms['q-native'] / ms['float']:.2f}  "
+                f"q-mlx/q-native x{ms['q-mlx'] / ms['q-native']:.1f}"
+            )
+        else:
+            ratios = f"mlx/native x{ms['mlx'] / ms['native']:.2f}"
+        print(f"T={t:3d}  {cells}  {ratios}")
+    scratch.cleanup()
     return 0
 
 

@@ -128,12 +128,13 @@ static const float *float_scales(const void *base, int format, size_t i0, int n,
     if (format == W_F32) return (const float *)base + i0;
     const unsigned short *h = (const unsigned short *)base + i0;
     int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (; i < n; i += 16) { /* the last vector masked */
+        const __mmask16 mask = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m256i x = _mm256_maskz_loadu_epi16(mask, h + i);
         const __m512 y = format == W_F16 ? _mm512_cvtph_ps(x)
                                          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-        _mm512_storeu_ps(out + i, y);
+        _mm512_mask_storeu_ps(out + i, mask, y);
     }
 #elif defined(__AVX2__) && defined(__F16C__)
     for (; i + 8 <= n; i += 8) {
@@ -343,10 +344,11 @@ enum { STREAM_RW = 8 };
 enum { STREAM_RW = 4 };
 #endif
 _Static_assert(STREAM_RW % 4 == 0, "sums are taken 4 at a time");
+_Static_assert(STREAM_RW >= 4, "a block tile's rows' scales fit where a stream tile's do");
 /* Lines a stream tile prefetches a unit step: a block's lines over its steps are
  * STREAM_RW * bits * UNIT / 512, at most 2 (8 rows of 4-bit units of 32 or 8-bit ones of 16). */
 enum { STREAM_FETCH = 2 };
-enum { MAX_ACC = 2 * STREAM_RW > 16 ? 2 * STREAM_RW : 16 }; /* a tile's accumulators at most */
+enum { MAX_ACC = 2 * STREAM_RW > 24 ? 2 * STREAM_RW : 24 }; /* a tile's accumulators at most */
 
 /* dot[i * RW + r] = row i of A (a[i]) . row r of W (codes rows[r], scales and biases as
  * float32 scale[r], bias[r]). */
@@ -407,7 +409,17 @@ typedef void (*stream_fn)(const struct product *, const unsigned char *const *,
 
 /* --- block tiles: W dequantized into a buffer, dot products over many rows ------------------ */
 
-enum { BLOCK_RW = 4, BLOCK_RA = 4 };
+/* Rows of A a block tile takes: as many as leave registers for one vector of W and their
+ * accumulators (AVX2: 3 x 4 accumulators + 3 + 1 of 16 registers; measured on the AVX2 build:
+ * 2 rows 1.38-1.41x the half panels' time, 3 rows 1.24-1.25x, 4 rows (spilled) 1.74-1.91x). */
+#ifndef BLOCK_RA_
+#if QPATH == 512
+#define BLOCK_RA_ 4
+#else
+#define BLOCK_RA_ 3
+#endif
+#endif
+enum { BLOCK_RW = 4, BLOCK_RA = BLOCK_RA_ };
 /* Rows of A in a chunk: the chunk's reordered rows stay in L2 while every block of W's rows
  * passes (each block dequantized once a chunk). */
 enum { CHUNK_BYTES = 256 << 10 };
@@ -444,7 +456,7 @@ ALWAYS void block_tile(const int RA, const int RW, const float *const *a, const 
     QPIN(zero);
     _Pragma("GCC unroll 16") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
     for (int t = 0; t < k; t += QL) {
-        qv x[BLOCK_RA];
+        qv x[6];
         _Pragma("GCC unroll 8") for (int i = 0; i < RA; i++) {
             x[i] = qload(a[i] + t);
             QPIN(x[i]);
@@ -466,10 +478,24 @@ ALWAYS void block_tile(const int RA, const int RW, const float *const *a, const 
 BLOCK_TILE(1)
 BLOCK_TILE(2)
 BLOCK_TILE(3)
+#if BLOCK_RA_ > 3
 BLOCK_TILE(4)
+#endif
+#if BLOCK_RA_ > 4
+BLOCK_TILE(5)
+BLOCK_TILE(6)
+#endif
 
 typedef void (*block_fn)(const float *const *, const float *const *, int, float *);
-static const block_fn block_tiles[BLOCK_RA + 1] = {NULL, block_1, block_2, block_3, block_4};
+static const block_fn block_tiles[BLOCK_RA + 1] = {
+    NULL, block_1, block_2, block_3,
+#if BLOCK_RA_ > 3
+    block_4,
+#endif
+#if BLOCK_RA_ > 4
+    block_5, block_6,
+#endif
+};
 
 /* Buffer `slot` of the calling thread's (the pool's threads keep theirs), grown as needed. */
 static float *thread_buffer(int slot, size_t floats) {
@@ -533,7 +559,6 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
 #define ROW(j) ((j) == p->n - 1 ? last : base + (size_t)(j) * row_bytes)
     /* the scales and biases of the rows in hand, as float32 */
     float *widened = thread_buffer(1, (size_t)2 * STREAM_RW * groups);
-    const float *scale[STREAM_RW], *bias[STREAM_RW];
     float dot[BLOCK_RA * STREAM_RW > 2 * STREAM_RW ? BLOCK_RA * STREAM_RW : 2 * STREAM_RW];
     if (p->m <= STREAM_ROWS) {
         const stream_fn one = bits == 4 ? stream_4_1 : bits == 5 ? stream_5_1 : stream_8_1;
@@ -541,12 +566,17 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
         for (int j = j0; j < j1; j += STREAM_RW) {
             const int nj = j1 - j < STREAM_RW ? j1 - j : STREAM_RW;
             const unsigned char *rows[STREAM_RW];
+            const float *scale[STREAM_RW], *bias[STREAM_RW];
+            /* the block's rows' scales and biases (one run each) widened at once */
+            const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
+            const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, widened);
+            const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
+                                           widened + (size_t)STREAM_RW * groups);
             for (int r = 0; r < STREAM_RW; r++) {
-                const int row = j + (r < nj ? r : 0);
-                rows[r] = ROW(row);
-                float *into = widened + (size_t)2 * r * groups;
-                scale[r] = float_scales(p->scales, p->scale_format, (size_t)row * groups, groups, into);
-                bias[r] = float_scales(p->biases, p->scale_format, (size_t)row * groups, groups, into + groups);
+                const int row = r < nj ? r : 0;
+                rows[r] = ROW(j + row);
+                scale[r] = s0 + (size_t)row * groups;
+                bias[r] = b0 + (size_t)row * groups;
             }
             /* the block PREFETCH_BLOCKS ahead: its rows' codes (one run), and its scales and
              * biases now */
@@ -593,12 +623,13 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
                     const char *next = (const char *)(base + (size_t)ahead * row_bytes);
                     for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
                 }
-                for (int r = 0; r < nj; r++) {
-                    const size_t at = (size_t)(j + r) * groups;
-                    const float *s = float_scales(p->scales, p->scale_format, at, groups, widened);
-                    const float *b = float_scales(p->biases, p->scale_format, at, groups, widened + groups);
-                    dequantize(p, ROW(j + r), s, b, w + (size_t)r * k);
-                }
+                const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
+                const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, widened);
+                const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
+                                               widened + (size_t)STREAM_RW * groups);
+                for (int r = 0; r < nj; r++)
+                    dequantize(p, ROW(j + r), s0 + (size_t)r * groups, b0 + (size_t)r * groups,
+                               w + (size_t)r * k);
                 for (int r = nj; r < BLOCK_RW; r++) wr[r] = wr[0];
                 for (int g = 0, i = i0; g < groups_a; g++) {
                     const int ni = (i1 - i0) / groups_a + (g < (i1 - i0) % groups_a);
