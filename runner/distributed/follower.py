@@ -7,18 +7,16 @@ eviction and batch is one rank 0 made and sent, applied here through the same co
 cache index stays rank 0's (tests compare a digest of it, runner/distributed/digest.py).
 Each forward is evaluated at once, so its collectives run in the order rank 0's do.
 
-`serve(sock)` runs the loop: a reader thread answers pings and queues commands; this thread
-executes them in order and acknowledges (with its cache bytes) whenever its queue runs
-empty, and at least every `ACK_SECONDS` while busy. `stop` ends it with 0; a closed
-connection (rank 0 gone) with 1, and if a command is still inside MLX two seconds later
-(a collective whose peer is gone), `fail` ends the process from the reader.
+`serve(sock)` runs the loop on this thread (see its docstring): `stop` ends it with 0, a
+closed connection (rank 0 gone) with 1.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import queue
+import select
 import socket
 import threading
 import time
@@ -37,6 +35,7 @@ from runner.distributed.digest import index_digest
 log = logging.getLogger(__name__)
 
 ACK_SECONDS = 0.25
+GUARD_SECONDS = 2.0
 UNBOUNDED = 1 << 62  # a follower never evicts on its own count
 
 
@@ -72,6 +71,8 @@ class Follower:
             return None
         if op == "digest":
             return self.digest()
+        if op == "sync":
+            return None
         cache = self.caches[name]
         live = cache.live
         if op == "switch":
@@ -113,60 +114,82 @@ class Follower:
 
 
 def serve(follower: Follower, sock: socket.socket, rank: int, fail: Callable[[str], None]) -> int:
-    """Execute rank 0's commands until `stop` (0) or a lost connection (1)."""
-    commands: queue.SimpleQueue[wire.Message | None] = queue.SimpleQueue()
-    lock = threading.Lock()
+    """Execute rank 0's commands until `stop` (0) or a lost connection (1).
+
+    This thread reads the connection and executes what it reads, with no hand-off between
+    threads (each costs a wake-up per command). Acknowledgements are lazy: at once for a
+    `sync` or a `digest` (rank 0 waits for those), otherwise once the connection has been
+    quiet for `ACK_SECONDS` after a command, or every `ACK_SECONDS` while busy, which the
+    watchdog's deadline allows for. A guard thread notices rank 0 gone while a command is
+    inside MLX (a collective whose peer is gone may not return): it peeks at the connection
+    and ends the process after `GUARD_SECONDS`.
+    """
+    reader = wire.Reader()
+    pending: collections.deque[wire.Message] = collections.deque()
+    busy_since: list[float | None] = [None]
     done = threading.Event()
+    executed, acked, last_ack = 0, 0, time.monotonic()
 
-    def send(frame: bytes) -> None:
-        with lock:
-            sock.sendall(frame)
+    def ack(seq: int, digest: str | None = None) -> None:
+        nonlocal acked, last_ack
+        sock.sendall(wire.encode("ack", seq=seq, bytes=follower.nbytes, digest=digest))
+        acked, last_ack = seq, time.monotonic()
 
-    def read() -> None:
-        reader = wire.Reader()
-        while True:
-            try:
-                data = sock.recv(1 << 16)
-                messages = reader.feed(data) if data else []
-            except (OSError, wire.WireError):
-                data = b""
-            if not data:
-                commands.put(None)
-                if not done.wait(2.0):
+    def guard() -> None:
+        while not done.wait(0.5):
+            started = busy_since[0]
+            if started is None or time.monotonic() - started < GUARD_SECONDS:
+                continue
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                try:
+                    gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone and busy_since[0] is not None:
                     fail(f"rank {rank}: lost rank 0 (the control connection closed) mid-command")
-                return
-            for message in messages:
-                if message.op == "ping":
-                    with contextlib.suppress(OSError):
-                        send(wire.encode("pong"))
-                else:
-                    commands.put(message)
 
-    threading.Thread(target=read, name="group-reader", daemon=True).start()
-    last_ack = time.monotonic()
+    threading.Thread(target=guard, name="group-guard", daemon=True).start()
     try:
         while True:
-            message = commands.get()
-            if message is None:
-                log.error("rank %d: rank 0 closed the control connection; stopping", rank)
-                return 1
+            if not pending:
+                sock.settimeout(ACK_SECONDS if executed > acked else None)
+                try:
+                    data = sock.recv(1 << 16)
+                except TimeoutError:
+                    ack(executed)
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    log.error("rank %d: rank 0 closed the control connection; stopping", rank)
+                    return 1
+                pending.extend(reader.feed(data))
+                continue
+            message = pending.popleft()
+            if message.op == "ping":
+                sock.sendall(wire.encode("pong"))
+                continue
             if message.op == "stop":
                 log.info("rank %d: stopping (rank 0 stops)", rank)
                 return 0
+            busy_since[0] = time.monotonic()
             try:
                 digest = follower.execute(message)
             except Exception as e:
                 text = f"{message.op} failed: {type(e).__name__}: {e}"
                 log.exception("rank %d: %s", rank, text)
                 with contextlib.suppress(OSError):
-                    send(wire.encode("error", message=text))
+                    sock.sendall(wire.encode("error", message=text))
                 raise
-            seq = int(message.get("seq", 0))
+            finally:
+                busy_since[0] = None
+            executed = int(message.get("seq", 0))
             if digest is not None:
-                log.info("rank %d: cache index digest=%s command=%d", rank, digest, seq)
-            now = time.monotonic()
-            if digest is not None or commands.empty() or now - last_ack > ACK_SECONDS:
-                last_ack = now
-                send(wire.encode("ack", seq=seq, bytes=follower.nbytes, digest=digest))
+                log.info("rank %d: cache index digest=%s command=%d", rank, digest, executed)
+            if message.op in ("sync", "digest") or time.monotonic() - last_ack > ACK_SECONDS:
+                ack(executed, digest)
     finally:
         done.set()

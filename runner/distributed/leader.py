@@ -16,6 +16,7 @@ before it happens (a forward's collectives need every rank in it):
 | `store_rows c s R...` | `store_rows` | store the rows they just computed |
 | `evict c P` | `evict_node` | evict the node at path P (rank 0 chose it) |
 | `reset c` | `LiveState.reset` | empty their live state |
+| `sync` | the budget, the rank check | acknowledge at once, with their cache bytes |
 | `digest` | the rank check | answer a digest of their cache index |
 | `stop` | shutdown | exit 0 |
 
@@ -141,8 +142,9 @@ class Leader:
         return seq
 
     def sync(self) -> dict[int, int]:
-        """Wait until every rank has acknowledged every command sent; their cache bytes."""
-        target = self.seq
+        """Wait until every rank has executed every command sent; their cache bytes (a
+        `sync` command, which the others acknowledge at once)."""
+        target = self.send("sync")
         with self._cond:
             while any(self.acked[r] < target for r in self.ranks):
                 self._cond.wait(0.5)
@@ -182,7 +184,9 @@ class Leader:
             cache.live.settle()
         mine = index_digest(self.caches)
         seq = self.send("digest")
-        self.sync()
+        with self._cond:
+            while any(self.acked[r] < seq for r in self.ranks):
+                self._cond.wait(0.5)
         self.checks += 1
         theirs = {r: self.digests[r].pop(seq, None) for r in self.ranks}
         log.info("ranks in step check=%d digest=%s ranks=%s", self.checks, mine, theirs)
