@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
@@ -197,11 +195,9 @@ class Faces:
         ]
         request = CompletionRequest(prompt=text, media=media, options=Options(num_predict=1))
         runner = self.runner
-        prepare: Any = prepare_completion
-        extra = (check,) if _PREPARE_CHECKS else ()
         try:
-            prompt, _ = prepare(
-                request, runner.tokenizer, runner.context_length, runner.model, *extra
+            prompt, _ = prepare_completion(
+                request, runner.tokenizer, runner.context_length, runner.model, check
             )
         except RequestError as e:
             raise FaceError(e.message, e.status) from None
@@ -355,49 +351,7 @@ class Scope(Protocol):
 def request_scope(request: web.Request) -> AbstractContextManager[Scope]:
     """The Go wire's one cancellation mechanism (`cancelled_on_disconnect`) around a request:
     a client that goes away cancels its preparation and its job."""
-    cancelled_on_disconnect: Any = go_app.cancelled_on_disconnect
-    if "job" not in inspect.signature(cancelled_on_disconnect).parameters:
-        return cancelled_on_disconnect(request)
-    return _job_scope(request, cancelled_on_disconnect)  # the form that takes the job
-
-
-class _JobScope:
-    def __init__(self, request: web.Request, watch: Any):
-        self.request, self.watch = request, watch
-        self.job: Job | None = None
-        self.watched: Any = None
-        self._cancelled = threading.Event()
-
-    def attach(self, job: Job) -> Job:
-        self.job = job
-        self.watched = self.watch(self.request, job)
-        self.watched.__enter__()
-        if self._cancelled.is_set():
-            job.cancel()
-        return job
-
-    def check(self) -> None:
-        if self._cancelled.is_set():
-            raise Cancelled()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        if self.job is not None:
-            self.job.cancel()
-
-
-@contextlib.contextmanager
-def _job_scope(request: web.Request, watch: Any) -> Iterator[Scope]:
-    scope = _JobScope(request, watch)
-    try:
-        yield scope
-    finally:
-        scope.cancel()
-        if scope.watched is not None:
-            scope.watched.__exit__(None, None, None)
-
-
-_PREPARE_CHECKS = "check" in inspect.signature(prepare_completion).parameters
+    return go_app.cancelled_on_disconnect(request)
 
 
 def submit(request: web.Request, runner: Runner, fn: Callable[[Job], Any]) -> Job:
