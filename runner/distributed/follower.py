@@ -113,7 +113,54 @@ class Follower:
         return None
 
 
-def serve(follower: Follower, sock: socket.socket, rank: int, fail: Callable[[str], None]) -> int:
+class LoadPonger:
+    """While this rank loads its share (minutes for a large model), a thread answers rank
+    0's pings, and ends the process if rank 0 goes. Rank 0 sends nothing else before this
+    rank says it is ready, so `finish()` (before `ready`) hands `serve` a clean stream."""
+
+    def __init__(self, sock: socket.socket, rank: int, fail: Callable[[str], None]):
+        self.sock, self.rank, self.fail = sock, rank, fail
+        self.reader = wire.Reader()
+        self.early: list[wire.Message] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="group-load-ponger", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.fail(
+                    f"rank {self.rank}: lost rank 0 (the control connection closed) while loading"
+                )
+                return
+            for message in self.reader.feed(data):
+                if message.op == "ping":
+                    self.sock.sendall(wire.encode("pong"))
+                else:
+                    self.early.append(message)
+
+    def finish(self) -> tuple[wire.Reader, list[wire.Message]]:
+        self._stop.set()
+        self._thread.join()
+        self.sock.settimeout(None)
+        return self.reader, self.early
+
+
+def serve(
+    follower: Follower,
+    sock: socket.socket,
+    rank: int,
+    fail: Callable[[str], None],
+    reader: wire.Reader | None = None,
+    early: list[wire.Message] | None = None,
+) -> int:
     """Execute rank 0's commands until `stop` (0) or a lost connection (1).
 
     This thread reads the connection and executes what it reads, with no hand-off between
@@ -124,8 +171,8 @@ def serve(follower: Follower, sock: socket.socket, rank: int, fail: Callable[[st
     inside MLX (a collective whose peer is gone may not return): it peeks at the connection
     and ends the process after `GUARD_SECONDS`.
     """
-    reader = wire.Reader()
-    pending: collections.deque[wire.Message] = collections.deque()
+    reader = reader or wire.Reader()
+    pending: collections.deque[wire.Message] = collections.deque(early or ())
     busy_since: list[float | None] = [None]
     done = threading.Event()
     executed, acked, last_ack = 0, 0, time.monotonic()

@@ -219,8 +219,8 @@ class Leader:
         """Tell every rank to exit (rank 0 is stopping)."""
         if self._stopping:
             return
+        self._stopping = True  # first: a rank that exits on `stop` is not a lost rank
         self.send("stop")
-        self._stopping = True
         for link in self.links.values():
             link.close()
 

@@ -34,7 +34,7 @@ from runner.backend import Backend
 from runner.cache.kinds import kind_of
 from runner.distributed import group as grp
 from runner.distributed import wire
-from runner.distributed.follower import Follower, serve
+from runner.distributed.follower import Follower, LoadPonger, serve
 from runner.distributed.leader import GroupBudget, Leader, LeaderPrefixCache, SocketLink
 from runner.distributed.shard import Mode, check_supported, distributor, parse_split
 from runner.engine import Engine
@@ -183,19 +183,22 @@ def _start_follower(
         raise
     rank = joined.rank
     log.info("rank %d of %d: joined rank 0's control channel", rank, joined.size)
+    ponger = LoadPonger(sock, rank, fail)  # rank 0 pings while this rank loads
     try:
         loaded = build_model(
             load_model_source(model), backend, _distribute(mode, joined.group, split)
         )
     except Exception as e:
+        ponger.finish()
         with contextlib.suppress(OSError):
             sock.sendall(wire.encode("error", message=f"loading failed: {e}"))
         raise
     points = any(kind_of(c).point for c in loaded.make_caches())
+    reader, early = ponger.finish()
     sock.sendall(wire.encode("ready", point=points, config=config_digest(loaded)))
     log.info("rank %d of %d: ready (%s)", rank, joined.size, mode.value)
     follower = Follower(loaded, backend.prefill_chunk_tokens, backend.batch_tokens)
-    return serve(follower, sock, rank, fail)
+    return serve(follower, sock, rank, fail, reader, early)
 
 
 def config_digest(model: Any) -> str:
