@@ -10,7 +10,7 @@
  * of A are held in registers and W's pass one at a time (12 + 2 + 1 of AVX2's 16
  * registers: 8 loads per 12 FMAs); for one row (1x8) W's 8 vectors are loaded against it.
  * Measured here on hot weights, one core (peak 96 GFLOP/s): this 2x6 84 GFLOP/s, 2x6 with
- * W held 71, 3x4 84, 4x3 41 (17 registers: spilled). Measured again in the fifth session,
+ * W held 71, 3x4 84, 4x3 41 (17 registers: spilled). Measured again at aa507a6 (2026-12-01),
  * the VM's cores at 2.4 GHz (peak 78): 2x6 45-60 GFLOP/s for 8-32 rows, float16 or float32
  * weights alike (reading float16 is not what bounds it; half copies now go to panel_columns). */
 #define TILE(NAME, RA, RW, A_HELD)                                                        \
