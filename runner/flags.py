@@ -54,10 +54,14 @@ class HelpRequested(Exception):
 SERVE_USAGE = """Usage of serve (the runner with the OpenAI and Ollama faces):
   -cache-bytes int
     \tbyte budget of the prefix caches (default: $OLLAMA_MLX_RUNNER_CACHE_BYTES or 8 GiB)
+  -distributed string
+    \tone rank of a process group (mlx.launch, or MLX_RANK and MLX_HOSTFILE): tensor or pipeline
   -host string
     \taddress to listen on (default 127.0.0.1)
   -model string
     \tOllama model name or a model directory
+  -pipeline-split string
+    \tlayers per rank in pipeline mode, rank 0 first (default: even)
   -port int
     \tTCP port
   -verbose
