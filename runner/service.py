@@ -42,6 +42,10 @@ class Runner:
         backend: Backend | None = None,
         prefix_cache: Callable[..., PrefixCache] = PrefixCache,
     ):
+        # the model's tokenizer_config.json and chat_template.jinja, as loaded (the public
+        # faces render chat templates from them: runner/server/faces.py)
+        self.tokenizer_config: dict[str, Any] | None = None
+        self.chat_template: str | None = None
         self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
@@ -113,6 +117,9 @@ class Runner:
                 chosen.name,
                 time.perf_counter() - started,
             )
-            return cls(engine, model, tokenizer, name, cache_budget, chosen, prefix_cache)
+            runner = cls(engine, model, tokenizer, name, cache_budget, chosen, prefix_cache)
+            runner.tokenizer_config = source.tokenizer_config
+            runner.chat_template = source.chat_template
+            return runner
 
         return engine.call(load)

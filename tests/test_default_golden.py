@@ -1,7 +1,8 @@
-"""The real default model (SmolLM2-135M-Instruct) gives transformers' candidate logits.
+"""The real default model (SmolLM2-135M-Instruct, loaded from its Q4_1 GGUF) gives
+transformers' candidate logits on the same values.
 
-Both sides run the same dequantized weights in float32; the goldens were written by
-`python -m tests.golden.default_model` and the reference tier recomputes them live.
+transformers runs a float32 checkpoint of the GGUF's dequantized values; the goldens were
+written by `python -m tests.golden.default_model` and the reference tier recomputes them live.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from runner.score.validate import Row
 from runner.service import Runner
-from tests.golden.default_model import GOLDEN, reference_rows, rows_spec
+from tests.golden.default_model import GOLDEN, exact_checkpoint, reference_rows, rows_spec
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4  # measured: at most 3e-5 on these rows
@@ -43,9 +44,9 @@ def test_candidate_logits_equal_transformers(engine, default_runner):
 
 
 @pytest.mark.reference
-def test_candidate_logits_equal_transformers_live(engine, default_runner, default_model_dir):
+def test_candidate_logits_equal_transformers_live(engine, default_runner, tmp_path):
     pytest.importorskip("torch")
-    live = reference_rows(default_model_dir, rows_spec(), default_runner.tokenizer)
+    live = reference_rows(exact_checkpoint(tmp_path), rows_spec(), default_runner.tokenizer)
     ours = score_rows(engine, default_runner, live)
     for row, logits in zip(live, ours, strict=True):
         assert logits == pytest.approx(row["logits"], abs=TOLERANCE)

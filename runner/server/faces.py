@@ -72,36 +72,6 @@ def too_long(count: int, context_length: int, asked: int = 0) -> TooLong:
     )
 
 
-def model_files(name: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The model's tokenizer_config.json and chat_template.jinja (None where absent), read
-    from its directory or its Ollama manifest's config layers."""
-    import json
-
-    from runner.sources.default_model import resolve_default_model
-
-    directory: Path | None = None
-    if name == "default":
-        directory = resolve_default_model()
-    elif Path(name).expanduser().is_dir():
-        directory = Path(name).expanduser()
-    if directory is not None:
-        config_path, jinja_path = (
-            directory / "tokenizer_config.json",
-            directory / "chat_template.jinja",
-        )
-        config = json.loads(config_path.read_text()) if config_path.is_file() else None
-        jinja = jinja_path.read_text() if jinja_path.is_file() else None
-        return config, jinja
-    from runner.sources.ollama_store import load_manifest
-
-    manifest = load_manifest(name)
-    config = manifest.read_config_json("tokenizer_config.json", optional=True)
-    jinja = None
-    if manifest.config_layer("chat_template.jinja") is not None:
-        jinja = manifest.read_config("chat_template.jinja").decode("utf-8", "replace")
-    return config if isinstance(config, dict) else None, jinja
-
-
 class Faces:
     """The runner as the public faces use it."""
 
@@ -118,8 +88,8 @@ class Faces:
         completions only: its chat endpoints answer 400)."""
         template = None
         try:
-            config, jinja = model_files(runner.name)
-            source = template_source(config, jinja)
+            config = runner.tokenizer_config
+            source = template_source(config, runner.chat_template)
             if source is not None:
                 template = ChatTemplate(source, config)
         except Exception as e:  # the faces still serve completions

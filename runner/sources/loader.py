@@ -25,11 +25,10 @@ def load_model_source(name_or_path: str) -> ModelSource:
     order."""
     if name_or_path == DEFAULT_ALIAS:
         # Imported here so that ordinary loads never touch the preparation code.
-        from runner.sources.default_model import resolve_default_model
+        from runner.sources.default_model import resolve_default_gguf
+        from runner.sources.gguf.model import load_gguf
 
-        source = load_local_dir(resolve_default_model())
-        source.name = DEFAULT_ALIAS
-        return source
+        return load_gguf(resolve_default_gguf(), DEFAULT_ALIAS)
     if _is_dir(name_or_path):
         return load_local_dir(Path(name_or_path).expanduser())
     if name_or_path.endswith(".gguf") and _is_file(name_or_path):
@@ -55,6 +54,16 @@ def _is_file(name_or_path: str) -> bool:
         return Path(name_or_path).expanduser().is_file()
     except (RuntimeError, ValueError):
         return False
+
+
+def _read_text(path: Path) -> str | None:
+    """An optional UTF-8 file's text."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
 
 
 def _read_json(path: Path, *, optional: bool = False) -> Any:
@@ -150,6 +159,7 @@ def load_local_dir(path: Path) -> ModelSource:
         tokenizer_config=_read_json(path / "tokenizer_config.json", optional=True),
         generation_config=_read_json(path / "generation_config.json", optional=True),
         preprocessor_config=_read_json(path / "preprocessor_config.json", optional=True),
+        chat_template=_read_text(path / "chat_template.jinja"),
         weights=weights,
         quantization=_dir_quantization(config),
     )

@@ -510,6 +510,11 @@ def load_store_model(name: str, models: Path | None = None) -> ModelSource:
         tokenizer_config=manifest.read_config_json("tokenizer_config.json", optional=True),
         generation_config=manifest.read_config_json("generation_config.json", optional=True),
         preprocessor_config=manifest.read_config_json("preprocessor_config.json", optional=True),
+        chat_template=(
+            manifest.read_config("chat_template.jinja").decode("utf-8", "replace")
+            if manifest.config_layer("chat_template.jinja") is not None
+            else None
+        ),
         weights=weights,
         quantization=_quantization(weights, infos, default),
     )

@@ -54,6 +54,7 @@ class ModelSource:
     tokenizer_config: dict[str, Any] | None = None
     generation_config: dict[str, Any] | None = None
     preprocessor_config: dict[str, Any] | None = None  # an image model's preprocessor_config.json
+    chat_template: str | None = None  # a chat_template.jinja file (else tokenizer_config's)
     weights: dict[str, mx.array] = field(default_factory=dict)
     # An Ollama model's own layers beside the weights (application/vnd.ollama.image.*):
     # "template" (a Go text/template), "system", "license" as text, "params" as JSON.

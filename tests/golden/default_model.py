@@ -1,9 +1,10 @@
 """Golden candidate logits of the real default model from Hugging Face transformers.
 
-`python -m tests.golden.default_model` loads the prepared SmolLM2-135M-Instruct directory in
-transformers (CPU PyTorch, float32, the same dequantized weights the runner loads), scores
-the demo's decisions plus a long prompt, and writes tests/data/golden/default_model.json:
-for each row its token ids, candidate ids and float32 candidate logits at the last position.
+`python -m tests.golden.default_model` loads, in transformers (CPU PyTorch, float32), a
+checkpoint of the exact values the runner loads from the default model's Q4_1 GGUF (its blocks
+dequantized as llama.cpp does, in float32: `exact_checkpoint`), scores the demo's decisions
+plus a long prompt, and writes tests/data/golden/default_model.json: for each row its token
+ids, candidate ids and float32 candidate logits at the last position.
 """
 
 from __future__ import annotations
@@ -41,15 +42,26 @@ def reference_rows(model_dir: Path, rows: list[dict], tokenizer) -> list[dict]:
     return out
 
 
+def exact_checkpoint(out: Path) -> Path:
+    """A float32 checkpoint of the default model's GGUF values (what `--model default`
+    computes with), in `out`."""
+    from runner.sources.default_model import GGUF_NAME
+    from tools.default_model import convert_gguf, prepare_default_model
+
+    convert_gguf(prepare_default_model() / GGUF_NAME, out, dtype="float32")
+    return out
+
+
 def main() -> None:
+    import tempfile
+
     from runner.sources.loader import load_model_source
     from runner.text.tokenizer import Tokenizer
-    from tools.default_model import prepare_default_model
 
-    model_dir = prepare_default_model()
-    source = load_model_source(str(model_dir))
+    source = load_model_source("default")
     tokenizer = Tokenizer(source.tokenizer_json, tokenizer_config=source.tokenizer_config)
-    rows = reference_rows(model_dir, rows_spec(), tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = reference_rows(exact_checkpoint(Path(tmp)), rows_spec(), tokenizer)
     GOLDEN.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "rows": rows}, indent=1))
     print(f"wrote {GOLDEN}")
 
