@@ -197,6 +197,13 @@ def dirs(tmp_path_factory):
     six = {**tiny_config("LlamaForCausalLM"), "num_attention_heads": 6, "num_key_value_heads": 3}
     six.update(hidden_size=96, intermediate_size=96)  # 6 heads of 16; MLP columns by 3
     out["six"] = write_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("six"), config=six)
+    windowed = {**tiny_config("Qwen3ForCausalLM"), "num_hidden_layers": 3, "sliding_window": 8}
+    windowed.update(
+        use_sliding_window=True, layer_types=["sliding_attention"] + 2 * ["full_attention"]
+    )
+    out["windowed"] = write_tiny_model(
+        "Qwen3ForCausalLM", tmp_path_factory.mktemp("w"), config=windowed
+    )
     return out
 
 
@@ -330,10 +337,14 @@ def test_every_supported_family_matches_one_process(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_hits_evictions_extensions_and_cancellations_keep_every_rank_in_step(tmp_path, dirs):
-    """Three pipeline ranks, a budget that evicts; every rank's digest after every job."""
-    flags = ("--distributed", "pipeline", "--cache-bytes", "200000", "--verbose")
-    with Ranks(tmp_path, 3, dirs["Qwen2ForCausalLM"], *flags) as ranks:
+    """Three pipeline ranks of a Qwen3 whose first layer alone is windowed (window 8: it
+    wraps), so rank 2 holds a window and rank 0 none (rank 0 restores through its phantom
+    slot, or rank 2 would fail a restore); a budget that evicts; every rank's digest after
+    every job."""
+    flags = ("--distributed", "pipeline", "--cache-bytes", "40000", "--verbose")
+    with Ranks(tmp_path, 3, dirs["windowed"], *flags) as ranks:
         ranks.wait_ready()
+        assert "phantom point slot" in ranks.output(0)
         rng = random.Random(5)
         for i in range(12):
             base = SHARED[: rng.randint(10, len(SHARED))]

@@ -146,6 +146,12 @@ def _start_rank0(
                 fail(f"rank {rank} loaded another model than rank 0 (config.json differs)")
         points_here = any(kind_of(c).point for c in loaded.make_caches())
         phantom = not points_here and any(info.get("point") for info in ready.values())
+        if phantom:
+            log.info(
+                "prefix cache %s: another rank holds windows or recurrent states, rank 0 none: "
+                "restores only where theirs are stored (a phantom point slot)",
+                kwargs.get("name"),
+            )
         return LeaderPrefixCache(loaded, leader=leader, phantom=phantom, **kwargs)
 
     runner = Runner.load(
