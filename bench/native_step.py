@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantize", default=None, help="BITS:GROUP (e.g. 4:64): see above")
+    p.add_argument(
+        "--no-q-mlx", action="store_true", help="with --quantize: leave out q-mlx (slow)"
+    )
     args = p.parse_args(argv)
 
     import mlx.core as mx
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             "q-mlx": build_model(load_model_source(str(qpath)), mlx_backend),
             "float": build_model(load_model_source(str(path)), native_backend),
         }
+        if args.no_q_mlx:
+            del systems["q-mlx"]
     else:
         source = load_model_source(str(path))
         systems = {
@@ -164,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         ms = {name: best[(t, name)] * 1e3 for name in systems}
         cells = "  ".join(f"{name} {v:8.1f} ms" for name, v in ms.items())
         if args.quantize:
-            ratios = (
-                f"q-native/float x{ms['q-native'] / ms['float']:.2f}  "
-                f"q-mlx/q-native x{ms['q-mlx'] / ms['q-native']:.1f}"
-            )
+            ratios = f"q-native/float x{ms['q-native'] / ms['float']:.2f}"
+            if "q-mlx" in ms:
+                ratios += f"  q-mlx/q-native x{ms['q-mlx'] / ms['q-native']:.1f}"
         else:
             ratios = f"mlx/native x{ms['mlx'] / ms['native']:.2f}"
         print(f"T={t:3d}  {cells}  {ratios}")

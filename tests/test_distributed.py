@@ -389,11 +389,19 @@ def test_200_mixed_requests_without_a_hang(tmp_path, dirs):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("victim", "busy"), [(2, False), (2, True), (0, True)])
-def test_a_killed_rank_ends_the_group(tmp_path, dirs, victim, busy):
-    """Rank 2 killed (idle, or while rank 0 decodes): rank 0 exits 1 within 1.5 s with one
-    `Error:` line naming rank 2. Rank 0 killed mid-decode: the others stop. No process of
-    the group is left."""
+@pytest.mark.parametrize(
+    ("victim", "busy", "sig"),
+    [
+        (2, False, signal.SIGKILL),
+        (2, True, signal.SIGKILL),
+        (0, True, signal.SIGKILL),
+        (1, False, signal.SIGINT),
+    ],
+)
+def test_a_killed_rank_ends_the_group(tmp_path, dirs, victim, busy, sig):
+    """Rank 2 killed (idle, or while rank 0 decodes) or rank 1 interrupted: rank 0 exits 1
+    within 1.5 s with one `Error:` line naming it. Rank 0 killed mid-decode: the others
+    stop. No process of the group is left."""
     with Ranks(tmp_path, 3, dirs["Qwen2ForCausalLM"], "--distributed", "pipeline") as ranks:
         ranks.wait_ready()
         ranks.score(SCORE_ROWS)
@@ -404,7 +412,9 @@ def test_a_killed_rank_ends_the_group(tmp_path, dirs, victim, busy):
             c.request("POST", "/v1/completions", body)
             c.getresponse().readline()  # decoding now
         killed = time.monotonic()
-        os.kill(ranks.procs[victim].pid, signal.SIGKILL)
+        os.kill(ranks.procs[victim].pid, sig)
+        if sig == signal.SIGINT:
+            assert ranks.procs[victim].wait(timeout=10) == 0
         others = [p for rank, p in enumerate(ranks.procs) if rank != victim]
         codes = [p.wait(timeout=10) for p in others]
         assert all(code != 0 for code in codes), codes
