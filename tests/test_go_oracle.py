@@ -368,6 +368,7 @@ SCORE_KEYS = [
     ),
 ]
 
+
 @pytest.mark.parametrize(("endpoint", "body", "expected"), GO_RULES + SCORE_KEYS)
 def test_the_oracle_decodes_as_go_does(endpoint, body, expected):
     got = decoded(endpoint, body)
