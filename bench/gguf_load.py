@@ -1,0 +1,135 @@
+"""`python -m bench.gguf_load`: how long a GGUF model takes to load, and what it holds.
+
+Writes a Llama-shaped GGUF of random blocks in llama.cpp's Q4_K_M mix (Q4_K for the attention
+and MLP weights, Q6_K for `ffn_down`, `attn_v` and the embedding, F32 norms; the scales made
+finite, as llama.cpp's quantizer writes them) for a shape (`--shape 1b`: Llama 3.2 1B's
+sizes; `135m`: SmolLM2-135M's), then times `load_gguf` (metadata, tokenizer, every tensor
+converted) and `build_model`, and reports the resident size of the loaded weights against the
+file's. `--file PATH` times an existing GGUF instead (the default model's, a store's blob).
+
+    python -m bench.gguf_load --shape 1b
+    python -m bench.gguf_load --file PATH.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
+    "135m": (576, 30, 9, 3, 1536, 49152),
+    "1b": (2048, 16, 32, 8, 8192, 128256),
+}
+Q4_K, Q6_K, F32 = 12, 14, 0
+
+
+def write_gguf(shape: str, path: Path) -> Path:
+    """A random GGUF of `shape` in Q4_K_M's mix, with a small tokenizer (`gpt2`, byte tokens)."""
+    import gguf
+
+    from runner.sources.gguf import quants
+
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    head_dim = hidden // heads
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    tokens = ["a", "b", "ab", *(f"<{i}>" for i in range(3, vocab))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+    def blocks(kind: int, rows: int, cols: int) -> np.ndarray:
+        info = quants.TYPES[kind]
+        data = rng.integers(
+            0, 256, size=(rows * cols // info.block_size, info.type_size), dtype=np.uint8
+        )
+        # finite fp16 scales (d, dmin) as a quantizer writes them: exponent below 0x7C00
+        for at in (0, 2) if kind == Q4_K else (info.type_size - 2,):
+            half = data[:, at : at + 2].view("<u2")
+            half &= 0x3BFF  # |d| < 1
+        return data.reshape(rows, cols // info.block_size * info.type_size)
+
+    def add(name: str, kind: int, rows: int, cols: int) -> None:
+        if kind == F32:
+            writer.add_tensor(
+                name, np.ones(cols, np.float32) if rows == 1 else np.zeros((rows, cols), np.float32)
+            )
+            return
+        writer.add_tensor(
+            name,
+            blocks(kind, rows, cols),
+            raw_dtype=gguf.GGMLQuantizationType(kind),
+        )
+
+    add("token_embd.weight", Q6_K, vocab, hidden)
+    add("output_norm.weight", F32, 1, hidden)
+    for i in range(layers):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", F32, 1, hidden)
+        add(p + "ffn_norm.weight", F32, 1, hidden)
+        add(p + "attn_q.weight", Q4_K, heads * head_dim, hidden)
+        add(p + "attn_k.weight", Q4_K, kv_heads * head_dim, hidden)
+        add(p + "attn_v.weight", Q6_K, kv_heads * head_dim, hidden)
+        add(p + "attn_output.weight", Q4_K, hidden, heads * head_dim)
+        add(p + "ffn_gate.weight", Q4_K, inter, hidden)
+        add(p + "ffn_up.weight", Q4_K, inter, hidden)
+        add(p + "ffn_down.weight", Q6_K, hidden, inter)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def measure(path: Path) -> None:
+    from runner.models import build_model
+    from runner.sources.gguf.model import load_gguf
+
+    started = time.perf_counter()
+    source = load_gguf(path)
+    loaded = time.perf_counter()
+    model = build_model(source)
+    built = time.perf_counter()
+    resident = sum(int(w.nbytes) for w in source.weights.values())
+    size = path.stat().st_size
+    print(f"{path.name}: {size / 1e6:.1f} MB file")
+    print(f"  load_gguf {loaded - started:.2f} s, build_model {built - loaded:.2f} s")
+    print(f"  resident {resident / 1e6:.1f} MB ({resident / size:.2f}x the file)")
+    del model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gguf_load", description=__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--file", type=Path, help="time this GGUF instead of a random one")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.file:
+        measure(args.file.expanduser())
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
+        started = time.perf_counter()
+        path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf")
+        print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
+        measure(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
