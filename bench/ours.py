@@ -9,6 +9,10 @@
 - `ours-http`: `python -m runner --model DIR --port P` spawned as a supervisor would, one
   POST /v1/score per workload request; generation through POST /v1/completions (Go wire
   format, application/jsonl).
+- `ours-q4`: the same spawned runner on the Q4_K_M GGUF that `llama.cpp-q4` runs (llama.cpp's
+  own quantizer's file, made by bench/llamacpp.py; the runner loads it as it loads a store's
+  blob): the two engines on the same quantized bits. Its answers differ from `ours`' by the
+  quantization, as llama.cpp-q4's do; needs llama-cpp-python to make the file.
 """
 
 from __future__ import annotations
@@ -210,10 +214,14 @@ class OursHTTP(System):
     fresh_per_workload = FRESH_PER_WORKLOAD
     process_name = "runner"
 
+    def model(self, ctx: Context) -> str:
+        """What the spawned runner's --model names."""
+        return str(ctx.model_dir)
+
     def prepare(self, ctx: Context) -> None:
         self.ctx = ctx
         self.process = SpawnedRunner(
-            "--model", str(ctx.model_dir), log_path=ctx.work_dir / "ours-http.log"
+            "--model", self.model(ctx), log_path=ctx.work_dir / f"{self.name}.log"
         )
         try:
             self.process.wait_ready()
@@ -241,3 +249,13 @@ class OursHTTP(System):
 
     def generate(self, workload: GenerateWorkload, new_tokens: int) -> GenerateOutcome:
         return http_generate(self.process.url, workload, new_tokens)
+
+
+class OursQ4(OursHTTP):
+    name = "ours-q4"
+    description = "runner spawned on llama.cpp-q4's Q4_K_M GGUF (the same file)"
+
+    def model(self, ctx: Context) -> str:
+        from bench.llamacpp import Q4, cached_gguf, import_llama_cpp
+
+        return str(cached_gguf(import_llama_cpp(), ctx, Q4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.base import System
 from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
-from bench.ours import Ours, OursHTTP, OursRows
+from bench.ours import Ours, OursHTTP, OursQ4, OursRows
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
@@ -14,6 +14,7 @@ SYSTEMS: dict[str, type[System]] = {
         Ours,
         OursRows,
         OursHTTP,
+        OursQ4,
         Baseline,
         MlxLm,
         Transformers,

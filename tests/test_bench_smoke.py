@@ -26,7 +26,7 @@ from bench.harness import run_system
 from bench.http import HTTPStatus, KeptConnection, SpawnedRunner
 from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
 from bench.models import SHAPES, load_tokenizer, write_model_dir
-from bench.ours import Ours, OursHTTP
+from bench.ours import Ours, OursHTTP, OursQ4
 from bench.peers import Baseline
 from bench.report import compute_metrics, format_workload
 from bench.workloads import NAMES, build_workloads
@@ -285,8 +285,9 @@ def test_http_systems(model_dir, bench_engine, tmp_path):
 
 
 def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, monkeypatch):
-    """Without llama-cpp-python (CI never installs it) both llama.cpp systems are skipped
-    with a reason, on every workload, before anything is converted."""
+    """Without llama-cpp-python (CI never installs it) the llama.cpp systems, and ours on
+    llama.cpp's Q4_K_M file, are skipped with a reason, on every workload, before anything
+    is converted."""
     real_import = builtins.__import__
 
     def no_llama_cpp(name, *args, **kwargs):
@@ -297,7 +298,7 @@ def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     workloads = build_workloads(list(NAMES), "small", load_tokenizer(model_dir).encode)
     ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context)
-    for system in (LlamaCpp(), LlamaCppF16(), LlamaCppQ4()):
+    for system in (LlamaCpp(), LlamaCppF16(), LlamaCppQ4(), OursQ4()):
         results = run_system(system, workloads, ctx, repeats=1, sample_rows=None)
         assert [r.workload for r in results] == list(NAMES)
         for r in results:
@@ -312,11 +313,17 @@ def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, mo
 def test_llama_cpp_agrees_with_ours(model_dir, bench_engine, tmp_path):
     """The small model converted to GGUF (its bench tokenizer named "gpt-2" for the
     converter): llama.cpp-f32 scores like ours and tokenizes like ours; llama.cpp-f16 and
-    -q4 run. The converter comes from $LLAMA_CPP_SRC or the cached llama-cpp-python sdist."""
-    systems = [Ours(), LlamaCpp(), LlamaCppF16(), LlamaCppQ4()]
+    -q4 run, and ours on -q4's file scores nearer -q4 than ours on the float model does. The
+    converter comes from $LLAMA_CPP_SRC or the cached llama-cpp-python sdist."""
+    systems = [Ours(), OursQ4(), LlamaCpp(), LlamaCppF16(), LlamaCppQ4()]
     results = _run(systems, model_dir, bench_engine, tmp_path)
     for name in SCORE_WORKLOADS:
-        _, f32, f16, q4 = results[name]
+        ours, ours_q4, f32, f16, q4 = results[name]
+        assert ours_q4.status == "ok", ours_q4.reason
+        same_file = _mean_abs_diff(ours_q4.outcome.values, q4.outcome.values)
+        float_vs_q4 = _mean_abs_diff(ours.outcome.values, q4.outcome.values)
+        # llama.cpp's 8-bit activations and float16 KV cache are the rest (0.57 measured)
+        assert same_file < 0.75 * float_vs_q4, (name, same_file, float_vs_q4)
         assert f32.status == "ok", f32.reason
         assert f32.metrics["max_abs_diff"] < 1e-2, f32.metrics
         assert f32.metrics["argmax_agree"] == 1.0
@@ -324,14 +331,25 @@ def test_llama_cpp_agrees_with_ours(model_dir, bench_engine, tmp_path):
             assert r.status == "ok", r.reason
             assert r.metrics["compared_rows"] == len(r.outcome.values) > 0
     # llama.cpp reuses its KV cache across rows: a row after the first computes its question
-    requests = results["requests"][1].outcome.request_computed
+    requests = results["requests"][2].outcome.request_computed
     assert max(requests[1:]) < requests[0]
-    _, f32, f16, q4 = results["generate"]
+    _, _, f32, f16, q4 = results["generate"]
     for r in (f32, f16, q4):
         assert r.status == "ok", r.reason
         assert r.metrics["new_tokens"] > 0 and r.metrics["decode_tokens_per_s"] > 0
     cache = model_dir.parent / f"{model_dir.name}.gguf"
     assert all((cache / name).exists() for name in ("f32.gguf", "f16.gguf", "q4_k_m.gguf"))
+
+
+def _mean_abs_diff(a: list, b: list) -> float:
+    pairs = [
+        (x, y)
+        for row_a, row_b in zip(a, b, strict=True)
+        for x, y in zip(row_a, row_b, strict=True)
+        if x is not None and y is not None
+    ]
+    assert pairs
+    return sum(abs(x - y) for x, y in pairs) / len(pairs)
 
 
 @pytest.mark.slow
