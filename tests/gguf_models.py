@@ -330,6 +330,47 @@ def mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return chosen if shape[-1] % block == 0 else T.F16
 
 
+def k_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """`mixed`, with Q6_K where llama.cpp's Q4_K_M puts it (the embedding, the head,
+    `attn_v`, `ffn_down`) when a row is whole blocks of 256 (gguf-py quantizes no K type:
+    `quantize_q6_k` does)."""
+    q6_k = ("token_embd.", "attn_v.", "ffn_down.")
+    chosen = name == "output.weight" or any(key in name for key in q6_k)
+    if len(shape) == 2 and shape[-1] % 256 == 0 and chosen:
+        return T.Q6_K
+    return mixed(name, shape, arch)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 210],
+    laid out as llama.cpp's block_q6_K (ql, qh, int8 scales, float16 d): a plain
+    round-to-nearest quantizer (not llama.cpp's search), which is all a test needs."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 16, 16).astype(np.float32)  # [blocks, 16 groups, 16]
+    group_scale = np.abs(x).max(-1) / 31  # weights in [-32, 31] * scale
+    d = (group_scale.max(-1, keepdims=True) / 127).astype(np.float16)  # [blocks, 1]
+    d32 = d.astype(np.float32)
+    # rounded up, so that no weight needs a code past 31
+    sc = np.where(d32 > 0, np.ceil(group_scale / np.where(d32 > 0, d32, 1)), 0)
+    sc = np.clip(sc, -128, 127).astype(np.int8)
+    step = (d32 * sc.astype(np.float32))[..., None]
+    q = np.clip(np.rint(x / np.where(step != 0, step, 1)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # [blocks, half, quarter s, l]: weight 128h + 32s + l
+    low = q & 15  # ql[l]: quarter 0's low bits, quarter 2's above; ql[32 + l]: 1's and 3's
+    ql = np.concatenate([low[:, :, 0] | low[:, :, 2] << 4, low[:, :, 1] | low[:, :, 3] << 4], -1)
+    qh = sum((q[:, :, s] >> 4) << (2 * s) for s in range(4)).astype(np.uint8)
+    out = np.concatenate(
+        [
+            ql.astype(np.uint8).reshape(-1, 128),
+            qh.reshape(-1, 64),
+            sc.view(np.uint8).reshape(-1, 16),
+            d.view(np.uint8).reshape(-1, 2),
+        ],
+        axis=1,
+    )
+    return out.reshape(*lead, k // 256 * 210)
+
+
 def gguf_metadata(model_dir: Path) -> tuple[str, dict[str, Any]]:
     """The GGUF architecture and the `{arch}.*` metadata (keys without the prefix) the
     converter writes for the checkpoint in `model_dir`."""
@@ -454,7 +495,8 @@ def write_gguf(
         elif kind == T.F16:
             writer.add_tensor(name, values.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            blocks = quantize_q6_k(values) if kind == T.Q6_K else gguf.quants.quantize(values, kind)
+            writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -30,6 +30,7 @@ from tests.gguf_models import (
     float32,
     fuse_qkv,
     gguf_names,
+    k_mixed,
     mixed,
     tiny_checkpoint,
     write_gguf,
@@ -78,6 +79,58 @@ def test_a_llama_gguf_equals_a_float64_forward_of_its_values(tmp_path: Path) -> 
     )
     got = logits(build_model(source))
     assert np.abs(got - want).max() <= 1e-4
+
+
+# A tiny Llama whose rows are whole Q6_K blocks (256 weights)
+K_QUANT_LLAMA = {
+    "hidden_size": 256, "intermediate_size": 512, "head_dim": 32, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_q6_k_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+    """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) stay in
+    their blocks: resident at the file's bytes, not float32's, and read by the native step
+    (runner/native/quantized.c) on the CPU; what the model computes is the float64 forward of
+    their values (llama.cpp's dequantization) within 1e-4, on the native step, on MLX's own
+    path over the blocks, and from the float32 weights a backend without the native step
+    keeps."""
+    from runner.backend import Backend
+    from runner.models.quantized import Q6KEmbedding, Q6KLinear
+    from tests.tiny import edit_text_config, tiny_config
+
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
+    checkpoint = write_tiny_model(
+        "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
+    )
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    source = load_gguf(path)
+    kept = {k for k in source.weights if k.endswith(".blocks")}
+    head = "model.embed_tokens.blocks" if tied else "lm_head.blocks"
+    heads = 1 if tied else 2  # the embedding, and the head where it has its own
+    assert head in kept and len(kept) == heads + 2 * config["num_hidden_layers"], kept
+    for name in kept:  # 210 bytes a 256 weights, as in the file
+        rows, width = weights[name.replace(".blocks", ".weight")].shape
+        assert source.weights[name].shape == (rows, width // 256 * 210)
+    want = llama_forward(
+        {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
+    )
+    model = build_model(source)
+    layers = [m for _, m in model.module.named_modules() if isinstance(m, Q6KLinear | Q6KEmbedding)]
+    assert len(layers) == len(kept)
+    got = logits(model)
+    assert model._native is not None and model._native.quantized  # the step reads codes
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    with model.mlx_only():
+        assert np.abs(logits(model) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    plain = Backend.cpu()
+    plain = type(plain)(**{**plain.__dict__, "native_step_max_tokens": None})
+    floats = build_model(load_gguf(path), plain)
+    modules = [m for _, m in floats.module.named_modules()]
+    assert not any(isinstance(m, Q6KLinear | Q6KEmbedding) for m in modules)
+    assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
 def llama_forward(w: dict[str, np.ndarray], c: dict, tokens: list[int]) -> np.ndarray:

@@ -128,8 +128,8 @@ VERSION = "#define RUNNER_NATIVE_ABI_VERSION"
             "struct step_args: fields differ: eps@",
         ),
         (  # the version moved without the mirror
-            {"runner_native.h": (f"{VERSION} 8", f"{VERSION} 9")},
-            "ABI version 9, the runner expects 8",
+            {"runner_native.h": (f"{VERSION} {abi.ABI_VERSION}", f"{VERSION} 99")},
+            f"ABI version 99, the runner expects {abi.ABI_VERSION}",
         ),
         (  # a weight's fields reordered in C only
             {"runner_native.h": ("int bits, group, scale", "int group, bits, scale")},
@@ -284,6 +284,47 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
             np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
         want = a.astype(np.float64) @ w.values.astype(np.float64).T
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_every_level_computes_q6_k_products(level_library) -> None:
+    """runner_weight_product on GGML Q6_K blocks as a GGUF stores them: exactly the sums the
+    level's block tiles define (the values in order of k, its lanes, fused or not), the same
+    bits for any number of rows, and within 1e-4 of the float64 product of llama.cpp's
+    values (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's)."""
+    from runner.sources.gguf import quants
+    from tests.gguf_models import quantize_q6_k
+
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    lanes = AFFINE_LANES[LEVELS[march][0]]
+    rng = np.random.default_rng(6)
+    n, k = 45, 512  # n not a whole number of blocks of rows
+    blocks = np.ascontiguousarray(quantize_q6_k(rng.normal(size=(n, k)).astype(np.float32)))
+    values = quants.dequantize(blocks.reshape(-1), quants.Q6_K, (n, k))
+    weight = abi.Weight(format=abi.Q6K, data=blocks.ctypes.data)
+    a = rng.normal(size=(41, k)).astype(np.float32)
+
+    def times(rows: np.ndarray) -> np.ndarray:
+        c = np.full((rows.shape[0], n), np.nan, np.float32)
+        rows = np.ascontiguousarray(rows)
+        code = functions.weight_product(
+            rows.shape[0], n, k, rows.ctypes.data_as(abi.F32), ctypes.byref(weight),
+            c.ctypes.data_as(abi.F32),
+        )  # fmt: skip
+        assert code == 0
+        return c
+
+    c = times(a)
+    np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order
+    for m in (1, 2, 3, 7):
+        np.testing.assert_array_equal(times(a[:m]), c[:m])
+    want = a.astype(np.float64) @ values.astype(np.float64).T
+    assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+    short = abi.Weight(format=abi.Q6K, data=blocks.ctypes.data)  # k not whole blocks: refused
+    assert not functions.weight_supported(ctypes.byref(short), n, 300)
 
 
 # (checkpoint dtype, quantization): float32, bfloat16 (half copies where the level has them),

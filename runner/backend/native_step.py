@@ -163,6 +163,9 @@ def _view(array: Any, what: str) -> np.ndarray:
 # runner/models/quantized.py's parameter for nvfp4's global scale (a layer with one stays on
 # MLX's path; backend sits below models, so the name is repeated here)
 GLOBAL_SCALE = "global_scale"
+# runner/models/quantized.py's layers of GGML Q6_K blocks: their `ggml_type`, parameter, and
+# bytes a block of 256 weights (repeated here for the same reason)
+Q6K, Q6K_BLOCKS, Q6K_BYTES = "Q6_K", "blocks", 210
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
@@ -184,10 +187,14 @@ class _Matrix:
     bits: int = 0
     group: int = 0
     scale_format: int = 0
+    q6k: bool = False  # `codes` are GGML Q6_K blocks (no scales, biases)
 
     def weight(self, half: np.ndarray | None = None, half_format: int = 0) -> abi.Weight:
         """The struct step_weight: the codes, or the float32 weights, or (`half`) their exact
         half copy with the float32 weights beside it for the BLAS."""
+        if self.q6k:
+            assert self.codes is not None
+            return abi.Weight(format=abi.Q6K, data=self.codes.ctypes.data)
         if self.codes is not None:
             assert self.scales is not None and self.biases is not None
             return abi.Weight(
@@ -238,14 +245,26 @@ def _affine(layer: nn.Module, what: str) -> _Matrix:
     )  # fmt: skip
 
 
+def _q6k(layer: nn.Module, what: str) -> _Matrix:
+    """A layer holding GGML Q6_K blocks [n, k / 256 * 210] (runner/models/quantized.py)."""
+    blocks = layer[Q6K_BLOCKS]
+    if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % Q6K_BYTES:
+        raise _Unsupported(f"{what}: Q6_K blocks {blocks.dtype} {blocks.shape}")
+    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // Q6K_BYTES * 256
+    return _Matrix(n, k, codes=_raw(blocks, what), q6k=True)
+
+
 def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
     layer = getattr(parent, name, None)
-    # float32, or MLX's affine quantization; gemv, global scales or another subclass: MLX's
+    # float32, MLX's affine quantization or Q6_K blocks; gemv, global scales or another
+    # subclass: MLX's
     if type(layer) is nn.Linear:
         weight = _view(layer.weight, f"{name}.weight")
         matrix = _Matrix(int(weight.shape[0]), int(weight.shape[1]), f32=weight)
     elif type(layer) is nn.QuantizedLinear:
         matrix = _affine(layer, name)
+    elif isinstance(layer, nn.Module) and getattr(layer, "ggml_type", None) == Q6K:
+        matrix = _q6k(layer, name)
     else:
         raise _Unsupported(f"{name}: {type(layer).__name__}")
     bias = _view(layer.bias, f"{name}.bias") if "bias" in layer else None
@@ -291,9 +310,13 @@ class NativeStep:
             self._embed_module = embed
             with contextlib.suppress(_Unsupported):  # the head may still be MLX's
                 embed_matrix = _affine(embed, "embed_tokens")
+        elif getattr(embed, "ggml_type", None) == Q6K:
+            self._embed_module = embed
+            embed_matrix = _q6k(embed, "embed_tokens")
         else:
             raise _Unsupported(f"the embedding is a {type(embed).__name__}")
-        self.vocab = int(embed["weight"].shape[0])
+        table = Q6K_BLOCKS if embed_matrix is not None and embed_matrix.q6k else "weight"
+        self.vocab = int(embed[table].shape[0])
         self._final_norm, eps = _norm(inner, "norm")
         layers = list(inner.layers)
         self._keep: list[Any] = [self._final_norm]  # the views' lifetimes

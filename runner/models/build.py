@@ -53,10 +53,20 @@ def build_model(
         # mlx-lm rejecting a config that the family's checks (runner/models/config.py) let by
         raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
     weights = dict(source.weights)
+    quantization, blocks = quantized.block_layers(source.quantization)
+    # GGML blocks (Q6_K): kept where a native step will read them, float32 elsewhere
+    keep_blocks = (
+        bool(blocks)
+        and backend.native_step_max_tokens is not None
+        and distribute is None
+        and getattr(family, "NATIVE_STEP", False)
+    )
+    if blocks:
+        quantized.adopt_blocks(module, weights, blocks, keep_blocks)
     if hasattr(module, "sanitize"):
         weights = module.sanitize(weights)
-    if source.quantization is not None:
-        _quantize(module, weights, source.quantization)
+    if quantization is not None:
+        _quantize(module, weights, quantization)
         quantized.adopt(module, weights, backend.compute_dtype)  # global scales, row dtypes
     module.eval()  # before loading, as mlx-lm does (some layers pick kernels by `training`)
     _check_weights(module, weights, architecture)
@@ -69,6 +79,10 @@ def build_model(
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
     model = family(module, source.config, architecture, backend)
+    if keep_blocks and getattr(model, "native", None) is None:
+        # the native step declined this module: MLX's path would dequantize every forward
+        quantized.release_blocks(module)
+        model = family(module, source.config, architecture, backend)
     if isinstance(model, SourceReader):  # a family that reads more files (its images')
         model.bind_source(source)
     if isinstance(model, GenerationConfigReader):  # e.g. Gemma 4's suppress_tokens

@@ -24,12 +24,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from runner.backend import Backend, gemv, native_step
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
-from runner.models.quantized import GLOBAL_SCALE
+from runner.models.quantized import BLOCKS, GLOBAL_SCALE, Q6KEmbedding, Q6KLinear, dequantize_q6_k
 
 
 def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
     """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows (and
     multiplying them by their global scale, runner/models/quantized.py)."""
+    if isinstance(layer, (Q6KLinear, Q6KEmbedding)):
+        return dequantize_q6_k(layer[BLOCKS][ids])
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         scales, biases = layer["scales"][ids], layer.get("biases")
         if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32
@@ -189,7 +191,8 @@ class DecoderModel:
         self._tied = "lm_head" not in module
         self._head = module.model.embed_tokens if self._tied else module.lm_head
         self.context_length = int(config.get("max_position_embeddings") or self.DEFAULT_CONTEXT)
-        self.vocab_size = int(self._head["weight"].shape[0])
+        table = self._head[BLOCKS if BLOCKS in self._head else "weight"]
+        self.vocab_size = int(table.shape[0])
         self._native = (
             native_step.build(
                 module,
@@ -203,6 +206,11 @@ class DecoderModel:
 
     def make_caches(self) -> list[Any]:
         return make_prompt_cache(self.module)
+
+    @property
+    def native(self) -> native_step.NativeStep | None:
+        """The native step that runs this model's short forwards on the CPU, if any."""
+        return self._native
 
     @contextlib.contextmanager
     def mlx_only(self) -> Iterator[None]:
@@ -237,7 +245,7 @@ class DecoderModel:
         head = self._head
         if not self._tied:
             logits = head(hidden)  # a GemvLinear where the backend asks for gemv
-        elif self.backend.gemv and gemv.one_row(hidden, head.weight):  # a decode step
+        elif self.backend.gemv and "weight" in head and gemv.one_row(hidden, head.weight):
             logits = gemv.matvec(hidden, head.weight)
         else:
             logits = head.as_linear(hidden)

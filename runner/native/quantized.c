@@ -510,6 +510,79 @@ static float *thread_buffer(int slot, size_t floats) {
     return buffer[slot];
 }
 
+/* Fills w[r * k ...] with rows j .. j + nj - 1 of W dequantized (in the tiles' order). */
+typedef void (*fill_fn)(const struct product *p, int j, int nj, float *w, const void *ctx);
+
+/* Columns [j0, j1) of C by block tiles: BLOCK_RW rows of W at a time dequantized by `fill`
+ * into a buffer of the thread's, then dot products against every row of A in chunks of rows
+ * that fit L2 (each block of W dequantized once a chunk). `row_bytes`: a row of W as stored,
+ * for the prefetches. */
+static void block_columns(const struct product *p, int j0, int j1, size_t row_bytes,
+                          fill_fn fill, const void *ctx) {
+    const int k = p->k;
+    const unsigned char *base = p->w;
+    float dot[BLOCK_RA * BLOCK_RW];
+    float *w = thread_buffer(0, (size_t)BLOCK_RW * k);
+    const float *wr[BLOCK_RW];
+    for (int r = 0; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
+    /* rows of A a chunk, as even as they divide */
+    const int most = CHUNK_BYTES / (k * 4) > BLOCK_RA ? CHUNK_BYTES / (k * 4) : BLOCK_RA;
+    const int chunks = ceil_div(p->m, most);
+    for (int ch = 0; ch < chunks; ch++) {
+        const int i0 = (int)((long)p->m * ch / chunks), i1 = (int)((long)p->m * (ch + 1) / chunks);
+        const int groups_a = ceil_div(i1 - i0, BLOCK_RA);
+        for (int j = j0; j < j1; j += BLOCK_RW) {
+            const int nj = j1 - j < BLOCK_RW ? j1 - j : BLOCK_RW;
+            /* the rows PREFETCH_BLOCKS blocks ahead (the first chunk's pass reads them from
+             * memory; later chunks find them in L3 if at all) */
+            const int ahead = j + PREFETCH_BLOCKS * BLOCK_RW;
+            if (ahead + BLOCK_RW <= j1) {
+                const char *next = (const char *)(base + (size_t)ahead * row_bytes);
+                for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+            }
+            fill(p, j, nj, w, ctx);
+            for (int r = nj; r < BLOCK_RW; r++) wr[r] = wr[0];
+            for (int g = 0, i = i0; g < groups_a; g++) {
+                const int ni = (i1 - i0) / groups_a + (g < (i1 - i0) % groups_a);
+                const float *a[BLOCK_RA];
+                for (int ii = 0; ii < BLOCK_RA; ii++)
+                    a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
+                block_tiles[ni](a, wr, k, dot);
+                for (int ii = 0; ii < ni; ii++)
+                    for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * BLOCK_RW + r]);
+                i += ni;
+            }
+            for (int r = nj; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
+        }
+    }
+}
+
+/* What the affine block tiles' `fill` reads: the codes (the last row from its padded copy),
+ * and room for a block's rows' scales and biases widened to float32. */
+struct affine_fill {
+    int bits;
+    const unsigned char *base, *last;
+    size_t row_bytes;
+    int groups;
+    float *widened;
+};
+
+static void affine_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
+    const struct affine_fill *f = ctx;
+    const int k = p->k, groups = f->groups;
+    void (*const dequantize)(const struct product *, const unsigned char *, const float *,
+                             const float *, float *) =
+        f->bits == 4 ? dequantize_4 : f->bits == 5 ? dequantize_5 : dequantize_8;
+    const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
+    const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, f->widened);
+    const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
+                                   f->widened + (size_t)STREAM_RW * groups);
+    for (int r = 0; r < nj; r++) {
+        const unsigned char *row = j + r == p->n - 1 ? f->last : f->base + (size_t)(j + r) * f->row_bytes;
+        dequantize(p, row, s0 + (size_t)r * groups, b0 + (size_t)r * groups, w + (size_t)r * k);
+    }
+}
+
 /* --- products ------------------------------------------------------------------------------ */
 
 int affine_block(const struct product *p) { return p->m <= STREAM_ROWS ? STREAM_RW : BLOCK_RW; }
@@ -602,48 +675,8 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
             }
         }
     } else {
-        float *w = thread_buffer(0, (size_t)BLOCK_RW * k);
-        const float *wr[BLOCK_RW];
-        for (int r = 0; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
-        /* rows of A a chunk, as even as they divide */
-        const int most = CHUNK_BYTES / (k * 4) > BLOCK_RA ? CHUNK_BYTES / (k * 4) : BLOCK_RA;
-        const int chunks = ceil_div(p->m, most);
-        void (*const dequantize)(const struct product *, const unsigned char *, const float *,
-                                 const float *, float *) =
-            bits == 4 ? dequantize_4 : bits == 5 ? dequantize_5 : dequantize_8;
-        for (int ch = 0; ch < chunks; ch++) {
-            const int i0 = (int)((long)p->m * ch / chunks), i1 = (int)((long)p->m * (ch + 1) / chunks);
-            const int groups_a = ceil_div(i1 - i0, BLOCK_RA);
-            for (int j = j0; j < j1; j += BLOCK_RW) {
-                const int nj = j1 - j < BLOCK_RW ? j1 - j : BLOCK_RW;
-                /* the rows PREFETCH_BLOCKS blocks ahead (the first chunk's pass reads them
-                 * from memory; later chunks find them in L3 if at all) */
-                const int ahead = j + PREFETCH_BLOCKS * BLOCK_RW;
-                if (ahead + BLOCK_RW <= j1) {
-                    const char *next = (const char *)(base + (size_t)ahead * row_bytes);
-                    for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
-                }
-                const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
-                const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, widened);
-                const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
-                                               widened + (size_t)STREAM_RW * groups);
-                for (int r = 0; r < nj; r++)
-                    dequantize(p, ROW(j + r), s0 + (size_t)r * groups, b0 + (size_t)r * groups,
-                               w + (size_t)r * k);
-                for (int r = nj; r < BLOCK_RW; r++) wr[r] = wr[0];
-                for (int g = 0, i = i0; g < groups_a; g++) {
-                    const int ni = (i1 - i0) / groups_a + (g < (i1 - i0) % groups_a);
-                    const float *a[BLOCK_RA];
-                    for (int ii = 0; ii < BLOCK_RA; ii++)
-                        a[ii] = p->a + (size_t)(i + (ii < ni ? ii : 0)) * p->lda;
-                    block_tiles[ni](a, wr, k, dot);
-                    for (int ii = 0; ii < ni; ii++)
-                        for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * BLOCK_RW + r]);
-                    i += ni;
-                }
-                for (int r = nj; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
-            }
-        }
+        struct affine_fill fill = {bits, base, last, row_bytes, groups, widened};
+        block_columns(p, j0, j1, row_bytes, affine_rows_fill, &fill);
     }
 #undef ROW
     free(padded);
@@ -655,4 +688,75 @@ static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p
 
 void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
+}
+
+/* --- GGML's Q6_K blocks (W_Q6K) ----------------------------------------------------------- */
+
+/* A block: 256 weights in 210 bytes: ql[128] (the codes' low 4 bits), qh[64] (their high 2
+ * bits), scales[16] (int8, one per 16 weights), d (float16). Weight i of a block, as
+ * llama.cpp's dequantize_row_q6_K computes it: in half h = i / 128, with l = i % 32 and
+ * quarter s = (i % 128) / 32, the code is (ql[64h + 32(s & 1) + l] >> 4(s >> 1)) & 15 with
+ * ((qh[32h + l] >> 2s) & 3) << 4, and the value (d * scales[i / 16]) * (code - 32): d times
+ * the scale exact in float32, the product with the code rounded once. Products dequantize a
+ * block of W's rows at a time into a buffer of the thread's and take the block tiles, for any
+ * number of rows (so the same bits for any number), never a float32 copy of W. */
+enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210 };
+
+typedef unsigned char u8x16 __attribute__((vector_size(16)));
+typedef int i32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+/* Row `row` of Q6_K blocks (k weights) dequantized into out[k], in order of k. */
+static void q6k_dequantize_row(int k, const unsigned char *row, float *out) {
+    const u8x16 low4 = (u8x16){0} + 15, low2 = (u8x16){0} + 3;
+    for (int b = 0; b < k / Q6K_WEIGHTS; b++) {
+        const unsigned char *x = row + (size_t)b * Q6K_BYTES;
+        const signed char *scales = (const signed char *)(x + 192);
+        unsigned short half;
+        memcpy(&half, x + 208, 2);
+        const float d = half_to_float(half);
+        float *y = out + (size_t)b * Q6K_WEIGHTS;
+        for (int h = 0; h < 2; h++) {
+            const unsigned char *ql = x + 64 * h, *qh = x + 128 + 32 * h;
+            for (int l0 = 0; l0 < 32; l0 += 16) {
+                u8x16 lo, hi, top;
+                memcpy(&lo, ql + l0, 16);
+                memcpy(&hi, ql + 32 + l0, 16);
+                memcpy(&top, qh + l0, 16);
+                const u8x16 codes[4] = {
+                    (lo & low4) | ((top & low2) << 4),
+                    (hi & low4) | (((top >> 2) & low2) << 4),
+                    (lo >> 4) | (((top >> 4) & low2) << 4),
+                    (hi >> 4) | ((top >> 6) << 4),
+                };
+                _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
+                    const float scale = d * (float)scales[8 * h + 2 * s + l0 / 16];
+                    const i32x16 q = __builtin_convertvector(codes[s], i32x16) - 32;
+                    const f32x16 v = __builtin_convertvector(q, f32x16) * scale;
+                    memcpy(y + 128 * h + 32 * s + l0, &v, sizeof v);
+                }
+            }
+        }
+    }
+}
+
+static void q6k_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
+    (void)ctx;
+    const size_t row_bytes = (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES;
+    for (int r = 0; r < nj; r++)
+        q6k_dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
+                           w + (size_t)r * p->k);
+}
+
+int q6k_supported(const struct step_weight *w, int n, int k) {
+    return w->format == W_Q6K && w->data && n > 0 && k > 0 && k % Q6K_WEIGHTS == 0;
+}
+
+int q6k_block(const struct product *p) {
+    (void)p;
+    return BLOCK_RW;
+}
+
+void q6k_columns(const struct product *p, int j0, int j1) {
+    block_columns(p, j0, j1, (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES, q6k_rows_fill, NULL);
 }

@@ -25,6 +25,9 @@ from runner.sources.gguf import tokenizer as gguf_tokenizer
 from runner.sources.gguf.reader import GGUFFile, read_gguf
 from runner.sources.source import ModelLoadError, ModelSource
 
+# runner/models/quantized.py's names for a layer kept in GGML blocks (sources sit below models)
+GGML_TYPE, BLOCKS = "ggml_type", "blocks"
+
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +93,7 @@ def _tensors(
 
     weights: dict[str, Any] = {}
     layers: dict[str, dict[str, Any]] = {}
+    blocks_of: dict[str, dict[str, str]] = {}  # layers kept in GGML blocks: their type
     treated: dict[str, Counter[str]] = {
         "repacked": Counter(),
         "kept": Counter(),
@@ -99,6 +103,17 @@ def _tensors(
         if planned is None:
             continue
         info = file.tensors[gguf_name]
+        parts = planned if isinstance(planned, tuple) else (planned,)
+        if info.ggml_type == quants.Q6_K and _whole_weights(parts, info.shape):
+            # kept as stored: the runner's Q6_K layers (runner/models/quantized.py) read them
+            blocks = _raw_rows(file.raw(gguf_name), info.shape)
+            treated["kept"][info.type_name] += 1
+            for target in parts:
+                base = target.name.removesuffix(".weight")
+                rows = blocks if target.rows is None else blocks[target.rows]
+                weights[f"{base}.{BLOCKS}"] = mx.array(np.ascontiguousarray(rows))
+                blocks_of[base] = {GGML_TYPE: info.type_name}
+            continue
         converted = quants.convert(file.raw(gguf_name), info.ggml_type, info.shape)
         if isinstance(converted, quants.Repacked) and not all(
             t.name.endswith(".weight")
@@ -106,7 +121,6 @@ def _tensors(
         ):  # only a layer's weight takes MLX's quantization (its .scales, .biases beside it)
             converted = quants.dequantize(file.raw(gguf_name), info.ggml_type, info.shape)
         # one GGUF tensor may be several checkpoint tensors (a fused Q/K/V: row ranges)
-        parts = planned if isinstance(planned, tuple) else (planned,)
         plain = quants.kind(info.ggml_type) == "plain" and not any(t.minus_one for t in parts)
         how = "repacked" if isinstance(converted, quants.Repacked) else None
         treated[how or ("kept" if plain else "dequantized")][info.type_name] += 1
@@ -143,7 +157,17 @@ def _tensors(
     if layers:
         first = next(iter(layers.values()))
         quantization = {**first, **layers}
-    return weights, quantization, treated
+    return weights, {**quantization, **blocks_of}, treated
+
+
+def _whole_weights(parts: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a tensor's targets are all matrices' weights as stored (not a norm's 1 + w)."""
+    return len(shape) == 2 and all(t.name.endswith(".weight") and not t.minus_one for t in parts)
+
+
+def _raw_rows(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A block-quantized matrix's bytes as [rows, bytes a row] (blocks run along rows)."""
+    return np.asarray(raw).reshape(shape[0], -1)
 
 
 def _rows(repacked: quants.Repacked, rows: np.ndarray | None) -> quants.Repacked:
