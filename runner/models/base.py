@@ -60,8 +60,9 @@ model serves:
 - `GenerationConfigReader`: `use_generation_config(generation_config)` with
   generation_config.json's contents or None (Gemma 4's `suppress_tokens`);
 - `MLXPathSwitch`: `mlx_only()`, a context manager inside which every forward takes MLX's
-  path, for a model whose forwards usually take another (the native decoder step): the
-  load-time checks run both paths.
+  path, for a model whose forwards usually take another (the native decoder step, `native`:
+  None where this model has none, so MLX's path is the only one): the load-time checks run
+  both paths.
 
 Every method except `plan_image` and `prepare_image` runs on the MLX thread and builds lazy
 graphs; callers evaluate.
@@ -135,4 +136,7 @@ class GenerationConfigReader(Protocol):
 
 @runtime_checkable
 class MLXPathSwitch(Protocol):
+    @property
+    def native(self) -> Any: ...
+
     def mlx_only(self) -> contextlib.AbstractContextManager[None]: ...

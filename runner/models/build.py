@@ -79,7 +79,7 @@ def build_model(
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
     model = family(module, source.config, architecture, backend)
-    if keep_blocks and getattr(model, "native", None) is None:
+    if keep_blocks and not (isinstance(model, MLXPathSwitch) and model.native is not None):
         # the native step declined this module: MLX's path would dequantize every forward
         quantized.release_blocks(module)
         model = family(module, source.config, architecture, backend)
@@ -181,7 +181,7 @@ def verify_batched_rows(model: Any) -> None:
     every path its forwards may take, MLX's included where a native step usually runs them
     (runner/backend/native_step.py declines some forwards)."""
     _verify_batched_rows(model, 6, (3, 2))
-    if isinstance(model, MLXPathSwitch):
+    if isinstance(model, MLXPathSwitch) and model.native is not None:
         # MLX's path behind a native step: fewer tokens (13 rows of forwards, not 29), as on a
         # quantized CPU model each costs a forward of MLX's ~1 GFLOP/s quantized_matmul (a 1B
         # Q4_K_M model: ~18 s for the full check); still a prefix, and suffixes of two lengths
