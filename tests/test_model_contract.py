@@ -101,6 +101,39 @@ def test_a_broken_batched_attention_install_fails_the_load(tmp_path, monkeypatch
         load_tiny_model("LlamaForCausalLM", tmp_path / "llama")
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_a_quantized_model_checks_mlx_path_on_a_stand_in(tmp_path, monkeypatch, arch):
+    """Behind a native step, a quantized model's MLX path is checked on a small float32
+    stand-in of its family and config (MLX's CPU quantized_matmul made the check cost seconds
+    a billion weights), never on the model's own weights; a broken install still fails the
+    load, through the stand-in."""
+    from runner.models.decoder import DecoderModel
+    from tests.test_native_step import load_quantized_model
+
+    backend = Backend.cpu()
+    if backend.native_step_max_tokens is None:
+        pytest.skip("no native step without the runner's dispatch library")
+
+    def never(self):
+        raise AssertionError("MLX's path ran on the quantized model itself")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DecoderModel, "mlx_only", never)
+        model = load_quantized_model(arch, tmp_path / "q", 4, 64, backend=backend)
+        assert model.native is not None
+
+    class Stock:
+        def __init__(self, backend):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            return base.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(install, "Attention", Stock)
+    with pytest.raises(ModelLoadError, match="rows batched over a shared prefix differ"):
+        load_quantized_model(arch, tmp_path / "broken", 4, 64, backend=backend)
+
+
 def test_a_family_whose_mlx_lm_class_no_longer_calls_attention_fails_the_load(tmp_path):
     class Moved(nn.Module):
         def __call__(self, x):

@@ -12,6 +12,7 @@ runner/models/base.py), and `verify_batched_rows` runs on the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +88,13 @@ def build_model(
         model.bind_source(source)
     if isinstance(model, GenerationConfigReader):  # e.g. Gemma 4's suppress_tokens
         model.use_generation_config(source.generation_config)
-    verify_batched_rows(model)
+    quantized_module = backend.native_step_max_tokens is not None and _quantized(module)
+    verify_batched_rows(
+        model,
+        (lambda: _stand_in(family, source.config, architecture, backend))
+        if quantized_module
+        else None,
+    )
     return model
 
 
@@ -175,18 +182,56 @@ def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
 _TOLERANCE = {mx.float32: 1e-3, mx.float16: 5e-2, mx.bfloat16: 5e-2}
 
 
-def verify_batched_rows(model: Any) -> None:
+def verify_batched_rows(model: Any, stand_in: Callable[[], Any] | None = None) -> None:
     """Raise ModelLoadError unless rows batched over a shared prefix give the hidden states
     the same rows give alone, on `model` itself (a few tokens; run on the MLX thread): on
     every path its forwards may take, MLX's included where a native step usually runs them
-    (runner/backend/native_step.py declines some forwards)."""
+    (runner/backend/native_step.py declines some forwards). `stand_in()`, where given, is a
+    small float32 model of the same family, config and kernels that MLX's path is checked on
+    instead of `model` behind its native step (see `_stand_in`)."""
     _verify_batched_rows(model, 6, (3, 2))
     if isinstance(model, MLXPathSwitch) and model.native is not None:
-        # MLX's path behind a native step: fewer tokens (13 rows of forwards, not 29), as on a
-        # quantized CPU model each costs a forward of MLX's ~1 GFLOP/s quantized_matmul (a 1B
-        # Q4_K_M model: ~18 s for the full check); still a prefix, and suffixes of two lengths
+        if stand_in is not None:
+            _verify_batched_rows(stand_in(), 6, (3, 2))
+            return
+        # fewer tokens (13 rows of forwards, not 29): still a prefix, suffixes of two lengths
         with model.mlx_only():
             _verify_batched_rows(model, 2, (2, 1))
+
+
+def _quantized(module: nn.Module) -> bool:
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, quantized.Q6KLinear, quantized.Q6KEmbedding)
+    return any(isinstance(m, kinds) for _, m in module.named_modules())
+
+
+# What a stand-in keeps smaller than its model: layers, MLP width, vocabulary
+_STAND_IN = {"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 512}
+
+
+def _stand_in(family: Any, config: dict[str, Any], architecture: str, backend: Backend) -> Any:
+    """A model of `family` from `config` with 2 layers, a 64-wide MLP and a 512-token
+    vocabulary (the attention's shapes as configured), float32 random weights as mlx-lm
+    initializes them, its kernels installed for `backend` without a native step: MLX's path
+    through the same classes and kernels as the model's. For a quantized model behind a native
+    step, whose forwards on MLX's path run MLX's CPU quantized_matmul (~2 s a forward of a
+    1B Q4_K_M model: the check took 13 s of its load; an 8B's would take a minute or more)."""
+    small = {**config, **{k: min(v, int(config.get(k) or v)) for k, v in _STAND_IN.items()}}
+    # one layer of each kind the model has (full, sliding), in the order they first come
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        distinct = list(dict.fromkeys(kinds))
+        layers = max(small["num_hidden_layers"], len(distinct))
+        small["num_hidden_layers"] = layers
+        small["layer_types"] = distinct + [distinct[0]] * (layers - len(distinct))
+    window_from = config.get("max_window_layers")  # Qwen2: layers from this index slide
+    if isinstance(window_from, int) and window_from < int(config.get("num_hidden_layers") or 0):
+        small["max_window_layers"] = min(window_from, small["num_hidden_layers"] - 1)
+    module = family.build_module(small)
+    module.eval()
+    mx.eval(module.parameters())
+    mlx_path = dataclasses.replace(backend, native_step_max_tokens=None)
+    install(module, family.KERNELS, mlx_path)
+    return family(module, small, architecture, mlx_path)
 
 
 def _verify_batched_rows(model: Any, prefix_len: int, suffix_lens: tuple[int, ...]) -> None:
