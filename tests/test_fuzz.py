@@ -32,7 +32,7 @@ from bench.fuzz.report import CHECKS, Report
 from runner.protocol import wire
 from runner.score import validate as runner_score
 from runner.server import app as runner_app
-from tests.test_score_validation import single_token_candidates
+from tests.candidates import single_token_candidates
 
 # --- the document ---------------------------------------------------------------------------
 

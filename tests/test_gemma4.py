@@ -15,8 +15,8 @@ from runner.models import build_model, gemma4
 from runner.models.gemma4 import Gemma4
 from runner.sources.loader import load_local_dir, load_model_source
 from runner.sources.source import ModelLoadError
+from tests.golden_logits import assert_matches, stored_golden
 from tests.ollama_store import write_ollama_model
-from tests.test_golden import assert_matches, stored_golden
 from tests.tiny import tiny_config, write_tiny_model
 
 CAUSAL, NESTED = "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.test_generate_golden import generate, tiny_generator
+from tests.generators import generate, tiny_generator
 from tests.tiny import IMAGE_TEXT_ARCHITECTURES, TINY_ARCHITECTURES, prefix_cache
 
 GREEDY = {"temperature": 0.0}

@@ -11,41 +11,17 @@ Also here: the generation prefix cache records exactly the tokens decode fed thr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from runner.cache import trie
 from runner.engine import Job
-from runner.generate.pipeline import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator, Stats
-from runner.generate.sampling import SamplerOptions
-from runner.models import build_model
+from runner.generate.pipeline import DONE_LENGTH, DONE_STOP, GenerateOptions, Generator
 from runner.protocol.errors import Cancelled
-from runner.sources.loader import load_local_dir
-from runner.text.tokenizer import Tokenizer
+from tests.generators import generate, tiny_generator
 from tests.golden.make_generate_goldens import reference_cases
-from tests.tiny import GOLDEN, TINY_ARCHITECTURES, prefix_cache, write_tiny_model
-
-
-def tiny_generator(path: Path, arch: str) -> Generator:
-    source = load_local_dir(write_tiny_model(arch, path))
-    tokenizer = Tokenizer(
-        source.tokenizer_json,
-        config=source.config,
-        tokenizer_config=source.tokenizer_config,
-        generation_config=source.generation_config,
-    )
-    model = build_model(source)
-    return Generator(model, tokenizer, prefix_cache(model, name="generate"))
-
-
-def generate(generator: Generator, prompt: list[int], n: int, options: dict) -> tuple[list, Stats]:
-    stats = Stats()
-    job = Job(lambda _: None, None)
-    sampler = SamplerOptions(**options)  # temperature 0: greedy
-    steps = generator.steps(prompt, GenerateOptions(num_predict=n, sampler=sampler), job, stats)
-    return [step.token for step in steps], stats
+from tests.tiny import GOLDEN, TINY_ARCHITECTURES, write_tiny_model
 
 
 def assert_matches(generator: Generator, golden: dict[str, Any]) -> None:

@@ -53,7 +53,7 @@ from tests.gguf_models import (
     write_gguf,
 )
 from tests.golden.make_goldens import golden_sequences, reference_logits
-from tests.test_golden import CHUNK, stored_golden
+from tests.golden_logits import CHUNK, stored_golden
 
 pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("reference_libraries")]
 

@@ -28,8 +28,13 @@ from tests.golden.make_goldens import (
     transformers_config,
     weight_manifest,
 )
+from tests.golden_logits import (
+    CANDIDATES,
+    TOLERANCE,
+    assert_matches,
+    stored_golden,
+)
 from tests.tiny import (
-    GOLDEN,
     HAND_WRITTEN,
     TINY_ARCHITECTURES,
     load_tiny_model,
@@ -37,46 +42,11 @@ from tests.tiny import (
     write_tiny_model,
 )
 
-TOLERANCE = 1e-4
-CHUNK = 7
-CANDIDATES = [0, 2, 5, 17, 100, 255, 383]
-
-
-def logits_three_ways(model: Model, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """Last-position logits: one shot, in chunks of CHUNK through the same caches, and the
-    candidate path (only CANDIDATES, float32)."""
-    ids = mx.array(tokens, dtype=mx.int32)[None]
-    one_shot = model.hidden(ids, model.make_caches())[:, -1]
-    caches = model.make_caches()
-    for start in range(0, ids.shape[1], CHUNK):
-        chunked = model.hidden(ids[:, start : start + CHUNK], caches)[:, -1]
-    candidates = model.unembed_candidates(one_shot, mx.array(CANDIDATES, dtype=mx.int32))
-    out = {
-        "one_shot": model.unembed(one_shot)[0],
-        "chunked": model.unembed(chunked)[0],
-        "candidates": candidates[0],
-    }
-    return {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
-
-
-def assert_matches(model: Model, tokens: np.ndarray, expected: np.ndarray) -> None:
-    got = logits_three_ways(model, tokens)
-    for way in ("one_shot", "chunked"):
-        diff = np.abs(got[way] - expected).max()
-        assert diff <= TOLERANCE, f"{way}: max abs diff {diff:.3g} over {len(tokens)} tokens"
-    diff = np.abs(got["candidates"] - expected[CANDIDATES]).max()
-    assert diff <= TOLERANCE, f"candidates: max abs diff {diff:.3g} over {len(tokens)} tokens"
-
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: load_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
-
-
-def stored_golden(arch: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    z = np.load(GOLDEN / f"{arch}.npz")
-    return [(z[f"tokens_{i}"], z[f"logits_{i}"]) for i in range(len(z.files) // 2)]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)

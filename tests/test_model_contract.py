@@ -108,7 +108,7 @@ def test_a_quantized_model_checks_mlx_path_on_a_stand_in(tmp_path, monkeypatch, 
     a billion weights), never on the model's own weights; a broken install still fails the
     load, through the stand-in."""
     from runner.models.decoder import DecoderModel
-    from tests.test_native_step import load_quantized_model
+    from tests.quantized_models import load_quantized_model
 
     backend = Backend.cpu()
     if backend.native_step_max_tokens is None:

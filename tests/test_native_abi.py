@@ -29,7 +29,7 @@ import pytest
 
 from runner.backend import Backend, native_step
 from runner.native import abi, build
-from tests.test_native_step import (
+from tests.quantized_models import (
     AFFINE_LANES,
     SCALE_DTYPES,
     Affine,

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +23,15 @@ import pytest
 
 from runner.backend import Backend
 from runner.native import abi, preload
-from tests.tiny import load_tiny_model, prefix_cache, tiny_config, write_tiny_model
+from tests.quantized_models import (
+    AFFINE_LANES,
+    QUANTIZED_DIMS,
+    SCALE_DTYPES,
+    Affine,
+    affine_in_order,
+    load_quantized_model,
+)
+from tests.tiny import load_tiny_model, prefix_cache, tiny_config
 
 pytestmark = pytest.mark.skipif(
     not preload.dispatch_active(), reason="needs the runner's dispatch library preloaded"
@@ -86,58 +92,7 @@ QUANTIZED = [
     ("Qwen3ForCausalLM", "float16", 5, 32),
     ("LlamaForCausalLM", "bfloat16", 4, 128),
 ]
-# The tiny configs' dimensions, widened to whole groups of 128 (hidden size, the query rows
-# the output projection reads, the MLP's width).
-QUANTIZED_DIMS = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 MAX_TOKENS = 8
-
-
-def write_quantized_model(
-    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", **kwargs: Any
-) -> Path:
-    """A tiny model (`write_tiny_model` with QUANTIZED_DIMS, and `kwargs`) quantized as
-    `mlx_lm.convert(..., quantize=True, q_bits=bits, q_group_size=group, dtype=dtype)`
-    quantizes it: its weights cast to `dtype` (so scales and biases come out in it), every
-    linear layer and the embedding quantized (affine) by mlx-lm's `quantize_model`, and
-    written as mlx-lm writes a converted model; returns `path`."""
-    from mlx.utils import tree_map
-    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-
-    config = kwargs.pop("config", None) or tiny_config(arch) | QUANTIZED_DIMS
-    source = write_tiny_model(arch, path.with_name(path.name + "-float"), config=config, **kwargs)
-    module, config = load_model(source)
-    target = getattr(mx, dtype)
-    module.update(
-        tree_map(
-            lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
-            module.parameters(),
-        )
-    )
-    module, config = quantize_model(module, config, group, bits)
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, module)
-    save_config(config, path / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, path / name)
-    return path
-
-
-def load_quantized_model(
-    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", *, backend: Any = None
-) -> Any:
-    """`write_quantized_model`, loaded by the runner (`backend`, default the device's)."""
-    from runner.models import build_model
-    from runner.sources.loader import load_local_dir
-
-    return build_model(
-        load_local_dir(write_quantized_model(arch, path, bits, group, dtype)), backend
-    )
 
 
 class Counting:
@@ -637,71 +592,6 @@ def test_half_panels_products_sum_in_order():
 
 
 # --- MLX's affine quantization -----------------------------------------------------------------
-
-SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# The lanes of the affine tiles' vectors on each instruction-set path (runner/native/quantized.c)
-# and whether their sums are fused multiply-adds (no FMA on the SSE and AVX-only paths).
-AFFINE_LANES = {"avx512": (16, True), "avx2": (8, True), "avx": (8, False), "sse": (4, False)}
-
-
-class Affine:
-    """w [n, k] quantized by mx.quantize (affine, `bits`, `group`; scales and biases cast to
-    `scales`): MLX's arrays, the struct step_weight over them, and the values the library
-    multiplies with: mx.dequantize's from float32 scales and biases (what MLX's
-    quantized_matmul multiplies a float32 input with)."""
-
-    def __init__(self, w: np.ndarray, bits: int, group: int, scales: str = "float32"):
-        q, s, b = mx.quantize(mx.array(w), group, bits)
-        s, b = s.astype(SCALE_DTYPES[scales]), b.astype(SCALE_DTYPES[scales])
-        mx.eval(q, s, b)
-        self.values = np.array(
-            mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group, bits)
-        )
-        self.arrays = [
-            np.asarray(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x) for x in (q, s, b)
-        ]
-        self.bits, self.shape = bits, w.shape
-        self.weight = abi.Weight(
-            format=abi.AFFINE, bits=bits, group=group, scale_format=abi.SCALE_FORMATS[scales],
-            data=self.arrays[0].ctypes.data, scales=self.arrays[1].ctypes.data,
-            biases=self.arrays[2].ctypes.data,
-        )  # fmt: skip
-
-    def times(self, functions: abi.Functions, a: np.ndarray) -> np.ndarray:
-        """a W^T through runner_weight_product."""
-        c = np.full((a.shape[0], self.shape[0]), np.nan, np.float32)
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        code = functions.weight_product(
-            a.shape[0], self.shape[0], self.shape[1], a.ctypes.data_as(abi.F32),
-            ctypes.byref(self.weight), c.ctypes.data_as(abi.F32),
-        )  # fmt: skip
-        assert code == 0
-        return c
-
-
-def affine_in_order(a: np.ndarray, w: np.ndarray, bits: int, lanes: int, fused: bool) -> np.ndarray:
-    """The sums the affine tiles define (runner/native/quantized.c): lane l of `lanes` takes,
-    in order of k, the products at the positions the units put in it (4 bits: a unit of 2
-    `lanes` positions, its even ones in the first vector, its odd ones in the second; else
-    position t0 + l), each added by one fused multiply-add (`fused`; else the product
-    rounded first), then the lanes summed by halving. Fused steps are emulated in float64,
-    which holds a product of two float32s exactly (so each step rounds twice: the fused
-    result except in ties past float32's precision, which random values do not meet)."""
-    m, k = a.shape
-    unit = 2 * lanes if bits == 4 else lanes
-    acc = np.zeros((m, w.shape[0], lanes), np.float32)
-    for t0 in range(0, k, unit):
-        for v in range(unit // lanes):
-            at = t0 + (2 * np.arange(lanes) + v if bits == 4 else np.arange(lanes))
-            product = a[:, None, at].astype(np.float64) * w[None, :, at].astype(np.float64)
-            if not fused:
-                product = product.astype(np.float32)
-            acc = (acc.astype(np.float64) + product).astype(np.float32)
-    half = lanes // 2
-    while half:
-        acc[..., :half] = acc[..., :half] + acc[..., half : 2 * half]
-        half //= 2
-    return acc[..., 0]
 
 
 def test_affine_products_equal_float64_and_every_row_count():

@@ -7,8 +7,8 @@ import pytest
 
 from runner.score.validate import Row
 from runner.service import Runner
+from tests.candidates import full_vocab_logits
 from tests.ollama_store import write_ollama_model
-from tests.test_server import full_vocab_logits
 
 PROMPT = "Is the sky blue? Answer:"
 IDS = list(range(0, 300, 7))

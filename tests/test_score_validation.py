@@ -9,58 +9,9 @@ import pytest
 
 from runner.protocol.wire import ScoreRequest, ScoreRow
 from runner.score.validate import prepare_rows
+from tests.candidates import single_token_candidates
 
 GOOD = {"rows": [{"prompt": "Is the sky blue?", "candidates": [" Yes", " No"]}], "max_tokens": 64}
-
-
-def single_token_candidates(tokenizer, prompt: str, count: int) -> list[str]:
-    """Candidates that each append exactly one ordinary token to `prompt`."""
-    base = tokenizer.encode(prompt)
-    found: list[str] = []
-    for word in [
-        " the",
-        " a",
-        " is",
-        " Yes",
-        " No",
-        " sky",
-        " blue",
-        " A",
-        " B",
-        " C",
-        " D",
-        " x",
-        " y",
-        " z",
-        " e",
-        " o",
-        " i",
-        " t",
-        " s",
-        " n",
-        " r",
-        " h",
-        " l",
-        " d",
-        " c",
-        " u",
-        " m",
-        " f",
-        " p",
-        " g",
-        " w",
-        " b",
-        " k",
-        " v",
-    ]:
-        joined = tokenizer.encode(prompt + word)
-        if len(joined) == len(base) + 1 and joined[: len(base)] == base and word not in found:
-            ids = [tokenizer.encode(prompt + f)[-1] for f in found]
-            if joined[-1] not in ids:
-                found.append(word)
-        if len(found) == count:
-            return found
-    raise AssertionError(f"tiny tokenizer has fewer than {count} single-token candidates")
 
 
 async def expect_400(client, body, message: str) -> None:

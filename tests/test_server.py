@@ -13,7 +13,7 @@ from runner.protocol.errors import Cancelled
 from runner.protocol.wire import ScoreRequest, ScoreRow
 from runner.score.scorer import Scorer
 from runner.score.validate import Row, prepare_rows
-from tests.test_score_validation import single_token_candidates
+from tests.candidates import full_vocab_logits, single_token_candidates
 from tests.tiny import prefix_cache
 
 PREFIX = "Answer with Yes or No. Is the sky blue? Is grass green? Is the sea wet? Q:"
@@ -102,18 +102,6 @@ async def test_tokenize_uses_tokenizer_and_null_for_empty(client, llama_runner):
 
 
 # --- scoring numbers ----------------------------------------------------------------------
-
-
-def full_vocab_logits(engine, runner, tokens, ids):
-    """The reference path: one-shot forward, full-vocabulary unembed, then pick the ids."""
-
-    def work(job):
-        caches = runner.model.make_caches()
-        hidden = runner.model.hidden(mx.array(tokens)[None], caches)
-        logits = runner.model.unembed(hidden[0, -1:, :]).astype(mx.float32)
-        return logits[0, mx.array(ids)].tolist()
-
-    return engine.call(work)
 
 
 async def test_candidate_logits_equal_full_vocabulary_logits(client, engine, llama_runner):
