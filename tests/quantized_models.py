@@ -101,14 +101,22 @@ class Affine:
 
     def times(self, functions: abi.Functions, a: np.ndarray) -> np.ndarray:
         """a W^T through runner_weight_product."""
-        c = np.full((a.shape[0], self.shape[0]), np.nan, np.float32)
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        code = functions.weight_product(
-            a.shape[0], self.shape[0], self.shape[1], a.ctypes.data_as(abi.F32),
-            ctypes.byref(self.weight), c.ctypes.data_as(abi.F32),
-        )  # fmt: skip
-        assert code == 0
-        return c
+        return weight_times(functions, self.weight, self.shape, a)
+
+
+def weight_times(
+    functions: abi.Functions, weight: abi.Weight, shape: tuple[int, ...], a: np.ndarray
+) -> np.ndarray:
+    """a W^T through runner_weight_product, W [n, k] = `shape` as the struct step_weight
+    `weight` holds it."""
+    c = np.full((a.shape[0], shape[0]), np.nan, np.float32)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    code = functions.weight_product(
+        a.shape[0], shape[0], shape[1], a.ctypes.data_as(abi.F32), ctypes.byref(weight),
+        c.ctypes.data_as(abi.F32),
+    )  # fmt: skip
+    assert code == 0
+    return c
 
 
 def affine_in_order(a: np.ndarray, w: np.ndarray, bits: int, lanes: int, fused: bool) -> np.ndarray:

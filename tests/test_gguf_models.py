@@ -10,6 +10,7 @@ to llama.cpp's real converter."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -125,8 +126,7 @@ def test_q6_k_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     with model.mlx_only():
         assert np.abs(logits(model) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
-    plain = Backend.cpu()
-    plain = type(plain)(**{**plain.__dict__, "native_step_max_tokens": None})
+    plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
     floats = build_model(load_gguf(path), plain)
     modules = [m for _, m in floats.module.named_modules()]
     assert not any(isinstance(m, Q6KLinear | Q6KEmbedding) for m in modules)

@@ -85,18 +85,21 @@ def test_a_plain_mlx_lm_model_in_the_same_process_computes_stock_results(tmp_pat
 # --- the batched path is checked at load ----------------------------------------------------
 
 
+class StockAttention:
+    """mlx-lm's own attention in the runner's place: rows batched over a shared prefix then
+    attend to their suffixes alone."""
+
+    def __init__(self, backend):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return base.scaled_dot_product_attention(*args, **kwargs)
+
+
 def test_a_broken_batched_attention_install_fails_the_load(tmp_path, monkeypatch):
     """With mlx-lm's own attention on the layers, rows batched over a shared prefix attend to
     their suffixes alone: the load must refuse rather than score wrongly."""
-
-    class Stock:
-        def __init__(self, backend):
-            pass
-
-        def __call__(self, *args, **kwargs):
-            return base.scaled_dot_product_attention(*args, **kwargs)
-
-    monkeypatch.setattr(install, "Attention", Stock)
+    monkeypatch.setattr(install, "Attention", StockAttention)
     with pytest.raises(ModelLoadError, match="rows batched over a shared prefix differ"):
         load_tiny_model("LlamaForCausalLM", tmp_path / "llama")
 
@@ -122,14 +125,7 @@ def test_a_quantized_model_checks_mlx_path_on_a_stand_in(tmp_path, monkeypatch, 
         model = load_quantized_model(arch, tmp_path / "q", 4, 64, backend=backend)
         assert model.native is not None
 
-    class Stock:
-        def __init__(self, backend):
-            pass
-
-        def __call__(self, *args, **kwargs):
-            return base.scaled_dot_product_attention(*args, **kwargs)
-
-    monkeypatch.setattr(install, "Attention", Stock)
+    monkeypatch.setattr(install, "Attention", StockAttention)
     with pytest.raises(ModelLoadError, match="rows batched over a shared prefix differ"):
         load_quantized_model(arch, tmp_path / "broken", 4, 64, backend=backend)
 

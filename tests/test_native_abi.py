@@ -35,6 +35,7 @@ from tests.quantized_models import (
     Affine,
     affine_in_order,
     load_quantized_model,
+    weight_times,
 )
 from tests.tiny import load_tiny_model
 
@@ -308,14 +309,7 @@ def test_every_level_computes_q6_k_products(level_library) -> None:
     a = rng.normal(size=(41, k)).astype(np.float32)
 
     def times(rows: np.ndarray) -> np.ndarray:
-        c = np.full((rows.shape[0], n), np.nan, np.float32)
-        rows = np.ascontiguousarray(rows)
-        code = functions.weight_product(
-            rows.shape[0], n, k, rows.ctypes.data_as(abi.F32), ctypes.byref(weight),
-            c.ctypes.data_as(abi.F32),
-        )  # fmt: skip
-        assert code == 0
-        return c
+        return weight_times(functions, weight, (n, k), rows)
 
     c = times(a)
     np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order

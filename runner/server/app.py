@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -177,18 +177,28 @@ async def _off_loop(decode: Callable[[bytes], Any], prepare: Callable[[Any], T],
 _STARTED, _FINISHED = object(), object()
 
 
-async def stream_jsonl(
-    request: web.Request, scope: RequestScope, work: Callable[[Job, Callable[[Any], None]], None]
-) -> web.StreamResponse:
-    """Run `work(job, emit)` on the engine and stream what it emits, one JSON line each; the
-    job is `scope`'s (inside its `cancelled_on_disconnect`).
+async def stream_emitted(
+    request: web.Request,
+    scope: Any,
+    submit: Callable[[Callable[[Job], Any]], Job],
+    work: Callable[[Job, Callable[[Any], None]], None],
+    content_type: str,
+    encode: Callable[[Any], Iterable[bytes] | None],
+    failed: Callable[[BaseException], bytes],
+    end: bytes = b"",
+    headers: dict[str, str] | None = None,
+) -> tuple[web.StreamResponse | None, Job]:
+    """Run `work(job, emit)` on the engine (the job from `submit`, attached to `scope`, a
+    `RequestScope`) and stream what it emits as `encode` writes each item; `encode` returning
+    None ends the stream there and cancels the job. The response (None: never started) and
+    the job, for the caller to end the request.
 
     The 200 header goes out when the job starts running (it is accepted), so a request still
     queued can end without one. Emitted items cross from the MLX thread in order through
     `call_soon_threadsafe`, followed by the job's completion. A failure after the header is
-    one `Error` line, sent only while the client is still there; a disconnect cancels the job
-    (it stops before its next token) and nothing more is written.
-    """
+    one `failed(error)` chunk, sent only while the client is still there; a disconnect
+    cancels the job (it stops before its next token) and nothing more is written; `end`
+    closes a stream that finished."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -199,7 +209,7 @@ async def stream_jsonl(
         emit(_STARTED)
         work(job, emit)
 
-    job = scope.attach(_submit(request, job_fn))
+    job = scope.attach(submit(job_fn))
     assert job.future is not None
     job.future.add_done_callback(lambda _: queue.put_nowait(_FINISHED))
     response: web.StreamResponse | None = None
@@ -208,31 +218,59 @@ async def stream_jsonl(
             if _gone(request):
                 continue  # the job is cancelled; wait for it to stop
             if item is _STARTED:
-                response = web.StreamResponse(status=200)
-                response.content_type = "application/jsonl"
+                response = web.StreamResponse(status=200, headers=headers)
+                response.content_type = content_type
                 await response.prepare(request)
-            elif not go_encodable(item):
-                # Go's encoder refuses a non-finite logprob and its handler stops the
-                # stream there: no more lines, no Done line, the work cancelled.
-                log.error("completion: a logprob is not finite; ending the stream")
+                continue
+            data = encode(item)
+            if data is None:
                 job.cancel()
                 break
-            else:
-                assert response is not None
-                await response.write(encode_json(item))
+            assert response is not None
+            for chunk in data:
+                await response.write(chunk)
         error = job.error
         if response is not None and error is not None and not isinstance(error, Cancelled):
             log.error("Request terminated: %s", error, exc_info=error)
             if not _gone(request):
-                await response.write(encode_json(_error_line(error)))
+                await response.write(failed(error))
+        elif response is not None and error is None and end and not _gone(request):
+            await response.write(end)
     except ConnectionError:
         log.info("client disconnected; cancelling %s", request.path)
         scope.cancel()
+    if response is not None:
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+    return response, job
+
+
+async def stream_jsonl(
+    request: web.Request, scope: RequestScope, work: Callable[[Job, Callable[[Any], None]], None]
+) -> web.StreamResponse:
+    """`stream_emitted` in the Go wire's form: one JSON line an item, an `Error` line for a
+    failure after the header."""
+    response, _ = await stream_emitted(
+        request,
+        scope,
+        functools.partial(_submit, request),
+        work,
+        "application/jsonl",
+        _jsonl_line,
+        lambda error: encode_json(_error_line(error)),
+    )
     if response is None:
         raise Cancelled()  # gone (or the runner stopped) before the job started
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
     return response
+
+
+def _jsonl_line(item: Any) -> list[bytes] | None:
+    if not go_encodable(item):
+        # Go's encoder refuses a non-finite logprob and its handler stops the stream there:
+        # no more lines, no Done line, the work cancelled.
+        log.error("completion: a logprob is not finite; ending the stream")
+        return None
+    return [encode_json(item)]
 
 
 def _error_line(error: BaseException) -> CompletionResponse:

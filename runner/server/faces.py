@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -353,7 +354,34 @@ async def run_in_scope(
     return await outcome(job)
 
 
-_STARTED, _FINISHED = object(), object()
+async def collect(
+    request: web.Request,
+    runner: Runner,
+    scope: Scope,
+    work: Callable[[Job, Callable[[Any], None]], None],
+) -> list[Any]:
+    """Everything `work(job, emit)` emits on the engine inside `scope`, in order."""
+    items: list[Any] = []
+    await run_in_scope(request, runner, scope, lambda job: work(job, items.append))
+    return items
+
+
+@dataclass
+class Generated:
+    """One generation's collected answer: its text, its end, its tokens' logprobs."""
+
+    text: str
+    finished: Finished
+    logprobs: list[Logprob]
+
+    @classmethod
+    def of(cls, items: list[Any]) -> Generated:
+        chunks = [i for i in items if isinstance(i, Chunk)]
+        return cls(
+            "".join(c.text for c in chunks),
+            next(i for i in items if isinstance(i, Finished)),
+            [lp for c in chunks for lp in c.logprobs],
+        )
 
 
 async def stream(
@@ -367,57 +395,24 @@ async def stream(
     end: bytes = b"",
 ) -> web.StreamResponse:
     """Run `work(job, emit)` on the engine inside `scope` and stream each emitted item as
-    `encode` writes it; the header goes out when the job starts. A failure after it is one
-    `failed(error)` chunk while the client is there; a disconnect cancels the job and
-    nothing more is written; `end` closes a stream that finished."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def emit(item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def job_fn(job: Job) -> None:
-        emit(_STARTED)
-        work(job, emit)
-
-    job = scope.attach(submit(request, runner, job_fn))
-    assert job.future is not None
-    job.future.add_done_callback(lambda _: queue.put_nowait(_FINISHED))
-    response: web.StreamResponse | None = None
-    try:
-        while (item := await queue.get()) is not _FINISHED:
-            if _gone(request):
-                continue  # the job is cancelled; wait for it to stop
-            if item is _STARTED:
-                response = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
-                response.content_type = content_type
-                await response.prepare(request)
-                continue
-            assert response is not None
-            for data in encode(item):
-                await response.write(data)
-        error = job.error
-        if response is not None and not _gone(request):
-            if error is not None and not isinstance(error, Cancelled):
-                log.error("request %s failed while streaming: %s", request.path, error)
-                await response.write(failed(error))
-            elif error is None and end:
-                await response.write(end)
-    except ConnectionError:
-        log.info("client disconnected; cancelling %s", request.path)
-        scope.cancel()
+    `encode` writes it (the Go wire's mechanism, runner/server/app.py `stream_emitted`); an
+    error before the header goes out is the request's."""
+    response, job = await go_app.stream_emitted(
+        request,
+        scope,
+        functools.partial(submit, request, runner),
+        work,
+        content_type,
+        encode,
+        failed,
+        end,
+        headers={"Cache-Control": "no-cache"},
+    )
     if response is None:
         if job.error is not None and not isinstance(job.error, Cancelled):
             raise job.error
         raise Cancelled()  # gone (or the runner stopped) before the job started
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
     return response
-
-
-def _gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -46,10 +46,11 @@ from runner.server.faces import (
     FaceError,
     Faces,
     Finished,
+    Generated,
+    collect,
     generate,
     off_loop,
     request_scope,
-    run_in_scope,
     stream,
     too_long,
 )
@@ -310,15 +311,10 @@ async def _answer(
                 functools.partial(_events, faces, plan),
                 _failed,
             )
-        items: list[Any] = []
-        await run_in_scope(request, faces.runner, scope, lambda job: work(job, items.append))
-    text = "".join(i.text for i in items if isinstance(i, Chunk))
-    finished = next(i for i in items if isinstance(i, Finished))
-    answer = _done(faces, plan, finished, text)
+        generated = Generated.of(await collect(request, faces.runner, scope, work))
+    answer = _done(faces, plan, generated.finished, generated.text)
     if plan.top is not None:
-        answer["logprobs"] = _logprobs(
-            [lp for i in items if isinstance(i, Chunk) for lp in i.logprobs], plan.top
-        )
+        answer["logprobs"] = _logprobs(generated.logprobs, plan.top)
     return web.json_response(answer)
 
 

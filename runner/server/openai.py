@@ -50,12 +50,13 @@ from runner.server.faces import (
     FaceError,
     Faces,
     Finished,
+    Generated,
     StopText,
     TooLong,
+    collect,
     generate,
     off_loop,
     request_scope,
-    run_in_scope,
     stream,
 )
 
@@ -489,8 +490,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 _sse_error,
                 b"data: [DONE]\n\n",
             )
-        items: list[Any] = []
-        await run_in_scope(request, faces.runner, scope, lambda job: work(job, items.append))
+        items = await collect(request, faces.runner, scope, work)
     return web.json_response(_completion_answer(faces, plan, items))
 
 
@@ -711,14 +711,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 _sse_error,
                 b"data: [DONE]\n\n",
             )
-        items: list[Any] = []
-        await run_in_scope(request, faces.runner, scope, lambda job: work(job, items.append))
-    text = "".join(i.text for i in items if isinstance(i, Chunk))
-    finished = next(i for i in items if isinstance(i, Finished))
+        generated = Generated.of(await collect(request, faces.runner, scope, work))
+    text, finished = generated.text, generated.finished
     logprobs = None
     if plan.top is not None:
-        content = [lp for i in items if isinstance(i, Chunk) for lp in i.logprobs]
-        logprobs = {"content": _chat_logprobs(content, plan.top)}
+        logprobs = {"content": _chat_logprobs(generated.logprobs, plan.top)}
     return web.json_response(
         {
             "id": plan.id,

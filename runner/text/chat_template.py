@@ -26,6 +26,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from runner.text.tokenizer import token_text
+
 SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
@@ -119,14 +121,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def template_source(tokenizer_config: dict[str, Any] | None, jinja_file: str | None) -> str | None:
     """The template's text: `chat_template.jinja`'s, else tokenizer_config.json's."""
     if jinja_file:
@@ -171,7 +165,7 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
         config = tokenizer_config or {}
-        texts = {key: _token_text(config.get(key)) for key in SPECIAL_TOKENS}
+        texts = {key: token_text(config.get(key)) for key in SPECIAL_TOKENS}
         self.special = {key: text for key, text in texts.items() if text is not None}
 
     def render(

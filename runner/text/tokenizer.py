@@ -40,7 +40,7 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _byte_decoder()
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """tokenizer_config token fields are a string or an AddedToken object."""
     if isinstance(value, str):
         return value
@@ -104,7 +104,7 @@ class Tokenizer:
                 found = _ids(source.get(f"{key}_token_id"))
                 if found:
                     return found
-            text = _token_text(tokenizer_config.get(f"{key}_token"))
+            text = token_text(tokenizer_config.get(f"{key}_token"))
             return [self.added[text]] if text in self.added else []
 
         self.eos_ids: list[int] = special("eos")
