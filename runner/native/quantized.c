@@ -697,46 +697,73 @@ void affine_columns(const struct product *p, int j0, int j1) {
  * llama.cpp's dequantize_row_q6_K computes it: in half h = i / 128, with l = i % 32 and
  * quarter s = (i % 128) / 32, the code is (ql[64h + 32(s & 1) + l] >> 4(s >> 1)) & 15 with
  * ((qh[32h + l] >> 2s) & 3) << 4, and the value (d * scales[i / 16]) * (code - 32): d times
- * the scale exact in float32, the product with the code rounded once. Products dequantize a
- * block of W's rows at a time into a buffer of the thread's and take the block tiles, for any
- * number of rows (so the same bits for any number), never a float32 copy of W. */
+ * the scale exact in float32, the product with the code rounded once.
+ *
+ * Both tiles take a block's codes less 32 as int8 and its 16 scales as float32 (q6k_codes),
+ * and make each vector of QL values the same way, (float)(code - 32) * scale (q6k_values), in
+ * order of k. Few rows (STREAM_ROWS) take stream tiles: BLOCK_RW rows of W, a block at a
+ * time, the values made in registers against one or two rows of A; more rows take the block
+ * tiles, BLOCK_RW rows of W made into a buffer of the thread's. The lanes and the order of
+ * every sum are the block tile's either way, so the same bits for any number of rows; never
+ * a float32 copy of W. */
 enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210 };
 
-typedef unsigned char u8x16 __attribute__((vector_size(16)));
-typedef int i32x16 __attribute__((vector_size(64)));
-typedef float f32x16 __attribute__((vector_size(64)));
+typedef unsigned char u8x32 __attribute__((vector_size(32)));
+typedef unsigned short u16x16 __attribute__((vector_size(32)));
+
+/* codes[256] = block x's codes less 32, in order of k; scale[16] = d * scales[j]. */
+ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const u8x32 low4 = (u8x32){0} + 15, low2 = (u8x32){0} + 3, bias = (u8x32){0} + 32;
+    for (int h = 0; h < 2; h++) {
+        const unsigned char *ql = x + 64 * h, *qh = x + 128 + 32 * h;
+        u8x32 lo, hi, top;
+        memcpy(&lo, ql, 32);
+        memcpy(&hi, ql + 32, 32);
+        memcpy(&top, qh, 32);
+        /* the high bits moved up 4 in 16-bit lanes (no byte's bits reach the next) */
+        const u8x32 quarter[4] = {
+            ((lo & low4) | (u8x32)((u16x16)(top & low2) << 4)) - bias,
+            ((hi & low4) | (u8x32)((u16x16)((top >> 2) & low2) << 4)) - bias,
+            ((lo >> 4) | (u8x32)((u16x16)((top >> 4) & low2) << 4)) - bias,
+            ((hi >> 4) | (u8x32)((u16x16)(top >> 6) << 4)) - bias,
+        };
+        memcpy(codes + 128 * h, quarter, sizeof quarter);
+    }
+    unsigned short half;
+    memcpy(&half, x + 208, 2);
+    const float d = half_to_float(half);
+    const signed char *s = (const signed char *)(x + 192);
+#if QPATH == 512
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(d)));
+#else
+    for (int j = 0; j < 16; j++) scale[j] = (float)s[j] * d;
+#endif
+}
+
+/* The QL values at position t of a block from its q6k_codes. */
+ALWAYS qv q6k_values(const signed char *codes, const float *scale, int t) {
+#if QPATH == 512
+    const qv c = (qv)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + t))));
+#elif QPATH == 256
+    const qv c = (qv)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + t))));
+#else
+    qv c;
+    for (int l = 0; l < QL; l++) c[l] = (float)codes[t + l];
+#endif
+    qv w = c * scale[t / 16];
+    QPIN(w);
+    return w;
+}
 
 /* Row `row` of Q6_K blocks (k weights) dequantized into out[k], in order of k. */
 static void q6k_dequantize_row(int k, const unsigned char *row, float *out) {
-    const u8x16 low4 = (u8x16){0} + 15, low2 = (u8x16){0} + 3;
+    signed char codes[Q6K_WEIGHTS] __attribute__((aligned(64)));
+    float scale[16];
     for (int b = 0; b < k / Q6K_WEIGHTS; b++) {
-        const unsigned char *x = row + (size_t)b * Q6K_BYTES;
-        const signed char *scales = (const signed char *)(x + 192);
-        unsigned short half;
-        memcpy(&half, x + 208, 2);
-        const float d = half_to_float(half);
+        q6k_codes(row + (size_t)b * Q6K_BYTES, codes, scale);
         float *y = out + (size_t)b * Q6K_WEIGHTS;
-        for (int h = 0; h < 2; h++) {
-            const unsigned char *ql = x + 64 * h, *qh = x + 128 + 32 * h;
-            for (int l0 = 0; l0 < 32; l0 += 16) {
-                u8x16 lo, hi, top;
-                memcpy(&lo, ql + l0, 16);
-                memcpy(&hi, ql + 32 + l0, 16);
-                memcpy(&top, qh + l0, 16);
-                const u8x16 codes[4] = {
-                    (lo & low4) | ((top & low2) << 4),
-                    (hi & low4) | (((top >> 2) & low2) << 4),
-                    (lo >> 4) | (((top >> 4) & low2) << 4),
-                    (hi >> 4) | ((top >> 6) << 4),
-                };
-                _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
-                    const float scale = d * (float)scales[8 * h + 2 * s + l0 / 16];
-                    const i32x16 q = __builtin_convertvector(codes[s], i32x16) - 32;
-                    const f32x16 v = __builtin_convertvector(q, f32x16) * scale;
-                    memcpy(y + 128 * h + 32 * s + l0, &v, sizeof v);
-                }
-            }
-        }
+        _Pragma("GCC unroll 4") for (int t = 0; t < Q6K_WEIGHTS; t += QL) qstore(y + t, q6k_values(codes, scale, t));
     }
 }
 
@@ -746,6 +773,49 @@ static void q6k_rows_fill(const struct product *p, int j, int nj, float *w, cons
     for (int r = 0; r < nj; r++)
         q6k_dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
                            w + (size_t)r * p->k);
+}
+
+/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
+ * each block's values made in registers. `lines` cache lines from `ahead` (the rows a few
+ * blocks on) prefetched, spread over the blocks. */
+ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *rows,
+                            const float *const *a, float *dot, const char *ahead, int lines) {
+    enum { RW = BLOCK_RW };
+    signed char codes[RW][Q6K_WEIGHTS] __attribute__((aligned(64)));
+    float scale[RW][16];
+    qv acc[2 * RW], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    const int blocks = k / Q6K_WEIGHTS;
+    for (int b = 0; b < blocks; b++) {
+        if (ahead)
+            for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
+                __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
+            q6k_codes(rows[r] + (size_t)b * Q6K_BYTES, codes[r], scale[r]);
+        const int t0 = b * Q6K_WEIGHTS;
+        _Pragma("GCC unroll 2") for (int t = 0; t < Q6K_WEIGHTS; t += QL) {
+            qv x[2];
+            _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) {
+                x[i] = qload(a[i] + t0 + t);
+                QPIN(x[i]);
+            }
+            _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+                const qv w = q6k_values(codes[r], scale[r], t);
+                _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += x[i] * w;
+            }
+        }
+    }
+    sums(dot, acc, RA * RW);
+}
+
+static void q6k_stream_1(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    q6k_stream_tile(1, k, rows, a, dot, ahead, lines);
+}
+static void q6k_stream_2(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    q6k_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
 
 int q6k_supported(const struct step_weight *w, int n, int k) {
@@ -758,5 +828,26 @@ int q6k_block(const struct product *p) {
 }
 
 void q6k_columns(const struct product *p, int j0, int j1) {
-    block_columns(p, j0, j1, (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES, q6k_rows_fill, NULL);
+    const size_t row_bytes = (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES;
+    if (p->m > STREAM_ROWS) {
+        block_columns(p, j0, j1, row_bytes, q6k_rows_fill, NULL);
+        return;
+    }
+    const unsigned char *base = p->w;
+    float dot[2 * BLOCK_RW];
+    for (int j = j0; j < j1; j += BLOCK_RW) {
+        const int nj = j1 - j < BLOCK_RW ? j1 - j : BLOCK_RW;
+        const unsigned char *rows[BLOCK_RW];
+        for (int r = 0; r < BLOCK_RW; r++) rows[r] = base + (size_t)(j + (r < nj ? r : 0)) * row_bytes;
+        const int ahead = j + PREFETCH_BLOCKS * BLOCK_RW, fetch = ahead + BLOCK_RW <= j1;
+        const char *next = fetch ? (const char *)(base + (size_t)ahead * row_bytes) : NULL;
+        const int lines = (int)(BLOCK_RW * row_bytes / 64);
+        for (int i = 0; i < p->m; i += 2) {
+            const int ni = p->m - i < 2 ? p->m - i : 2;
+            const float *a[2] = {p->a + (size_t)i * p->lda, p->a + (size_t)(i + ni - 1) * p->lda};
+            (ni == 2 ? q6k_stream_2 : q6k_stream_1)(p->k, rows, a, dot, i ? NULL : next, lines);
+            for (int ii = 0; ii < ni; ii++)
+                for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * BLOCK_RW + r]);
+        }
+    }
 }
