@@ -331,14 +331,48 @@ def mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
 
 
 def k_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
-    """`mixed`, with Q6_K where llama.cpp's Q4_K_M puts it (the embedding, the head,
-    `attn_v`, `ffn_down`) when a row is whole blocks of 256 (gguf-py quantizes no K type:
-    `quantize_q6_k` does)."""
+    """llama.cpp's Q4_K_M where a row is whole blocks of 256: Q6_K for the embedding, the
+    head, `attn_v` and `ffn_down`, Q4_K for the other matrices; `mixed` elsewhere (gguf-py
+    quantizes no K type: `quantize_q6_k` and `quantize_q4_k` do)."""
     q6_k = ("token_embd.", "attn_v.", "ffn_down.")
     chosen = name == "output.weight" or any(key in name for key in q6_k)
-    if len(shape) == 2 and shape[-1] % 256 == 0 and chosen:
-        return T.Q6_K
+    if len(shape) == 2 and shape[-1] % 256 == 0:
+        return T.Q6_K if chosen else T.Q4_K
     return mixed(name, shape, arch)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 144],
+    laid out as llama.cpp's block_q4_K (float16 d and dmin, 12 bytes of 6-bit scales and
+    mins as get_scale_min_k4 reads them, 128 bytes of nibbles: in chunk c, weight 64c + l in
+    the low nibble of byte 32c + l, 64c + 32 + l in its high one): a plain round-to-nearest
+    quantizer of x = (d * sc_j) * q - (dmin * m_j), which is all a test needs."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / 15
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.ceil(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
+    scale = (d32 * sc.astype(np.float32))[..., None]
+    offset = (dmin32 * m.astype(np.float32))[..., None]
+    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, 15).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            m[:, :4] | (m[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4,
+        ],
+        axis=1,
+    ).astype(np.uint8)
+    q = q.reshape(-1, 4, 2, 32)  # [blocks, chunk c, half, l]
+    qs = (q[:, :, 0] | q[:, :, 1] << 4).astype(np.uint8).reshape(-1, 128)
+    out = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1
+    )
+    return out.reshape(*lead, k // 256 * 144)
 
 
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
@@ -369,6 +403,9 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
         axis=1,
     )
     return out.reshape(*lead, k // 256 * 210)
+
+
+QUANTIZERS = {T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k}
 
 
 def gguf_metadata(model_dir: Path) -> tuple[str, dict[str, Any]]:
@@ -495,7 +532,8 @@ def write_gguf(
         elif kind == T.F16:
             writer.add_tensor(name, values.astype(np.float16))
         else:
-            blocks = quantize_q6_k(values) if kind == T.Q6_K else gguf.quants.quantize(values, kind)
+            quantize = QUANTIZERS.get(kind)
+            blocks = quantize(values) if quantize else gguf.quants.quantize(values, kind)
             writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -90,15 +90,18 @@ K_QUANT_LLAMA = {
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
-def test_q6_k_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
-    """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) stay in
-    their blocks: resident at the file's bytes, not float32's, and read by the native step
+def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+    """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) and Q4_K
+    ones (the other matrices) stay in their blocks: resident at the file's bytes, not
+    float32's (Q6_K) or the affine repack's (Q4_K), and read by the native step
     (runner/native/quantized.c) on the CPU; what the model computes is the float64 forward of
     their values (llama.cpp's dequantization) within 1e-4, on the native step, on MLX's own
-    path over the blocks, and from the float32 weights a backend without the native step
-    keeps."""
+    path over the blocks, and from what a backend without the native step keeps (Q6_K as
+    float32 weights, Q4_K as MLX's affine 4-bit)."""
+    import mlx.nn as nn
+
     from runner.backend import Backend
-    from runner.models.quantized import Q6KEmbedding, Q6KLinear
+    from runner.models.quantized import GGMLEmbedding, GGMLLinear
     from tests.tiny import edit_text_config, tiny_config
 
     config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
@@ -111,15 +114,22 @@ def test_q6_k_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
     kept = {k for k in source.weights if k.endswith(".blocks")}
     head = "model.embed_tokens.blocks" if tied else "lm_head.blocks"
     heads = 1 if tied else 2  # the embedding, and the head where it has its own
-    assert head in kept and len(kept) == heads + 2 * config["num_hidden_layers"], kept
-    for name in kept:  # 210 bytes a 256 weights, as in the file
+    # every matrix: q, k, v, o, gate, up, down
+    assert head in kept and len(kept) == heads + 7 * config["num_hidden_layers"], kept
+    for name in kept:  # 210 (Q6_K) or 144 (Q4_K) bytes a 256 weights, as in the file
         rows, width = weights[name.replace(".blocks", ".weight")].shape
-        assert source.weights[name].shape == (rows, width // 256 * 210)
+        q6_k = any(key in name for key in ("embed_tokens", "lm_head", "v_proj", "down_proj"))
+        assert source.weights[name].shape == (rows, width // 256 * (210 if q6_k else 144))
+        assert source.quantization[name.removesuffix(".blocks")]["ggml_type"] == (
+            "Q6_K" if q6_k else "Q4_K"
+        )
     want = llama_forward(
         {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
     )
     model = build_model(source)
-    layers = [m for _, m in model.module.named_modules() if isinstance(m, Q6KLinear | Q6KEmbedding)]
+    layers = [
+        m for _, m in model.module.named_modules() if isinstance(m, GGMLLinear | GGMLEmbedding)
+    ]
     assert len(layers) == len(kept)
     got = logits(model)
     assert model._native is not None and model._native.quantized  # the step reads codes
@@ -129,7 +139,10 @@ def test_q6_k_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
     plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
     floats = build_model(load_gguf(path), plain)
     modules = [m for _, m in floats.module.named_modules()]
-    assert not any(isinstance(m, Q6KLinear | Q6KEmbedding) for m in modules)
+    assert not any(isinstance(m, GGMLLinear | GGMLEmbedding) for m in modules)
+    affine = [m for m in modules if isinstance(m, nn.QuantizedLinear)]
+    assert len(affine) == 5 * config["num_hidden_layers"]  # Q4_K: q, k, o, gate, up
+    assert all((m.bits, m.group_size, m.mode) == (4, 32, "affine") for m in affine)
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
@@ -376,3 +389,61 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf"):
         load_gguf(cut)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
+    """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
+    for bit (runner/sources/gguf/quants.py's, checked against gguf-py's); where no native
+    step reads them, `release_blocks` makes Q4_K MLX's affine 4-bit and Q6_K float32 layers of
+    the very same values, and `adopt_blocks` without `keep` does the same before the load."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from runner.models import quantized
+    from runner.sources.gguf import quants
+    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+
+    kind, quantize = {
+        "Q6_K": (quants.Q6_K, quantize_q6_k),
+        "Q4_K": (quants.Q4_K, quantize_q4_k),
+    }[ggml_type]
+    rng = np.random.default_rng(3)
+    rows, width = 24, 512
+    blocks = quantize(rng.normal(size=(rows, width)).astype(np.float32))
+    want = quants.dequantize(blocks.reshape(-1), kind, (rows, width))
+    x = mx.array(rng.normal(size=(3, width)).astype(np.float32))
+    ids = mx.array([5, 0, 23])
+
+    module = nn.Module()
+    module.proj = quantized.GGMLLinear(width, rows, False, ggml_type)
+    module.embed = quantized.GGMLEmbedding(rows, width, ggml_type)
+    module.proj.blocks = module.embed.blocks = mx.array(blocks)
+    np.testing.assert_array_equal(np.array(module.proj.dequantized()), want)
+    np.testing.assert_array_equal(np.array(module.embed(ids)), want[np.array(ids)])
+    before = np.array(module.proj(x))
+    assert quantized.release_blocks(module)
+    if ggml_type == "Q4_K":
+        assert type(module.proj) is nn.QuantizedLinear and module.proj.group_size == 32
+        assert isinstance(module.embed, nn.QuantizedEmbedding) and module.embed.bits == 4
+    else:
+        assert type(module.proj) is nn.Linear and type(module.embed) is nn.Embedding
+    np.testing.assert_array_equal(np.array(module.embed(ids)), want[np.array(ids)])
+    got = np.array(module.proj(x))
+    assert np.abs(got - before).max() <= 1e-5 * np.abs(before).max()
+    assert not quantized.release_blocks(module)  # nothing left to release
+
+    fresh = nn.Module()
+    fresh.proj = nn.Linear(width, rows, bias=False)
+    weights = {"proj.blocks": mx.array(blocks)}
+    config = {"proj": {"ggml_type": ggml_type}}
+    rest = quantized.adopt_blocks(fresh, weights, config, ["proj"], keep=False)
+    if ggml_type == "Q4_K":
+        assert rest is not None and rest["proj"] == quantized.Q4_K_AFFINE
+        values = mx.dequantize(
+            weights["proj.weight"], weights["proj.scales"], weights["proj.biases"], 32, 4
+        )
+    else:
+        assert rest is None and set(weights) == {"proj.weight"}
+        values = weights["proj.weight"]
+    np.testing.assert_array_equal(np.array(values), want)

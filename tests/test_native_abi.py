@@ -287,13 +287,20 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_every_level_computes_q6_k_products(level_library) -> None:
-    """runner_weight_product on GGML Q6_K blocks as a GGUF stores them: exactly the sums the
-    level's block tiles define (the values in order of k, its lanes, fused or not), the same
-    bits for any number of rows, and within 1e-4 of the float64 product of llama.cpp's
-    values (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's)."""
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
+    """runner_weight_product on GGML Q6_K and Q4_K blocks as a GGUF stores them: exactly the
+    sums the level's block tiles define (the values in order of k, its lanes, fused or not),
+    the same bits for any number of rows (the stream tiles of one and two rows, the block
+    tiles of more), and within 1e-4 of the float64 product of llama.cpp's values
+    (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's)."""
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q6_k
+    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+
+    kind, form, quantize = {
+        "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
+        "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
+    }[ggml_type]
 
     march, library = level_library
     if library is None:
@@ -303,9 +310,9 @@ def test_every_level_computes_q6_k_products(level_library) -> None:
     lanes = AFFINE_LANES[LEVELS[march][0]]
     rng = np.random.default_rng(6)
     n, k = 45, 512  # n not a whole number of blocks of rows
-    blocks = np.ascontiguousarray(quantize_q6_k(rng.normal(size=(n, k)).astype(np.float32)))
-    values = quants.dequantize(blocks.reshape(-1), quants.Q6_K, (n, k))
-    weight = abi.Weight(format=abi.Q6K, data=blocks.ctypes.data)
+    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
+    values = quants.dequantize(blocks.reshape(-1), kind, (n, k))
+    weight = abi.Weight(format=form, data=blocks.ctypes.data)
     a = rng.normal(size=(41, k)).astype(np.float32)
 
     def times(rows: np.ndarray) -> np.ndarray:
@@ -317,7 +324,7 @@ def test_every_level_computes_q6_k_products(level_library) -> None:
         np.testing.assert_array_equal(times(a[:m]), c[:m])
     want = a.astype(np.float64) @ values.astype(np.float64).T
     assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
-    short = abi.Weight(format=abi.Q6K, data=blocks.ctypes.data)  # k not whole blocks: refused
+    short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
     assert not functions.weight_supported(ctypes.byref(short), n, 300)
 
 

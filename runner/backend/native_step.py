@@ -163,9 +163,10 @@ def _view(array: Any, what: str) -> np.ndarray:
 # runner/models/quantized.py's parameter for nvfp4's global scale (a layer with one stays on
 # MLX's path; backend sits below models, so the name is repeated here)
 GLOBAL_SCALE = "global_scale"
-# runner/models/quantized.py's layers of GGML Q6_K blocks: their `ggml_type`, parameter, and
-# bytes a block of 256 weights (repeated here for the same reason)
-Q6K, Q6K_BLOCKS, Q6K_BYTES = "Q6_K", "blocks", 210
+# runner/models/quantized.py's layers of GGML blocks: their parameter, and per `ggml_type` the
+# library's format and the bytes a block of 256 weights (repeated here for the same reason)
+GGML_BLOCKS = "blocks"
+GGML_FORMATS = {"Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144)}
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
@@ -187,14 +188,15 @@ class _Matrix:
     bits: int = 0
     group: int = 0
     scale_format: int = 0
-    q6k: bool = False  # `codes` are GGML Q6_K blocks (no scales, biases)
+    block_format: int = 0  # `codes` are GGML blocks in this format (abi.Q6K, abi.Q4K): no
+    # scales, biases
 
     def weight(self, half: np.ndarray | None = None, half_format: int = 0) -> abi.Weight:
         """The struct step_weight: the codes, or the float32 weights, or (`half`) their exact
         half copy with the float32 weights beside it for the BLAS."""
-        if self.q6k:
+        if self.block_format:
             assert self.codes is not None
-            return abi.Weight(format=abi.Q6K, data=self.codes.ctypes.data)
+            return abi.Weight(format=self.block_format, data=self.codes.ctypes.data)
         if self.codes is not None:
             assert self.scales is not None and self.biases is not None
             return abi.Weight(
@@ -245,26 +247,36 @@ def _affine(layer: nn.Module, what: str) -> _Matrix:
     )  # fmt: skip
 
 
-def _q6k(layer: nn.Module, what: str) -> _Matrix:
-    """A layer holding GGML Q6_K blocks [n, k / 256 * 210] (runner/models/quantized.py)."""
-    blocks = layer[Q6K_BLOCKS]
-    if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % Q6K_BYTES:
-        raise _Unsupported(f"{what}: Q6_K blocks {blocks.dtype} {blocks.shape}")
-    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // Q6K_BYTES * 256
-    return _Matrix(n, k, codes=_raw(blocks, what), q6k=True)
+def _ggml(layer: Any, what: str) -> _Matrix | None:
+    """A layer holding GGML blocks of a type the products read (GGML_FORMATS), [n, k / 256 *
+    bytes a block] (runner/models/quantized.py); None for any other layer."""
+    ggml_type = getattr(layer, "ggml_type", None) if isinstance(layer, nn.Module) else None
+    if ggml_type is None:
+        return None
+    if ggml_type not in GGML_FORMATS:
+        raise _Unsupported(f"{what}: GGML {ggml_type} blocks")
+    form, size = GGML_FORMATS[ggml_type]
+    blocks = layer[GGML_BLOCKS]
+    if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % size:
+        raise _Unsupported(f"{what}: {ggml_type} blocks {blocks.dtype} {blocks.shape}")
+    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // size * 256
+    return _Matrix(n, k, codes=_raw(blocks, what), block_format=form)
 
 
 def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
     layer = getattr(parent, name, None)
-    # float32, MLX's affine quantization or Q6_K blocks; gemv, global scales or another
+    if not isinstance(layer, nn.Module):
+        raise _Unsupported(f"{name}: {type(layer).__name__}")
+    # float32, MLX's affine quantization or GGML blocks; gemv, global scales or another
     # subclass: MLX's
-    if type(layer) is nn.Linear:
+    blocks = _ggml(layer, name)
+    if blocks is not None:
+        matrix = blocks
+    elif type(layer) is nn.Linear:
         weight = _view(layer.weight, f"{name}.weight")
         matrix = _Matrix(int(weight.shape[0]), int(weight.shape[1]), f32=weight)
     elif type(layer) is nn.QuantizedLinear:
         matrix = _affine(layer, name)
-    elif isinstance(layer, nn.Module) and getattr(layer, "ggml_type", None) == Q6K:
-        matrix = _q6k(layer, name)
     else:
         raise _Unsupported(f"{name}: {type(layer).__name__}")
     bias = _view(layer.bias, f"{name}.bias") if "bias" in layer else None
@@ -310,12 +322,12 @@ class NativeStep:
             self._embed_module = embed
             with contextlib.suppress(_Unsupported):  # the head may still be MLX's
                 embed_matrix = _affine(embed, "embed_tokens")
-        elif getattr(embed, "ggml_type", None) == Q6K:
+        elif getattr(embed, "ggml_type", None) is not None:
             self._embed_module = embed
-            embed_matrix = _q6k(embed, "embed_tokens")
+            embed_matrix = _ggml(embed, "embed_tokens")
         else:
             raise _Unsupported(f"the embedding is a {type(embed).__name__}")
-        table = Q6K_BLOCKS if embed_matrix is not None and embed_matrix.q6k else "weight"
+        table = GGML_BLOCKS if embed_matrix is not None and embed_matrix.block_format else "weight"
         self.vocab = int(embed[table].shape[0])
         self._final_norm, eps = _norm(inner, "norm")
         layers = list(inner.layers)

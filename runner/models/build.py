@@ -55,7 +55,8 @@ def build_model(
         raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
     weights = dict(source.weights)
     quantization, blocks = quantized.block_layers(source.quantization)
-    # GGML blocks (Q6_K): kept where a native step will read them, float32 elsewhere
+    # GGML blocks (Q6_K, Q4_K): kept where a native step will read them; elsewhere Q6_K
+    # float32, Q4_K MLX's affine 4-bit
     keep_blocks = (
         bool(blocks)
         and backend.native_step_max_tokens is not None
@@ -63,7 +64,9 @@ def build_model(
         and getattr(family, "NATIVE_STEP", False)
     )
     if blocks:
-        quantized.adopt_blocks(module, weights, blocks, keep_blocks)
+        quantization = quantized.adopt_blocks(
+            module, weights, source.quantization or {}, blocks, keep_blocks
+        )
     if hasattr(module, "sanitize"):
         weights = module.sanitize(weights)
     if quantization is not None:
@@ -200,7 +203,12 @@ def verify_batched_rows(model: Any, stand_in: Callable[[], Any] | None = None) -
 
 
 def _quantized(module: nn.Module) -> bool:
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, quantized.Q6KLinear, quantized.Q6KEmbedding)
+    kinds = (
+        nn.QuantizedLinear,
+        nn.QuantizedEmbedding,
+        quantized.GGMLLinear,
+        quantized.GGMLEmbedding,
+    )
     return any(isinstance(m, kinds) for _, m in module.named_modules())
 
 

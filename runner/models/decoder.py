@@ -24,14 +24,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from runner.backend import Backend, gemv, native_step
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
-from runner.models.quantized import BLOCKS, GLOBAL_SCALE, Q6KEmbedding, Q6KLinear, dequantize_q6_k
+from runner.models.quantized import BLOCKS, GLOBAL_SCALE, GGMLEmbedding, GGMLLinear
 
 
 def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
     """Rows `ids` of a Linear/Embedding weight as float32, dequantizing only those rows (and
     multiplying them by their global scale, runner/models/quantized.py)."""
-    if isinstance(layer, (Q6KLinear, Q6KEmbedding)):
-        return dequantize_q6_k(layer[BLOCKS][ids])
+    if isinstance(layer, (GGMLLinear, GGMLEmbedding)):
+        return layer.dequantized(ids)
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         scales, biases = layer["scales"][ids], layer.get("biases")
         if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32

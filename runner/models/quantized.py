@@ -12,12 +12,15 @@ names; a global scale becomes the layer's `global_scale`), before the weights ar
 
 GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding)
 have a scale per 16 weights, which MLX's affine format cannot group, and their exact float32
-values take 4.9x the file's bytes. A GGUF source names such layers in its quantization config
-(`{"ggml_type": "Q6_K"}`, runner/sources/gguf/model.py) with their blocks as `P.blocks`;
-`adopt_blocks` keeps them as `Q6KLinear` / `Q6KEmbedding` layers where a native step will
-read them (runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes
-them float32 weights as before. The layers' own forward (MLX's path) dequantizes the blocks
-with MLX operations, to the values llama.cpp's dequantization gives, bit for bit.
+values take 4.9x the file's bytes. Q4_K repacks exactly onto MLX's affine 4-bit groups of 32,
+but only with float32 scales and biases (6 bits a weight, against the file's 4.5), which a
+decode step, bound by the bytes it reads, pays for. A GGUF source names such layers in its
+quantization config (`{"ggml_type": "Q6_K"}` or `"Q4_K"`, runner/sources/gguf/model.py) with
+their blocks as `P.blocks`; `adopt_blocks` keeps them as `GGMLLinear` / `GGMLEmbedding`
+layers where a native step will read them (runner/backend/native_step.py,
+runner/native/quantized.c), and otherwise makes Q6_K float32 weights and Q4_K the affine
+repack, as before. The layers' own forward (MLX's path) dequantizes the blocks with MLX
+operations, to the values llama.cpp's dequantization gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -155,8 +158,9 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
 # A GGUF source's quantization entry for a layer kept in GGML blocks, and their parameter.
 GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
-Q6_K = "Q6_K"
-Q6_K_WEIGHTS, Q6_K_BYTES = 256, 210  # weights and bytes a block
+Q6_K, Q4_K = "Q6_K", "Q4_K"
+BLOCK_WEIGHTS = 256  # weights a block, of either type
+Q6_K_BYTES, Q4_K_BYTES = 210, 144  # bytes a block
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -177,42 +181,92 @@ def dequantize_q6_k(blocks: mx.array) -> mx.array:
     high = ((qh >> shifts) & 3).reshape(*lead, n, 2, 128)
     codes = (low | (high << 4)).astype(mx.float32) - 32
     scale = (d * scales).reshape(*lead, n, 16, 1)
-    return (scale * codes.reshape(*lead, n, 16, 16)).reshape(*lead, n * Q6_K_WEIGHTS)
+    return (scale * codes.reshape(*lead, n, 16, 16)).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
-class Q6KLinear(nn.Module):
-    """A linear layer whose weight is Q6_K blocks [out, in / 256 * 210] as a GGUF stores
-    them; MLX's path dequantizes the whole weight each call (the native step reads the
-    blocks, and takes every forward it can)."""
+def _q4_k_parts(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Q4_K blocks [..., n * 144] as (codes [..., n, 8, 32] uint8, scales d * sc_j and biases
+    -(dmin * m_j) [..., n, 8, 1] float32): each block d, dmin (float16), 12 bytes of 6-bit
+    sc_j, m_j (llama.cpp's get_scale_min_k4), qs[128]: in chunk c, weight 64c + l is the low
+    nibble of qs[32c + l], weight 64c + 32 + l its high one."""
+    *lead, width = blocks.shape
+    n = width // Q4_K_BYTES
+    x = blocks.reshape(*lead, n, Q4_K_BYTES)
+    d = mx.contiguous(x[..., 0:2]).view(mx.float16).astype(mx.float32)
+    dmin = mx.contiguous(x[..., 2:4]).view(mx.float16).astype(mx.float32)
+    lo, mid, top = x[..., 4:8], x[..., 8:12], x[..., 12:16]
+    sc = mx.concatenate([lo & 63, (top & 15) | ((lo >> 2) & 48)], axis=-1).astype(mx.float32)
+    m = mx.concatenate([mid & 63, (top >> 4) | ((mid >> 2) & 48)], axis=-1).astype(mx.float32)
+    qs = x[..., 16:144].reshape(*lead, n, 4, 1, 32)
+    codes = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*lead, n, 8, 32)
+    return codes, (d * sc)[..., None], (-(dmin * m))[..., None]
 
-    ggml_type = Q6_K
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool):
+def dequantize_q4_k(blocks: mx.array) -> mx.array:
+    """float32 [..., k] from Q4_K blocks [..., k / 256 * 144] (uint8): llama.cpp's values,
+    (d * sc_j) * q - (dmin * m_j), the product rounded, then the difference."""
+    codes, scales, biases = _q4_k_parts(blocks)
+    *lead, n, _, _ = codes.shape
+    return (scales * codes.astype(mx.float32) + biases).reshape(*lead, n * BLOCK_WEIGHTS)
+
+
+def q4_k_affine(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Q4_K blocks [rows, k / 256 * 144] as MLX's affine quantization (group 32, 4 bits,
+    float32 scales d * sc_j and biases -(dmin * m_j)): the same values exactly."""
+    codes, scales, biases = _q4_k_parts(blocks)
+    rows = blocks.shape[0]
+    c = codes.reshape(rows, -1, 8).astype(mx.uint32)  # 8 codes a uint32, the first lowest
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    packed = mx.sum(c << shifts, axis=-1).astype(mx.uint32)
+    return packed, scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+DEQUANTIZE = {Q6_K: dequantize_q6_k, Q4_K: dequantize_q4_k}
+BLOCK_BYTES = {Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES}
+
+
+class GGMLLinear(nn.Module):
+    """A linear layer whose weight is GGML blocks of `ggml_type` (Q6_K, Q4_K) [out, in / 256 *
+    bytes a block] as a GGUF stores them; MLX's path dequantizes the whole weight each call
+    (the native step reads the blocks, and takes every forward it can)."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool, ggml_type: str):
         super().__init__()
-        self.blocks = mx.zeros((output_dims, input_dims // Q6_K_WEIGHTS * Q6_K_BYTES), mx.uint8)
+        self.ggml_type = ggml_type
+        width = input_dims // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]
+        self.blocks = mx.zeros((output_dims, width), mx.uint8)
         if bias:
             self.bias = mx.zeros((output_dims,))
 
+    def dequantized(self, rows: mx.array | None = None) -> mx.array:
+        """The weight's float32 values (of `rows` only, if given)."""
+        blocks = self[BLOCKS] if rows is None else self[BLOCKS][rows]
+        return DEQUANTIZE[self.ggml_type](blocks)
+
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ dequantize_q6_k(self[BLOCKS]).astype(x.dtype).T
+        y = x @ self.dequantized().astype(x.dtype).T
         return y + self["bias"] if "bias" in self else y
 
 
-class Q6KEmbedding(nn.Module):
-    """An embedding whose table is Q6_K blocks [vocab, dims / 256 * 210]: rows dequantized as
-    they are gathered; `as_linear` (a tied head) dequantizes the table."""
+class GGMLEmbedding(nn.Module):
+    """An embedding whose table is GGML blocks [vocab, dims / 256 * bytes a block]: rows
+    dequantized as they are gathered; `as_linear` (a tied head) dequantizes the table."""
 
-    ggml_type = Q6_K
-
-    def __init__(self, num_embeddings: int, dims: int):
+    def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
         super().__init__()
-        self.blocks = mx.zeros((num_embeddings, dims // Q6_K_WEIGHTS * Q6_K_BYTES), mx.uint8)
+        self.ggml_type = ggml_type
+        width = dims // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]
+        self.blocks = mx.zeros((num_embeddings, width), mx.uint8)
+
+    def dequantized(self, rows: mx.array | None = None) -> mx.array:
+        blocks = self[BLOCKS] if rows is None else self[BLOCKS][rows]
+        return DEQUANTIZE[self.ggml_type](blocks)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return dequantize_q6_k(self[BLOCKS][x])
+        return self.dequantized(x)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return x @ dequantize_q6_k(self[BLOCKS]).astype(x.dtype).T
+        return x @ self.dequantized().astype(x.dtype).T
 
 
 def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
@@ -222,55 +276,93 @@ def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | 
         return quantization, []
     paths = [p for p, q in quantization.items() if isinstance(q, dict) and GGML_TYPE in q]
     for path in paths:
-        if quantization[path][GGML_TYPE] != Q6_K:
+        if quantization[path][GGML_TYPE] not in BLOCK_BYTES:
             raise ModelLoadError(f"{path}: GGML blocks of type {quantization[path][GGML_TYPE]}")
     rest = {p: q for p, q in quantization.items() if p not in paths}
     return (rest or None), paths
 
 
+# How a Q4_K layer whose blocks are not kept is quantized instead (q4_k_affine)
+Q4_K_AFFINE: dict[str, Any] = {"group_size": 32, "bits": 4, "mode": "affine"}
+
+
 def adopt_blocks(
-    module: nn.Module, weights: dict[str, Any], paths: Iterable[str], keep: bool
-) -> None:
-    """The layers at `paths`, whose weights are Q6_K blocks (`P.blocks` in `weights`): when
-    `keep`, a linear or embedding layer becomes a Q6KLinear / Q6KEmbedding reading them;
-    otherwise (or another kind of layer: experts, ...) `P.weight` becomes their float32
-    values, as a dequantized tensor's were. Before the module's sanitize and load."""
+    module: nn.Module,
+    weights: dict[str, Any],
+    quantization: dict[str, Any],
+    paths: Iterable[str],
+    keep: bool,
+) -> dict[str, Any] | None:
+    """The layers at `paths`, whose weights are GGML blocks (`P.blocks` in `weights`, their
+    type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
+    GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
+    ...) Q4_K becomes MLX's affine quantization of the same values (`P.weight`, `P.scales`,
+    `P.biases`, quantized as Q4_K_AFFINE says) and Q6_K float32 `P.weight`, as a
+    dequantized tensor's were. Before the module's sanitize and load. Returns the
+    source's quantization config without the block entries and with the affine layers'
+    entries added (None if it is empty)."""
     layers = dict(module.named_modules())
     kept: list[tuple[str, nn.Module]] = []
+    affine: dict[str, Any] = {}
     for path in paths:
         name = f"{path}.{BLOCKS}"
         if name not in weights:
             raise ModelLoadError(f"tensor {name} is missing")
+        ggml_type = quantization[path][GGML_TYPE]
         blocks, layer = weights[name], layers.get(path)
-        rows, width = blocks.shape[0], blocks.shape[-1] // Q6_K_BYTES * Q6_K_WEIGHTS
+        rows = blocks.shape[0]
+        width = blocks.shape[-1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS
         if keep and blocks.ndim == 2 and type(layer) is nn.Linear:
-            kept.append((path, Q6KLinear(width, rows, bias="bias" in layer)))
+            kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
         elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
-            kept.append((path, Q6KEmbedding(rows, width)))
+            kept.append((path, GGMLEmbedding(rows, width, ggml_type)))
+        elif ggml_type == Q4_K and blocks.ndim == 2:
+            packed, scales, biases = q4_k_affine(weights.pop(name))
+            weights[f"{path}.weight"], weights[f"{path}.scales"] = packed, scales
+            weights[f"{path}.biases"] = biases
+            affine[path] = dict(Q4_K_AFFINE)
         else:
-            weights[f"{path}.weight"] = dequantize_q6_k(weights.pop(name))
+            weights[f"{path}.weight"] = DEQUANTIZE[ggml_type](weights.pop(name))
     if kept:
         module.update_modules(tree_unflatten(kept))
+    rest, _ = block_layers(quantization)
+    if not affine:
+        return rest
+    return {**Q4_K_AFFINE, **(rest or {}), **affine}
 
 
 def release_blocks(module: nn.Module) -> bool:
-    """Every Q6KLinear / Q6KEmbedding of `module` made an nn.Linear / nn.Embedding of its
-    float32 values (where no native step reads the blocks: MLX's path would dequantize them
-    in every forward); whether there was one."""
+    """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
+    native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
+    an affine QuantizedLinear / QuantizedEmbedding of the same values, Q6_K an nn.Linear /
+    nn.Embedding of its float32 values; whether there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
-        if not isinstance(layer, (Q6KLinear, Q6KEmbedding)):
+        if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):
             continue
-        values = dequantize_q6_k(layer[BLOCKS])
-        rows, width = values.shape
+        blocks = layer[BLOCKS]
+        rows = blocks.shape[0]
+        width = blocks.shape[1] // BLOCK_BYTES[layer.ggml_type] * BLOCK_WEIGHTS
+        bias = "bias" in layer
         new: nn.Module
-        if isinstance(layer, Q6KLinear):
-            new = nn.Linear(width, rows, bias="bias" in layer)
-            if "bias" in layer:
-                new.bias = layer["bias"]
+        if layer.ggml_type == Q4_K:
+            packed, scales, biases = q4_k_affine(blocks)
+            if isinstance(layer, GGMLLinear):
+                new = nn.QuantizedLinear(width, rows, bias, group_size=32, bits=4)
+            else:
+                new = ScaledQuantizedEmbedding(rows, width, group_size=32, bits=4)
+                new.dtype = mx.float32
+            new.weight, new.scales, new.biases = packed, scales, biases
         else:
-            new = nn.Embedding(rows, width)
-        new.weight = values
+            values = layer.dequantized()
+            new = (
+                nn.Linear(width, rows, bias=bias)
+                if isinstance(layer, GGMLLinear)
+                else nn.Embedding(rows, width)
+            )
+            new.weight = values
+        if bias and isinstance(layer, GGMLLinear):
+            new.bias = layer["bias"]
         swapped.append((path, new))
     if swapped:
         module.update_modules(tree_unflatten(swapped))

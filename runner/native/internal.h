@@ -186,10 +186,10 @@ int affine_block(const struct product *p);
 int affine_reordered(int bits);
 void affine_rows(int bits, int m, int k, const float *a, int lda, float *into);
 int affine_supported(const struct step_weight *w, int n, int k);
-/* quantized.c: the same for W_Q6K (GGML's Q6_K blocks; A in order of k). */
-void q6k_columns(const struct product *p, int j0, int j1);
-int q6k_block(const struct product *p);
-int q6k_supported(const struct step_weight *w, int n, int k);
+/* quantized.c: the same for the GGML block formats, W_Q6K and W_Q4K (A in order of k). */
+void ggml_columns(const struct product *p, int j0, int j1);
+int ggml_block(const struct product *p);
+int ggml_supported(const struct step_weight *w, int n, int k);
 
 /* products.c */
 int column_block(const struct product *p);

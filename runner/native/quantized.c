@@ -818,19 +818,183 @@ static void q6k_stream_2(int k, const unsigned char *const *rows, const float *c
     q6k_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
 
-int q6k_supported(const struct step_weight *w, int n, int k) {
-    return w->format == W_Q6K && w->data && n > 0 && k > 0 && k % Q6K_WEIGHTS == 0;
+/* --- GGML's Q4_K blocks (W_Q4K) ----------------------------------------------------------- */
+
+/* A block: 256 weights in 144 bytes: d and dmin (float16), scales[12] (eight 6-bit scales sc_j
+ * and eight 6-bit mins m_j, packed as llama.cpp's get_scale_min_k4 reads them), qs[128] (4-bit
+ * codes): in chunk c (64 weights), weights 64c + l are the low nibbles of qs[32c + l] and
+ * 64c + 32 + l their high nibbles (l < 32), sub-blocks 2c and 2c + 1. Weight i's value, as
+ * llama.cpp's dequantize_row_q4_K computes it, is (d * sc_j) * q - (dmin * m_j), j = i / 32:
+ * both factors exact in float32, the product rounded, then the difference; that is MLX's
+ * affine value with scale d * sc_j and bias -(dmin * m_j) (`dequantized`), which GGUF loading
+ * repacks Q4_K into where the blocks are not kept. Both tiles make the values in order of k
+ * from the sub-block's table (AVX-512: one vpermps for 16 weights) or by the two roundings
+ * (q4k_chunk); the stream tile multiplies them in registers, the block tile's fill stores
+ * them: the block tile's lanes and order either way, so the same bits for any number of rows.
+ * 4.5 bits a weight read, where the affine repack's float32 scales and biases make it 6. */
+enum { Q4K_WEIGHTS = 256, Q4K_BYTES = 144, Q4K_CHUNK = 64 };
+
+/* sb[j] = d * sc_j (the scales) and sb[8 + j] = -(dmin * m_j) (the biases) for the 8
+ * sub-blocks of block x. */
+ALWAYS void q4k_scales(const unsigned char *x, float *sb) {
+    unsigned short hd, hm;
+    memcpy(&hd, x, 2);
+    memcpy(&hm, x + 2, 2);
+    const float d = half_to_float(hd), dmin = half_to_float(hm);
+    /* the 6-bit fields as 16 bytes, sc_0..7 then m_0..7 (llama.cpp's own unpacking) */
+    unsigned u[4];
+    memcpy(u, x + 4, 12);
+    const unsigned k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const unsigned m03 = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = m03;
+    u[0] &= k1;
+#if QPATH == 512
+    const __m512 f = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u))), f);
+    const __m512i sign = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, (int)0x80000000u, (int)0x80000000u,
+                                           (int)0x80000000u, (int)0x80000000u, (int)0x80000000u,
+                                           (int)0x80000000u, (int)0x80000000u, (int)0x80000000u);
+    _mm512_storeu_ps(sb, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign)));
+#else
+    unsigned char q[16];
+    memcpy(q, u, 16);
+    for (int j = 0; j < 8; j++) {
+        sb[j] = d * (float)q[j];
+        sb[8 + j] = -(dmin * (float)q[8 + j]);
+    }
+#endif
 }
 
-int q6k_block(const struct product *p) {
+/* The values of chunk c of a block (qs = its 32 bytes, sub-blocks' constants ga and gb), in
+ * order of k: Q4K_CHUNK / QL vectors. */
+ALWAYS void q4k_chunk(const unsigned char *qs, const struct qgroup *ga, const struct qgroup *gb,
+                      qv *out) {
+    enum { V = Q4K_CHUNK / QL, HALF = Q4K_CHUNK / QL / 2 };
+#if QPATH
+    qraw raw[HALF];
+    _Pragma("GCC unroll 8") for (int u = 0; u < HALF; u++) raw[u] = unit_load(8, qs, (size_t)u * QL);
+    /* unit_values(4, ...) reads a lane's low nibble (v = 0) or high one (v = 1) */
+    _Pragma("GCC unroll 8") for (int u = 0; u < HALF; u++) out[u] = unit_values(4, raw[u], 0, ga);
+    _Pragma("GCC unroll 8") for (int u = 0; u < HALF; u++) out[HALF + u] = unit_values(4, raw[u], 1, gb);
+#else
+    for (int v = 0; v < V; v++) {
+        const struct qgroup *g = v < HALF ? ga : gb;
+        float w[QL];
+        for (int l = 0; l < QL; l++) {
+            const unsigned byte = qs[(v % HALF) * QL + l];
+            w[l] = dequantized(g->t0[0], v < HALF ? byte & 15 : byte >> 4, g->t1[0]);
+        }
+        out[v] = qload(w);
+    }
+#endif
+}
+
+/* Row `row` of Q4_K blocks (k weights) dequantized into out[k], in order of k. */
+static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
+    float sb[16];
+    for (int b = 0; b < k / Q4K_WEIGHTS; b++) {
+        const unsigned char *x = row + (size_t)b * Q4K_BYTES;
+        q4k_scales(x, sb);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            const struct qgroup ga = group_of(4, sb + 2 * c, sb + 8 + 2 * c);
+            const struct qgroup gb = group_of(4, sb + 2 * c + 1, sb + 9 + 2 * c);
+            qv v[Q4K_CHUNK / QL];
+            q4k_chunk(x + 16 + 32 * c, &ga, &gb, v);
+            _Pragma("GCC unroll 8") for (int u = 0; u < Q4K_CHUNK / QL; u++)
+                qstore(out + (size_t)b * Q4K_WEIGHTS + Q4K_CHUNK * c + u * QL, v[u]);
+        }
+    }
+}
+
+static void q4k_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
+    (void)ctx;
+    const size_t row_bytes = (size_t)p->k / Q4K_WEIGHTS * Q4K_BYTES;
+    for (int r = 0; r < nj; r++)
+        q4k_dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
+                           w + (size_t)r * p->k);
+}
+
+/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
+ * the values made in registers a chunk at a time. `lines` cache lines from `ahead` prefetched,
+ * spread over the blocks. */
+ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *rows,
+                            const float *const *a, float *dot, const char *ahead, int lines) {
+    enum { RW = BLOCK_RW, V = Q4K_CHUNK / QL };
+    float sb[RW][16];
+    qv acc[2 * RW], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    const int blocks = k / Q4K_WEIGHTS;
+    for (int b = 0; b < blocks; b++) {
+        if (ahead)
+            for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
+                __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
+            q4k_scales(rows[r] + (size_t)b * Q4K_BYTES, sb[r]);
+        for (int c = 0; c < 4; c++) {
+            const int t = b * Q4K_WEIGHTS + c * Q4K_CHUNK;
+            qv x[2][V];
+            _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++)
+                _Pragma("GCC unroll 8") for (int u = 0; u < V; u++) x[i][u] = qload(a[i] + t + u * QL);
+            _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+                const struct qgroup ga = group_of(4, sb[r] + 2 * c, sb[r] + 8 + 2 * c);
+                const struct qgroup gb = group_of(4, sb[r] + 2 * c + 1, sb[r] + 9 + 2 * c);
+                qv w[V];
+                q4k_chunk(rows[r] + (size_t)b * Q4K_BYTES + 16 + 32 * c, &ga, &gb, w);
+                _Pragma("GCC unroll 8") for (int u = 0; u < V; u++)
+                    _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += x[i][u] * w[u];
+            }
+        }
+    }
+    sums(dot, acc, RA * RW);
+}
+
+static void q4k_stream_1(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    q4k_stream_tile(1, k, rows, a, dot, ahead, lines);
+}
+static void q4k_stream_2(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    q4k_stream_tile(2, k, rows, a, dot, ahead, lines);
+}
+
+/* --- block formats: the products ---------------------------------------------------------- */
+
+typedef void (*block_stream_fn)(int, const unsigned char *const *, const float *const *, float *,
+                                const char *, int);
+
+/* Bytes a block of 256 weights, the stream tiles and the fill of a GGML block format. */
+struct block_format {
+    size_t bytes;
+    block_stream_fn one, two;
+    fill_fn fill;
+};
+
+static const struct block_format *block_format_of(int format) {
+    static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_rows_fill};
+    static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_rows_fill};
+    return format == W_Q6K ? &q6k : format == W_Q4K ? &q4k : NULL;
+}
+
+int ggml_supported(const struct step_weight *w, int n, int k) {
+    return block_format_of(w->format) && w->data && n > 0 && k > 0 && k % 256 == 0;
+}
+
+int ggml_block(const struct product *p) {
     (void)p;
     return BLOCK_RW;
 }
 
-void q6k_columns(const struct product *p, int j0, int j1) {
-    const size_t row_bytes = (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES;
+/* Columns [j0, j1) of C from W in a GGML block format: stream tiles for up to STREAM_ROWS rows
+ * of A (BLOCK_RW rows of W at a time, the block PREFETCH_BLOCKS ahead fetched over the
+ * first tile's steps), block tiles for more. */
+void ggml_columns(const struct product *p, int j0, int j1) {
+    const struct block_format *f = block_format_of(p->format);
+    const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
     if (p->m > STREAM_ROWS) {
-        block_columns(p, j0, j1, row_bytes, q6k_rows_fill, NULL);
+        block_columns(p, j0, j1, row_bytes, f->fill, NULL);
         return;
     }
     const unsigned char *base = p->w;
@@ -845,7 +1009,7 @@ void q6k_columns(const struct product *p, int j0, int j1) {
         for (int i = 0; i < p->m; i += 2) {
             const int ni = p->m - i < 2 ? p->m - i : 2;
             const float *a[2] = {p->a + (size_t)i * p->lda, p->a + (size_t)(i + ni - 1) * p->lda};
-            (ni == 2 ? q6k_stream_2 : q6k_stream_1)(p->k, rows, a, dot, i ? NULL : next, lines);
+            (ni == 2 ? f->two : f->one)(p->k, rows, a, dot, i ? NULL : next, lines);
             for (int ii = 0; ii < ni; ii++)
                 for (int r = 0; r < nj; r++) store(p, i + ii, j + r, dot[ii * BLOCK_RW + r]);
         }

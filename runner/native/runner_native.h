@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 9
+#define RUNNER_NATIVE_ABI_VERSION 10
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -31,12 +31,13 @@
  *   float32 sums of those values (quantized.c), never a float32 copy of W.
  * - W_Q6K: GGML's Q6_K blocks as a GGUF file stores them ([n, k / 256] blocks of 210 bytes,
  *   k a multiple of 256): the weight is llama.cpp's dequantized value in float32 (quantized.c
- *   says how it is computed); products compute float32 sums of those values. */
-enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4 };
+ *   says how it is computed); products compute float32 sums of those values.
+ * - W_Q4K: GGML's Q4_K blocks, the same way ([n, k / 256] blocks of 144 bytes). */
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5 };
 
 /* One product's W [n, k]. */
 struct step_weight {
-    int format; /* W_F32, W_F16, W_BF16, W_AFFINE or W_Q6K */
+    int format; /* W_F32, W_F16, W_BF16, W_AFFINE, W_Q6K or W_Q4K */
     int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16 */
     const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
     const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` */
@@ -95,7 +96,7 @@ RUNNER_API long runner_panel_halves(int n, int k);
  * its values exactly (bit for bit back in float32): returns 1; else 0, dst undefined. */
 RUNNER_API int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst,
                                     int format);
-/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE or W_Q6K); 0, or -1
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K); 0, or -1
  * for arguments it cannot take (runner_weight_supported). */
 RUNNER_API int runner_weight_product(int m, int n, int k, const float *a,
                                      const struct step_weight *w, float *c);

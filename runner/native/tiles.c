@@ -67,8 +67,8 @@ void columns(const struct product *p, int j0, int j1) {
         affine_columns(p, j0, j1);
         return;
     }
-    if (p->format == W_Q6K) {
-        q6k_columns(p, j0, j1);
+    if (p->format == W_Q6K || p->format == W_Q4K) {
+        ggml_columns(p, j0, j1);
         return;
     }
     if (p->format != W_F32) {

@@ -1,7 +1,9 @@
 """A GGUF model file as a `ModelSource`: the checkpoint its metadata and tensors describe
 (`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
 tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
-kept as stored where they are floats, dequantized to float32 otherwise; never through MLX's
+kept as stored where they are floats or blocks the runner computes with (Q4_K and Q6_K
+layers' weights: runner/models/quantized.py decides what each becomes), dequantized to
+float32 otherwise; never through MLX's
 own GGUF reader (which corrupts Q4_K). Every tensor of the file is accounted for: one the
 architecture does not map fails the load, naming it.
 
@@ -104,8 +106,9 @@ def _tensors(
             continue
         info = file.tensors[gguf_name]
         parts = planned if isinstance(planned, tuple) else (planned,)
-        if info.ggml_type == quants.Q6_K and _whole_weights(parts, info.shape):
-            # kept as stored: the runner's Q6_K layers (runner/models/quantized.py) read them
+        if info.ggml_type in quants.KEPT_TYPES and _whole_weights(parts, info.shape):
+            # kept as stored: the runner's GGML layers (runner/models/quantized.py) read them,
+            # or make them what MLX's path reads where no native step does
             blocks = _raw_rows(file.raw(gguf_name), info.shape)
             treated["kept"][info.type_name] += 1
             for target in parts:
