@@ -22,6 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from runner.models import build_model
+from runner.sources.gguf import quants
 from runner.sources.gguf.model import load_gguf
 from runner.sources.loader import load_local_dir
 from runner.sources.source import ModelLoadError
@@ -447,3 +448,26 @@ def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_t
         assert rest is None and set(weights) == {"proj.weight"}
         values = weights["proj.weight"]
     np.testing.assert_array_equal(np.array(values), want)
+
+
+def test_repacks_keep_half_scales_and_compute_the_same(tmp_path: Path, monkeypatch) -> None:
+    """Repacks whose scales and biases float16 holds exactly (Q4_0, Q4_1, Q5_1, Q8_0 from a
+    float16 d) keep them in float16, fewer bytes for a decode step to read, and the model
+    computes bit for bit what it computes from the float32 ones, on the native step and on
+    MLX's path (whose dequantize works in the scales' dtype: the embedding rows widen them)."""
+    from runner.backend import Backend
+
+    checkpoint = tiny_checkpoint("LlamaForCausalLM", tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed)
+    source = load_gguf(path)
+    halves = {k for k, v in source.weights.items() if k.endswith(".scales")}
+    assert halves and all(source.weights[k].dtype == mx.float16 for k in halves)
+    assert source.weights["model.embed_tokens.scales"].dtype == mx.float16
+    plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
+    narrow = [logits(build_model(load_gguf(path), b)) for b in (Backend.cpu(), plain)]
+    monkeypatch.setattr(quants, "narrowed", lambda repacked: repacked)
+    wide_source = load_gguf(path)
+    assert wide_source.weights["model.embed_tokens.scales"].dtype == mx.float32
+    wide = [logits(build_model(load_gguf(path), b)) for b in (Backend.cpu(), plain)]
+    for got, want in zip(narrow, wide, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -73,11 +73,17 @@ class ScaledQuantizedEmbedding(nn.QuantizedEmbedding):
     dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        biases = self.get("biases")
+        scales, biases = self["scales"][x], self.get("biases")
+        biases = biases[x] if biases is not None else None
+        if self.dtype == mx.float32 and mx.issubdtype(scales.dtype, mx.floating):
+            # MLX dequantizes in the scales' dtype whatever `dtype` asks: half scales widened
+            # first (exactly), so the rows are the float32 values
+            scales = scales.astype(mx.float32)
+            biases = biases.astype(mx.float32) if biases is not None else None
         rows = mx.dequantize(
             self["weight"][x],
-            scales=self["scales"][x],
-            biases=biases[x] if biases is not None else None,
+            scales=scales,
+            biases=biases,
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
@@ -141,13 +147,11 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
         params = infer_quant_config(path, _Shape(in_dims), weights)  # type: ignore[arg-type]
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    dense = mx.dequantize(
-        weights[f"{path}.weight"],
-        weights.pop(f"{path}.scales"),
-        weights.pop(f"{path}.biases", None),
-        dtype=mx.float32,
-        **params,
-    )
+    scales, biases = weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
+    if mx.issubdtype(scales.dtype, mx.floating):  # MLX dequantizes in the scales' dtype
+        scales = scales.astype(mx.float32)
+        biases = biases.astype(mx.float32) if biases is not None else None
+    dense = mx.dequantize(weights[f"{path}.weight"], scales, biases, dtype=mx.float32, **params)
     scale = weights.pop(f"{path}.{GLOBAL_SCALE}", None)
     if scale is not None:
         scale = scale.reshape(-1).astype(mx.float32)

@@ -133,7 +133,8 @@ def _tensors(
                     raise ModelLoadError(
                         f"GGUF: {gguf_name} is quantized where a float is expected"
                     )
-                weight, scales, biases = quants.mlx_repacked(_rows(converted, target.rows))
+                narrow = quants.narrowed(_rows(converted, target.rows))
+                weight, scales, biases = quants.mlx_repacked(narrow)
                 base = target.name.removesuffix(".weight")
                 weights[target.name], weights[f"{base}.scales"] = weight, scales
                 if biases is not None:
