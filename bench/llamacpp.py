@@ -8,6 +8,9 @@
   little from ours; the columns say by how much.
 - `llama.cpp-q4`: Q4_K_M quantized from that GGUF, default (f16) KV cache: what a llama.cpp
   user runs. Its logits differ from ours by the quantization; the columns say by how much.
+- `llama.cpp-q4_0`, `llama.cpp-q8_0`: the same on Q4_0 and Q8_0 files (llama.cpp's
+  quantizer's types of those names: every matrix in one type, the head or embedding in Q6_K
+  or Q8_0 as llama-quantize chooses).
 
 Each runs in a process of its own (spawned: no MLX, no torch in it), as a user runs llama.cpp,
 and keeps one `Llama` with n_threads = n_threads_batch = the machine's cores and reuses
@@ -74,6 +77,9 @@ CONVERTER_PATHS = (CONVERTER, "gguf-py/", "conversion/")
 SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
 F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
+Q4_0, Q8_0 = "q4_0.gguf", "q8_0.gguf"
+# llama.cpp's quantizer's file types (LLAMA_FTYPE_MOSTLY_*) of the quantized files
+QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0"}
 STAMP = "source.json"
 POLL_S = 0.2  # how often a wait for the llama.cpp process's answer checks that it lives
 REAP_S = 5.0  # how long its pipe's end waits for the process to be reaped
@@ -194,10 +200,11 @@ def convert(model_dir: Path, out: Path, src: Path, log: Path, outtype: str = "f3
     os.replace(partial, out)
 
 
-def quantize(llama_cpp: Any, source: Path, out: Path) -> None:
-    """Q4_K_M from the f32 GGUF with llama.cpp's own quantizer (llama-quantize's code)."""
+def quantize(llama_cpp: Any, source: Path, out: Path, kind: str = "Q4_K_M") -> None:
+    """`kind` (Q4_K_M, Q4_0, Q8_0: a LLAMA_FTYPE_MOSTLY_*) from the f32 GGUF with llama.cpp's
+    own quantizer (llama-quantize's code)."""
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
     params.nthread = os.cpu_count() or 1
     partial = out.with_suffix(".partial")
     status = llama_cpp.llama_model_quantize(
@@ -209,8 +216,8 @@ def quantize(llama_cpp: Any, source: Path, out: Path) -> None:
 
 
 def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
-    """The GGUF `name` (F32, F16 or Q4) of ctx.model_dir, made on first use or after a
-    change."""
+    """The GGUF `name` (F32, F16 or one of QUANTIZED) of ctx.model_dir, made on first use or
+    after a change."""
     model_dir = Path(ctx.model_dir)
     version = llama_cpp.__version__
     cache = model_dir.parent / f"{model_dir.name}.gguf"
@@ -218,7 +225,7 @@ def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
     stamp_path = cache / STAMP
     if not stamp_path.exists() or json.loads(stamp_path.read_text()) != stamp:
         cache.mkdir(parents=True, exist_ok=True)
-        for old in (stamp_path, cache / F32, cache / F16, cache / Q4):
+        for old in (stamp_path, cache / F32, cache / F16, *(cache / q for q in QUANTIZED)):
             old.unlink(missing_ok=True)
         src = converter_source(ctx.llama_cpp_src, version)
         convert(model_dir, cache / F32, src, cache / "convert.log")
@@ -227,7 +234,7 @@ def cached_gguf(llama_cpp: Any, ctx: Context, name: str) -> Path:
         src = converter_source(ctx.llama_cpp_src, version)
         convert(model_dir, cache / F16, src, cache / "convert-f16.log", "f16")
     if not (cache / name).exists():
-        quantize(llama_cpp, cache / F32, cache / name)
+        quantize(llama_cpp, cache / F32, cache / name, QUANTIZED[name])
     return cache / name
 
 
@@ -444,3 +451,15 @@ class LlamaCppQ4(LlamaCpp):
     description = "llama-cpp-python, Q4_K_M GGUF, f16 KV cache (llama.cpp's defaults)"
     gguf = Q4
     kv_type = None
+
+
+class LlamaCppQ40(LlamaCppQ4):
+    name = "llama.cpp-q4_0"
+    description = "llama-cpp-python, Q4_0 GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q4_0
+
+
+class LlamaCppQ80(LlamaCppQ4):
+    name = "llama.cpp-q8_0"
+    description = "llama-cpp-python, Q8_0 GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q8_0

@@ -13,6 +13,7 @@
   own quantizer's file, made by bench/llamacpp.py; the runner loads it as it loads a store's
   blob): the two engines on the same quantized bits. Its answers differ from `ours`' by the
   quantization, as llama.cpp-q4's do; needs llama-cpp-python to make the file.
+- `ours-q4_0`, `ours-q8_0`: the same on `llama.cpp-q4_0`'s and `llama.cpp-q8_0`'s files.
 """
 
 from __future__ import annotations
@@ -254,8 +255,21 @@ class OursHTTP(System):
 class OursQ4(OursHTTP):
     name = "ours-q4"
     description = "runner spawned on llama.cpp-q4's Q4_K_M GGUF (the same file)"
+    gguf = "q4_k_m.gguf"  # bench/llamacpp.py's file names
 
     def model(self, ctx: Context) -> str:
-        from bench.llamacpp import Q4, cached_gguf, import_llama_cpp
+        from bench.llamacpp import cached_gguf, import_llama_cpp
 
-        return str(cached_gguf(import_llama_cpp(), ctx, Q4))
+        return str(cached_gguf(import_llama_cpp(), ctx, self.gguf))
+
+
+class OursQ40(OursQ4):
+    name = "ours-q4_0"
+    description = "runner spawned on llama.cpp-q4_0's Q4_0 GGUF (the same file)"
+    gguf = "q4_0.gguf"
+
+
+class OursQ80(OursQ4):
+    name = "ours-q8_0"
+    description = "runner spawned on llama.cpp-q8_0's Q8_0 GGUF (the same file)"
+    gguf = "q8_0.gguf"

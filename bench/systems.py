@@ -4,8 +4,8 @@ are checked against it)."""
 from __future__ import annotations
 
 from bench.base import System
-from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
-from bench.ours import Ours, OursHTTP, OursQ4, OursRows
+from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4, LlamaCppQ40, LlamaCppQ80
+from bench.ours import Ours, OursHTTP, OursQ4, OursQ40, OursQ80, OursRows
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
@@ -15,12 +15,16 @@ SYSTEMS: dict[str, type[System]] = {
         OursRows,
         OursHTTP,
         OursQ4,
+        OursQ40,
+        OursQ80,
         Baseline,
         MlxLm,
         Transformers,
         LlamaCpp,
         LlamaCppF16,
         LlamaCppQ4,
+        LlamaCppQ40,
+        LlamaCppQ80,
     )
 }
 NAMES = tuple(SYSTEMS)

@@ -24,9 +24,9 @@ from bench.__main__ import parse_args, run
 from bench.base import Context, ScoreOutcome
 from bench.harness import run_system
 from bench.http import HTTPStatus, KeptConnection, SpawnedRunner
-from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4
+from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4, LlamaCppQ80
 from bench.models import SHAPES, load_tokenizer, write_model_dir
-from bench.ours import Ours, OursHTTP, OursQ4
+from bench.ours import Ours, OursHTTP, OursQ4, OursQ40
 from bench.peers import Baseline
 from bench.report import compute_metrics, format_workload
 from bench.workloads import NAMES, build_workloads
@@ -298,7 +298,7 @@ def test_llama_cpp_skipped_without_package(model_dir, bench_engine, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     workloads = build_workloads(list(NAMES), "small", load_tokenizer(model_dir).encode)
     ctx = Context(model_dir, bench_engine, tmp_path, SHAPES["small"].context)
-    for system in (LlamaCpp(), LlamaCppF16(), LlamaCppQ4(), OursQ4()):
+    for system in (LlamaCpp(), LlamaCppF16(), LlamaCppQ4(), LlamaCppQ80(), OursQ4(), OursQ40()):
         results = run_system(system, workloads, ctx, repeats=1, sample_rows=None)
         assert [r.workload for r in results] == list(NAMES)
         for r in results:
