@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -128,6 +129,19 @@ PIPELINES = {
     "llama3": lambda: _train(_split(LLAMA3_PATTERN)),
     "qwen2+nfc": lambda: _train(_split(QWEN2_PATTERN), normalizers.NFC()),
     "qwen3.5+nfc": lambda: _train(_split(QWEN3_5_PATTERN), normalizers.NFC()),
+    # a GGUF's GPT-2 pipeline as rebuilt where its vocabulary lacks bytes: those split off
+    # after the byte mapping (here 'e', 'Ġ' for a space and 'Ċ' for a newline: often)
+    "digits+gpt2+bytes": lambda: _train(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+                pre_tokenizers.Split(
+                    Regex("[\\x{65}\\x{120}-\\x{121}\\x{10a}]"), behavior="isolated", invert=False
+                ),
+            ]
+        )
+    ),
     # llama.cpp's spelling, which GGUF tokenizers are rebuilt with
     "llama3-llama.cpp": lambda: _train(
         _split(LLAMA3_PATTERN.replace(HF_CONTRACTIONS, LLAMA_CPP_CONTRACTIONS))
@@ -338,3 +352,21 @@ def test_gguf_tokenizers_are_rebuilt_with_patterns_that_allow_cuts() -> None:
     from runner.text.cuts import SPLIT_PATTERNS
 
     assert {gguf_tokenizer.LLAMA3, gguf_tokenizer.QWEN2, gguf_tokenizer.QWEN35} <= SPLIT_PATTERNS
+
+
+def test_a_gguf_gpt2_tokenizer_missing_bytes_still_allows_cuts() -> None:
+    """A GGUF whose vocabulary lacks some bytes (SmolLM2's, the default model's) is rebuilt
+    with a Split isolating them after the byte mapping (runner/sources/gguf/tokenizer.py):
+    one character a match, so its prompts still get cuts; a class with a quantifier or
+    anything past its characters does not."""
+    from runner.sources.gguf import tokenizer as gguf_tokenizer
+
+    # every GPT-2 byte character but two
+    vocab = SimpleNamespace(token_to_id=dict.fromkeys(gguf_tokenizer._gpt2_bytes()[2:], 0))
+    pre = gguf_tokenizer._byte_level_pre_tokenizer(vocab, [gguf_tokenizer.GPT2])
+    assert pre["type"] == "Sequence" and pre["pretokenizers"][-1]["type"] == "Split"
+    spec = {"model": {"type": "BPE"}, "pre_tokenizer": pre}
+    assert CutRule.of(spec) is not None
+    for regex in ("[\\x{100}\\x{101}]+", "[\\x{100}]x", "[ab]"):
+        pre["pretokenizers"][-1]["pattern"] = {"Regex": regex}
+        assert CutRule.of(spec) is None, regex

@@ -21,6 +21,9 @@ Why, step by step (each step must split X at m as it splits X[:m] and X[m:] alon
   `(?!\\S)`, follows a run of whitespace that ends before m - 1), and a space there stops
   each run as the end of the text does. With no anchors and no lookbehind, matching X[m:]
   alone finds what matching X finds from m on;
+- a Split that isolates the characters of one bracketed class of single characters (what
+  a GGUF tokenizer is rebuilt with to split off bytes its vocabulary lacks) matches one
+  character at a time, wherever it stands: it splits X where it splits X[:m] and X[m:];
 - BPE without dropout encodes each piece on its own; with special tokens off, no
   post-processor adds a token.
 So X's pieces are X[:m]'s followed by X[m:]'s, and its ids theirs.
@@ -64,6 +67,9 @@ SPLIT_PATTERNS = frozenset(
     for pattern in (LLAMA3_PATTERN, QWEN2_PATTERN, QWEN3_5_PATTERN)
     for contractions in (HF_CONTRACTIONS, LLAMA_CPP_CONTRACTIONS)
 )
+# A Split pattern that is one class of single characters written as `\x{hex}` escapes (and
+# ranges of them): each match is one character, found wherever it stands.
+SINGLE_CHARACTERS = re.compile(r"\[(?:\\x\{[0-9a-fA-F]+\}(?:-\\x\{[0-9a-fA-F]+\})?)+\]")
 # Characters treated as whitespace besides what str.isspace says: format characters that
 # some Unicode versions or regex engines count as spaces. Calling a character whitespace
 # only loses a cut.
@@ -89,12 +95,13 @@ def _splits_at_cuts(step: Any) -> bool | None:
         return step.get("use_regex", True) is True
     if kind == "Split":
         pattern = step.get("pattern") or {}
-        if (
-            pattern.get("Regex") in SPLIT_PATTERNS
-            and step.get("behavior") == "Isolated"
-            and step.get("invert") is False
-        ):
+        if step.get("behavior") != "Isolated" or step.get("invert") is not False:
+            return None
+        regex = pattern.get("Regex")
+        if regex in SPLIT_PATTERNS:
             return True
+        if isinstance(regex, str) and SINGLE_CHARACTERS.fullmatch(regex):
+            return False
     return None
 
 
