@@ -116,10 +116,15 @@ def measure(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runner.native import preload
+
+    argv = sys.argv[1:] if argv is None else argv
+    # as `python -m runner` runs: the BLAS and the native step are chosen at process start
+    preload.reexec_preloaded("bench.gguf_load", argv)
     p = argparse.ArgumentParser(prog="python -m bench.gguf_load", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--file", type=Path, help="time this GGUF instead of a random one")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     if args.file:
         measure(args.file.expanduser())
         return 0

@@ -216,13 +216,17 @@ def dequantize_q4_k(blocks: mx.array) -> mx.array:
 
 def q4_k_affine(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Q4_K blocks [rows, k / 256 * 144] as MLX's affine quantization (group 32, 4 bits,
-    float32 scales d * sc_j and biases -(dmin * m_j)): the same values exactly."""
-    codes, scales, biases = _q4_k_parts(blocks)
-    rows = blocks.shape[0]
-    c = codes.reshape(rows, -1, 8).astype(mx.uint32)  # 8 codes a uint32, the first lowest
-    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
-    packed = mx.sum(c << shifts, axis=-1).astype(mx.uint32)
-    return packed, scales.reshape(rows, -1), biases.reshape(rows, -1)
+    float32 scales d * sc_j and biases -(dmin * m_j)): the same values exactly, by GGUF
+    loading's own repack (numpy: MLX's element-wise CPU operations take seconds a 1B)."""
+    import numpy as np
+
+    from runner.sources.gguf import quants
+
+    raw = np.asarray(blocks)
+    rows, k = raw.shape[0], raw.shape[1] // Q4_K_BYTES * BLOCK_WEIGHTS
+    repacked = quants.repack(raw.reshape(-1), quants.Q4_K, (rows, k))
+    assert repacked.biases is not None
+    return mx.array(repacked.weight), mx.array(repacked.scales), mx.array(repacked.biases)
 
 
 DEQUANTIZE = {Q6_K: dequantize_q6_k, Q4_K: dequantize_q4_k}
