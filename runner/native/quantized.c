@@ -767,14 +767,6 @@ static void q6k_dequantize_row(int k, const unsigned char *row, float *out) {
     }
 }
 
-static void q6k_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
-    (void)ctx;
-    const size_t row_bytes = (size_t)p->k / Q6K_WEIGHTS * Q6K_BYTES;
-    for (int r = 0; r < nj; r++)
-        q6k_dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
-                           w + (size_t)r * p->k);
-}
-
 /* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
  * each block's values made in registers. `lines` cache lines from `ahead` (the rows a few
  * blocks on) prefetched, spread over the blocks. */
@@ -908,14 +900,6 @@ static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
     }
 }
 
-static void q4k_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
-    (void)ctx;
-    const size_t row_bytes = (size_t)p->k / Q4K_WEIGHTS * Q4K_BYTES;
-    for (int r = 0; r < nj; r++)
-        q4k_dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
-                           w + (size_t)r * p->k);
-}
-
 /* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
  * the values made in registers a chunk at a time. `lines` cache lines from `ahead` prefetched,
  * spread over the blocks. */
@@ -965,17 +949,27 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
 typedef void (*block_stream_fn)(int, const unsigned char *const *, const float *const *, float *,
                                 const char *, int);
 
-/* Bytes a block of 256 weights, the stream tiles and the fill of a GGML block format. */
+/* Bytes a block of 256 weights, the stream tiles and the row dequantizer of a GGML block
+ * format. */
 struct block_format {
     size_t bytes;
     block_stream_fn one, two;
-    fill_fn fill;
+    void (*dequantize_row)(int k, const unsigned char *row, float *out);
 };
 
 static const struct block_format *block_format_of(int format) {
-    static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_rows_fill};
-    static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_rows_fill};
+    static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_dequantize_row};
+    static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_dequantize_row};
     return format == W_Q6K ? &q6k : format == W_Q4K ? &q4k : NULL;
+}
+
+/* The block tiles' fill (fill_fn) for a GGML format (ctx: its block_format). */
+static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
+    const struct block_format *f = ctx;
+    const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
+    for (int r = 0; r < nj; r++)
+        f->dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
+                          w + (size_t)r * p->k);
 }
 
 int ggml_supported(const struct step_weight *w, int n, int k) {
@@ -994,7 +988,7 @@ void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
     if (p->m > STREAM_ROWS) {
-        block_columns(p, j0, j1, row_bytes, f->fill, NULL);
+        block_columns(p, j0, j1, row_bytes, ggml_rows_fill, f);
         return;
     }
     const unsigned char *base = p->w;
