@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                     theirs.keys[..., : args.cached, :], theirs.values[..., : args.cached, :]
                 )
             return caches
-        mx.eval(model.hidden(mx.array([prompt[: args.cached]], dtype=mx.int32), caches))
+        # in forwards the native step takes, as the runner's chunked prefill feeds it: one
+        # forward past its limit would run MLX's path (for a quantized model, MLX's CPU
+        # quantized_matmul: minutes for a 0.6B's prompt)
+        step = max(sizes)
+        for start in range(0, args.cached, step):
+            chunk = prompt[start : min(start + step, args.cached)]
+            mx.eval(model.hidden(mx.array([chunk], dtype=mx.int32), caches))
         prompt_caches[name] = caches
         return caches
 
