@@ -34,6 +34,7 @@ from bench.base import (
     mlx_memory_bytes,
 )
 from bench.http import MISSING_ENDPOINT, HTTPStatus, KeptConnection, SpawnedRunner, post_jsonl
+from bench.llamacpp import Q4, Q4_0, Q8_0
 from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
@@ -255,7 +256,7 @@ class OursHTTP(System):
 class OursQ4(OursHTTP):
     name = "ours-q4"
     description = "runner spawned on llama.cpp-q4's Q4_K_M GGUF (the same file)"
-    gguf = "q4_k_m.gguf"  # bench/llamacpp.py's file names
+    gguf = Q4
 
     def model(self, ctx: Context) -> str:
         from bench.llamacpp import cached_gguf, import_llama_cpp
@@ -266,10 +267,10 @@ class OursQ4(OursHTTP):
 class OursQ40(OursQ4):
     name = "ours-q4_0"
     description = "runner spawned on llama.cpp-q4_0's Q4_0 GGUF (the same file)"
-    gguf = "q4_0.gguf"
+    gguf = Q4_0
 
 
 class OursQ80(OursQ4):
     name = "ours-q8_0"
     description = "runner spawned on llama.cpp-q8_0's Q8_0 GGUF (the same file)"
-    gguf = "q8_0.gguf"
+    gguf = Q8_0

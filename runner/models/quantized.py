@@ -233,42 +233,42 @@ DEQUANTIZE = {Q6_K: dequantize_q6_k, Q4_K: dequantize_q4_k}
 BLOCK_BYTES = {Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES}
 
 
-class GGMLLinear(nn.Module):
-    """A linear layer whose weight is GGML blocks of `ggml_type` (Q6_K, Q4_K) [out, in / 256 *
-    bytes a block] as a GGUF stores them; MLX's path dequantizes the whole weight each call
-    (the native step reads the blocks, and takes every forward it can)."""
+class _GGMLBlocks(nn.Module):
+    """A weight of GGML blocks of `ggml_type` (Q6_K, Q4_K), [rows, columns / 256 * bytes a
+    block] as a GGUF stores them."""
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool, ggml_type: str):
+    def __init__(self, rows: int, columns: int, ggml_type: str):
         super().__init__()
         self.ggml_type = ggml_type
-        width = input_dims // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]
-        self.blocks = mx.zeros((output_dims, width), mx.uint8)
-        if bias:
-            self.bias = mx.zeros((output_dims,))
+        self.blocks = mx.zeros((rows, columns // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]), mx.uint8)
 
     def dequantized(self, rows: mx.array | None = None) -> mx.array:
         """The weight's float32 values (of `rows` only, if given)."""
         blocks = self[BLOCKS] if rows is None else self[BLOCKS][rows]
         return DEQUANTIZE[self.ggml_type](blocks)
 
+
+class GGMLLinear(_GGMLBlocks):
+    """A linear layer whose weight is GGML blocks [out, in / 256 * bytes a block]; MLX's path
+    dequantizes the whole weight each call (the native step reads the blocks, and takes every
+    forward it can)."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool, ggml_type: str):
+        super().__init__(output_dims, input_dims, ggml_type)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
     def __call__(self, x: mx.array) -> mx.array:
         y = x @ self.dequantized().astype(x.dtype).T
         return y + self["bias"] if "bias" in self else y
 
 
-class GGMLEmbedding(nn.Module):
+class GGMLEmbedding(_GGMLBlocks):
     """An embedding whose table is GGML blocks [vocab, dims / 256 * bytes a block]: rows
     dequantized as they are gathered; `as_linear` (a tied head) dequantizes the table."""
 
     def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
-        super().__init__()
-        self.ggml_type = ggml_type
-        width = dims // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]
-        self.blocks = mx.zeros((num_embeddings, width), mx.uint8)
-
-    def dequantized(self, rows: mx.array | None = None) -> mx.array:
-        blocks = self[BLOCKS] if rows is None else self[BLOCKS][rows]
-        return DEQUANTIZE[self.ggml_type](blocks)
+        super().__init__(num_embeddings, dims, ggml_type)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.dequantized(x)

@@ -711,6 +711,14 @@ enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210 };
 typedef unsigned char u8x32 __attribute__((vector_size(32)));
 typedef unsigned short u16x16 __attribute__((vector_size(32)));
 
+/* Share b of `blocks` of the `lines` cache lines from `ahead` (none when NULL) prefetched: a
+ * stream tile spreads the rows a few blocks on over its steps. */
+ALWAYS void fetch_share(const char *ahead, int lines, int b, int blocks) {
+    if (ahead)
+        for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
+            __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
+}
+
 /* codes[256] = block x's codes less 32, in order of k; scale[16] = d * scales[j]. */
 ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) {
     const u8x32 low4 = (u8x32){0} + 15, low2 = (u8x32){0} + 3, bias = (u8x32){0} + 32;
@@ -780,9 +788,7 @@ ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *row
     _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
     const int blocks = k / Q6K_WEIGHTS;
     for (int b = 0; b < blocks; b++) {
-        if (ahead)
-            for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
-                __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
+        fetch_share(ahead, lines, b, blocks);
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
             q6k_codes(rows[r] + (size_t)b * Q6K_BYTES, codes[r], scale[r]);
         const int t0 = b * Q6K_WEIGHTS;
@@ -912,9 +918,7 @@ ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *row
     _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
     const int blocks = k / Q4K_WEIGHTS;
     for (int b = 0; b < blocks; b++) {
-        if (ahead)
-            for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
-                __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
+        fetch_share(ahead, lines, b, blocks);
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
             q4k_scales(rows[r] + (size_t)b * Q4K_BYTES, sb[r]);
         for (int c = 0; c < 4; c++) {
