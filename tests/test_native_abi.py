@@ -14,6 +14,7 @@ instruction-set paths.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import platform
@@ -122,7 +123,7 @@ VERSION = "#define RUNNER_NATIVE_ABI_VERSION"
     [
         (  # a field added to a struct in C only (abi.c's table unchanged)
             {"runner_native.h": (APPEND, APPEND.replace("\n};", "\n    int extra;\n};"))},
-            "struct step_cache: 48 bytes, the mirror 40",
+            "struct step_cache: 56 bytes, the mirror 48",
         ),
         (  # two fields of one type swapped in C only: sizes agree, offsets do not
             {"runner_native.h": ("float eps, scale;", "float scale, eps;")},
@@ -386,6 +387,45 @@ def test_every_level_computes_the_decoder_step(
     counted.half_format = step.half_format  # type: ignore[attr-defined]
     native, mlx_path = run(counted), run(None)
     assert all(taken) and len(taken) == 4
+    for got, want in zip(native, mlx_path, strict=True):
+        assert np.abs(got - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path: Path) -> None:
+    """Sliding-window layers (windows of 8; Qwen2's first layer full) through the level's
+    step equal MLX's path: a chunk longer than the window (row items, its own keys
+    windowed), decode steps that wrap the ring (split items), chunks over a wrapped ring."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    backend = Backend.cpu().replace(native_step_max_tokens=None, gemv=False)
+    plain = load_tiny_model(arch, tmp_path, backend=backend)
+    step = native_step.build(plain.module, plain.KERNELS, 16, (), functions=functions)
+    assert step is not None
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 300, size=40)]
+    cuts = [0, 13, 14, 15, 16, 17, 18, 21, 30, 31, 40]
+
+    def run(native: Any) -> list[np.ndarray]:
+        plain._native = native
+        caches, out = plain.make_caches(), []
+        for start, stop in itertools.pairwise(cuts):
+            hidden = plain.hidden(mx.array([prompt[start:stop]], dtype=mx.int32), caches)
+            out.append(np.array(plain.unembed(hidden)))
+        return out
+
+    taken = []
+
+    def counted(tokens: mx.array, caches: list[Any]) -> Any:
+        result = step(tokens, caches)
+        taken.append(result is not None)
+        return result
+
+    counted.unembed = step.unembed  # type: ignore[attr-defined]
+    native, mlx_path = run(counted), run(None)
+    assert all(taken) and len(taken) == len(cuts) - 1
     for got, want in zip(native, mlx_path, strict=True):
         assert np.abs(got - want).max() < 1e-4
 

@@ -374,6 +374,100 @@ def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
     assert native._native.taken == before
 
 
+# Families with sliding-window layers (tests/data/configs: window 8): Mistral windows every
+# layer, this Qwen2 its last two of three.
+WINDOWED = ["MistralForCausalLM", "Qwen2ForCausalLM"]
+
+
+def windowed_pair(arch: str, path: Any, max_tokens: int, **config: Any) -> tuple[Any, Any]:
+    on = Backend.cpu().replace(native_step_max_tokens=max_tokens)
+    off = Backend.cpu().replace(native_step_max_tokens=None)
+    edited = tiny_config(arch) | config
+    native = load_tiny_model(arch, path / "a", backend=on, config=edited)
+    plain = load_tiny_model(arch, path / "b", backend=off, config=edited)
+    assert native._native is not None
+    native._native = Counting(native._native)
+    return native, plain
+
+
+def assert_rings_equal(a: list[Any], b: list[Any]) -> None:
+    """Rotating caches hold the same positions in the same slots, as MLX's path leaves them
+    (the native step appends to them through mlx-lm's own update); KV caches as ever."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    rings = [(x, y) for x, y in zip(a, b, strict=True) if type(x) is RotatingKVCache]
+    assert rings and all(type(y) is RotatingKVCache for _, y in rings)
+    for x, y in rings:
+        assert (x.offset, x._idx, x.keys.shape) == (y.offset, y._idx, y.keys.shape)
+        np.testing.assert_allclose(np.array(x.keys), np.array(y.keys), atol=2e-5)
+        np.testing.assert_allclose(np.array(x.values), np.array(y.values), atol=2e-5)
+    plain = [(x, y) for x, y in zip(a, b, strict=True) if type(x) is not RotatingKVCache]
+    if plain:
+        assert_caches_equal(*map(list, zip(*plain, strict=True)))
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_sliding_windows_equal_mlx(arch, tmp_path):
+    """Sliding-window layers through the step: chunks that cross the window, decode steps
+    that wrap the ring (mlx-lm writes a step in place at its `_idx`), chunks after it has
+    wrapped (mlx-lm keeps the last window - 1 positions in order, then appends), and a
+    chunk longer than the window (its own keys windowed too). Every forward is the step's."""
+    native, plain = windowed_pair(arch, tmp_path, 16)
+    prompt = np.random.default_rng(0).integers(3, 300, size=120).tolist()
+    a, b = native.make_caches(), plain.make_caches()
+    cuts = [0, 3, 6, 13, *range(14, 24), 30, 31, 32, 45, 46, *range(47, 60), 61, 76, 77, 80]
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert_rings_equal(a, b)
+    assert native._native.taken == len(cuts) - 1
+    assert native._native.declined == 0
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_long_windowed_forwards_equal_mlx(arch, tmp_path):
+    """Windows that span several of the attention's key chunks (row items: 64 keys; split
+    items: 128, the cache in ranges): rows whose window starts inside a chunk, chunks that
+    some rows of a block see and others do not, windows inside a forward's own keys."""
+    native, plain = windowed_pair(arch, tmp_path, 512, sliding_window=150)
+    prompt = np.random.default_rng(1).integers(3, 300, size=1300).tolist()
+    a, b = native.make_caches(), plain.make_caches()
+    # 300 on an empty cache (own keys windowed), 37 over 300 cached (row items), 7 (split
+    # items), decode steps, 261 more, 600 by MLX's path (> 512), then 40 and decode
+    cuts = [0, 300, 337, 344, 345, 346, 607, 1207, 1247, 1248, 1249]
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_rings_equal(a, b)
+    assert native._native.taken == len(cuts) - 2
+    assert native._native.declined == 1
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_windowed_rows_batched_over_a_prefix_equal_mlx(arch, tmp_path):
+    """Scoring's batched rows where a prefix fills the window (and wrapped it: 40 > 8): the
+    rotating layers' broadcast rings are read as each row's prefix, and appended by MLX."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    native, plain = windowed_pair(arch, tmp_path, 16)
+    prefix = list(range(20, 60))
+    suffixes = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [13], [14, 15, 16, 17]]
+    results = []
+    for model in (native, plain):
+        caches = model.make_caches()
+        for at in range(0, 40, 8):
+            forward(model, caches, prefix[at : at + 8])
+        kinds = [kind_of(c) for c in caches]
+        batch = broadcast(kinds, caches, len(suffixes))
+        hidden = forward_suffixes(model, batch, suffixes)
+        mx.eval(hidden)
+        results.append([np.array(hidden[i, : len(s)]) for i, s in enumerate(suffixes)])
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert native._native.taken == 6  # the prefix's five chunks and the batch
+
+
 def test_only_float32_llama_shapes_get_a_step(tmp_path):
     """Families without the step keep MLX's path, as does a Llama with the step turned off."""
     gemma = load_tiny_model("Gemma3ForCausalLM", tmp_path / "g")

@@ -32,25 +32,31 @@ the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or
 quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
 
-It serves Llama, Qwen2 and Qwen3 as mlx-lm builds them (`LlamaForCausalLM`,
-`Qwen2ForCausalLM`, `Qwen3ForCausalLM`):
-RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half rotary embeddings
-from the runner's tables (runner/backend/rope.py), SwiGLU. `build` returns None for
-anything else (a weight it cannot read: non-float32 floats, other quantizations (mxfp4,
-nvfp4, 2/3/6 bits, global scales); another module shape), and a call
-returns None where MLX's path must run: more tokens than the backend's limit, a cache that
-is neither a plain `KVCache` (one row) nor an empty-suffixed `SharedPrefixKV` (rows over a
-prefix), e.g. sliding windows, or cache buffers it cannot read in place.
+It serves Llama, Qwen2, Qwen3 and Mistral as mlx-lm builds them (mlx-lm's llama, qwen2 and
+qwen3 classes): RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half
+rotary embeddings from the runner's tables (runner/backend/rope.py), SwiGLU, and full or
+sliding-window attention. `build` returns None for anything else (a weight it cannot read:
+non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales); another
+module shape), and a call returns None where MLX's path must run: more tokens than the
+backend's limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
+`SharedPrefixKV` (rows over a prefix) or a `RotatingKVCache` without a `keep`, or cache
+buffers it cannot read in place.
+
+Sliding windows: a layer whose cache is a `RotatingKVCache` is windowed by the ring's size
+(the runner's layer_caches makes every windowed layer's ring the window's size, and mlx-lm's
+masks are that window): the step reads the positions its queries see out of the ring in
+order of position (`_window_view`: a view, or a copy where the ring has wrapped), and the
+new keys go in through the ring's own `update_and_fetch`, as MLX's path appends them.
 
 Invariants:
 - One row's `KVCache`s are written in place, into buffers this step allocated for them
   (`NativeStep._grow`: the only buffers known to be the cache's alone; `restore` copies a
-  prefix paged in from the trie into them, too); rows batched over a
-  prefix append through MLX's `update_and_fetch` (copy-on-write). Either way a cache holds
-  exactly what mlx-lm's attention would have appended, so snapshots, rewinds and the
-  prefix trie see the same caches on both paths.
+  prefix paged in from the trie into them, too); rows batched over a prefix, and rotating
+  caches, append through MLX's `update_and_fetch` (copy-on-write). Either way a cache
+  holds exactly what mlx-lm's attention would have appended, so snapshots, rewinds and
+  the prefix trie see the same caches on both paths.
 - Numbers: float32 throughout, the same operations as MLX's path in another summation
-  order; tests/test_native_step.py compares the two, and every golden test of the two
+  order; tests/test_native_step.py compares the two, and every golden test of the
   families runs through it. Half copies change no weight: the step's results with and
   without them agree to float32 rounding (the panels sum each value in order of k, the same
   bits for any number of rows; tested).
@@ -68,7 +74,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
@@ -471,22 +477,35 @@ class NativeStep:
         if not caches or len(caches) != self.layers:
             return None
         batch, t = int(tokens.shape[0]), int(tokens.shape[1])
-        one_row = batch == 1 and all(type(c) is KVCache for c in caches)
+        # sliding-window layers: mlx-lm's rotating caches (runner/models/decoder.py's
+        # layer_caches: the window is the ring's size), read here and appended by MLX
+        windowed = [type(c) is RotatingKVCache for c in caches]
+        plain = KVCache if batch == 1 else SharedPrefixKV
+        if not all(w or type(c) is plain for c, w in zip(caches, windowed, strict=True)):
+            return None
+        one_row = batch == 1
         if one_row:
             offset = caches[0].offset
             # per cache: the buffers this step allocated for it, when they have room for these
             # tokens; None: grown below, once its cached positions pass the checks here
-            owned = [self._room(c, offset + t) for c in caches]
-            buffers = [
-                (c.keys, c.values)
-                for c, o in zip(caches, owned, strict=True)
-                if o is None and offset
+            owned = [
+                None if w else self._room(c, offset + t)
+                for c, w in zip(caches, windowed, strict=True)
             ]
-        elif all(type(c) is SharedPrefixKV and c.batch == batch for c in caches) and all(
-            c.suffix.keys is None for c in caches
+            buffers = {
+                i: (c.keys, c.values)
+                for i, (c, o) in enumerate(zip(caches, owned, strict=True))
+                if o is None and offset and not windowed[i]
+            }
+        elif all(
+            c.batch == batch and c.suffix.keys is None
+            for c in caches
+            if isinstance(c, SharedPrefixKV)
         ):
-            offset = caches[0].prefix_len
-            buffers = [(c.prefix_keys, c.prefix_values) for c in caches]
+            offset = caches[0].offset
+            buffers = {
+                i: (c.prefix_keys, c.prefix_values) for i, c in enumerate(caches) if not windowed[i]
+            }
         else:
             return None
         if any(c.offset != offset for c in caches):
@@ -494,8 +513,8 @@ class NativeStep:
         cache_structs = (abi.Cache * self.layers)()
         keep: list[np.ndarray] = []  # the views' lifetimes: until the call returns
         if buffers:
-            mx.eval(*(a for pair in buffers for a in pair))
-            for i, (keys, values) in enumerate(buffers):
+            mx.eval(*(a for pair in buffers.values() for a in pair))
+            for i, (keys, values) in buffers.items():
                 k_view, v_view = self._cache_view(keys, offset), self._cache_view(values, offset)
                 if k_view is None or v_view is None or k_view.strides != v_view.strides:
                     return None
@@ -505,6 +524,18 @@ class NativeStep:
                 cache_structs[i].keys = k_view.ctypes.data
                 cache_structs[i].values = v_view.ctypes.data
                 cache_structs[i].head_stride = k_view.strides[1] // 4
+        for i, c in enumerate(caches):
+            if windowed[i]:
+                window = self._window_view(c, offset, batch)
+                if window is None:
+                    return None
+                start, k_view, v_view = window
+                keep += (k_view, v_view)
+                cache_structs[i].keys = k_view.ctypes.data
+                cache_structs[i].values = v_view.ctypes.data
+                cache_structs[i].head_stride = k_view.strides[0] // 4
+                cache_structs[i].start = start
+                cache_structs[i].window = c.max_size
         ids = np.asarray(tokens).reshape(-1)
         if ids.min() < 0 or ids.max() >= self.vocab:
             return None  # MLX's path decides what an id past the table means
@@ -512,6 +543,8 @@ class NativeStep:
         if one_row:  # every check passed: the caches move to buffers this step writes
             row = offset * self.head_dim * 4
             for i, (c, o) in enumerate(zip(caches, owned, strict=True)):
+                if windowed[i]:
+                    continue
                 o = o or self._grow(c, offset + t)
                 cache_structs[i].keys, cache_structs[i].values = o.keys_at, o.values_at
                 cache_structs[i].head_stride = o.capacity * self.head_dim
@@ -536,7 +569,7 @@ class NativeStep:
             return None
         del keep
         for i, c in enumerate(caches):
-            if one_row:  # the step wrote them into the buffers
+            if one_row and not windowed[i]:  # the step wrote them into the buffers
                 c.offset = offset + t
             else:
                 c.update_and_fetch(mx.array(new_keys[i]), mx.array(new_values[i]))
@@ -680,6 +713,53 @@ class NativeStep:
         )
         self._owned[cache] = owned
         return owned
+
+    def _window_view(
+        self, cache: RotatingKVCache, offset: int, batch: int
+    ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """The positions of a rotating cache that this step's queries see, [start, offset),
+        as (start, keys, values) [kv_heads, offset - start, head_dim] in order of position:
+        views of the ring where those positions lie in one run of it, else copies (the ring
+        has wrapped). None when the cache cannot serve (`keep`, a buffer of another shape,
+        positions it no longer holds).
+
+        mlx-lm's ring (`RotatingKVCache`): `_idx` is the slot after the newest position
+        (offset - 1), and the slots before it, cyclically, hold the positions before that,
+        `min(offset, slots)` of them; every query of a forward sees the `max_size` positions
+        up to its own (a forward of several tokens first keeps the last max_size - 1), so
+        the first query, at `offset`, sees [offset - max_size + 1, offset)."""
+        if cache.keep:
+            return None
+        start = max(0, offset - cache.max_size + 1)
+        if offset == 0 or start == offset:
+            empty = np.zeros((self.kv_heads, 0, self.head_dim), np.float32)
+            return offset, empty, empty
+        if cache.keys is None:
+            return None
+        mx.eval(cache.keys, cache.values)
+        views = []
+        for array in (cache.keys, cache.values):
+            view = np.asarray(array)
+            if (
+                view.dtype != np.float32
+                or view.ndim != 4
+                or view.shape[0] not in (1, batch)
+                or view.shape[1] != self.kv_heads
+                or view.shape[3] != self.head_dim
+                or view.strides[3] != 4
+                or view.strides[2] != 4 * self.head_dim
+            ):
+                return None
+            views.append(view[0])
+        slots, idx = views[0].shape[1], int(cache._idx)
+        if offset - min(offset, slots) > start or not 0 < idx <= slots:
+            return None  # the window reaches back past what the ring holds
+        first, n = (idx - offset + start) % slots, offset - start
+        if first + n <= slots:
+            return start, views[0][:, first : first + n], views[1][:, first : first + n]
+        rest = first + n - slots
+        k, v = (np.concatenate([w[:, first:], w[:, :rest]], axis=1) for w in views)
+        return start, k, v
 
     def _cache_view(self, array: mx.array, offset: int) -> np.ndarray | None:
         """`array` ([1, Hkv, >= offset, D] float32, positions' rows contiguous) as numpy's

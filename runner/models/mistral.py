@@ -218,11 +218,15 @@ class _MistralBase(DecoderModel):
     KERNELS = Kernels(
         attention=(llama.Attention, ministral3.Attention), swiglu=(llama.MLP, ministral3.MLP)
     )
+    # Mistral's layers are mlx-lm's llama ones, windowed or not; Ministral3's query scale by
+    # position is not the native step's, so its layers stay on MLX's path.
+    NATIVE_KERNELS = Kernels(attention=(llama.Attention,), swiglu=(llama.MLP,))
 
 
 @register("MistralForCausalLM", "mistral")
 class Mistral(_MistralBase):
     DEFAULT_CONTEXT = 131072
+    NATIVE_STEP = True
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
@@ -279,6 +283,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 @register("Mistral3ForConditionalGeneration", "mistral3")
 class Mistral3(_MistralBase):
     DEFAULT_CONTEXT = 131072
+    NATIVE_STEP = True  # a Mistral text model; a Ministral3 one is declined by its classes
 
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 10  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 11  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -64,6 +64,8 @@ class Cache(ctypes.Structure):  # struct step_cache
         ("keys", ctypes.c_void_p),
         ("values", ctypes.c_void_p),
         ("head_stride", ctypes.c_long),
+        ("start", ctypes.c_int),
+        ("window", ctypes.c_int),
         ("append_keys", ctypes.c_void_p),
         ("append_values", ctypes.c_void_p),
     ]

@@ -1,7 +1,19 @@
 /*
  * One layer's attention for the decoder step (decoder_step.c): the step's query rows against
- * the cached keys and their own, causal, by KV head group.
+ * the cached keys and their own, causal, by KV head group; on a sliding-window layer
+ * (step_cache.window) each row sees only the keys within its window.
+ *
+ * Windows: the query of token t (position offset + t) sees positions p with
+ * offset + t - window < p <= offset + t. A row's lowest visible key is kept as `lo` in the
+ * index space of the keys it reads (cached rows from position `start`, or its own new keys),
+ * and masked keys weigh exactly 0, as MLX's masked softmax gives them. A row may see no key of
+ * a whole chunk of the cache (the chunks start at the same keys for every row, so a row's sums
+ * run in the same order whichever rows share its block), which the online softmax allows for
+ * by starting its running max at -FLT_MAX rather than -inf.
  */
+#include <float.h>
+#include <limits.h>
+
 #include "internal.h"
 
 /* out[r][0, width) = (add ? out[r][0, width) : 0) + sum_i w[r][i ws] * v[i * ldv + (0, width)]
@@ -133,16 +145,25 @@ struct attention_job {
     float *out;                 /* [batch * tokens, heads, head_dim] */
     float *part;                /* [splits + 1][batch * tokens * heads] of (m, l, o[head_dim]) */
     float *scores;              /* per thread: ROW_BLOCK * KEY_CHUNK, then head_dim * KEY_CHUNK */
+    int cached;                 /* cached keys read: positions [cache->start, a->offset) */
     int splits, prefix_blocks, own_blocks, items;
     atomic_int next;            /* the next item to take */
 };
 
-/* How many ranges the cached positions are split into: enough items for the pool, each
- * range at least MIN_SPLIT_KEYS keys. */
-static int attention_splits(const struct step_args *a, int prefix_blocks) {
-    if (a->offset == 0) return 0;
+/* The lowest key a row of token t sees among `keys` read from position `first` of the
+ * sequence (the cached keys: `start`; its own: offset), or INT_MIN for full attention. */
+static int window_lo(const struct step_args *a, const struct step_cache *cache, int t,
+                     int first) {
+    if (!cache->window) return INT_MIN;
+    return a->offset + t - cache->window + 1 - first;
+}
+
+/* How many ranges the `cached` keys are split into: enough items for the pool, each range at
+ * least MIN_SPLIT_KEYS keys (more cached keys never make fewer). */
+static int attention_splits(const struct step_args *a, int prefix_blocks, int cached) {
+    if (cached <= 0) return 0;
     int s = ceil_div(TARGET_ITEMS, (long)a->kv_heads * prefix_blocks);
-    const int most = a->offset / MIN_SPLIT_KEYS;
+    const int most = cached / MIN_SPLIT_KEYS;
     if (s > most) s = most;
     if (s > MAX_SPLITS) s = MAX_SPLITS;
     return s < 1 ? 1 : s;
@@ -203,10 +224,11 @@ static float *partial(const struct attention_job *j, int slot, int row) {
 
 /* The partial softmax of `n` query rows against keys [k0, k1) of `keys` / `values` (rows of
  * head_dim floats), into slot `slot`. `causal`: row r sees key i only if i <= tpos[r], and
- * tpos grows with r. */
+ * tpos grows with r. `lo`: NULL, or row r sees key i only if i >= lo[r]. */
 static void attend(const struct attention_job *j, const float *const *qrow, const int *grow,
-                   const int *tpos, int n, const float *keys, const float *values, int k0,
-                   int k1, int causal, int slot, float *scores, float *kt) {
+                   const int *tpos, const int *lo, int n, const float *keys,
+                   const float *values, int k0, int k1, int causal, int slot, float *scores,
+                   float *kt) {
     const int D = j->a->head_dim;
     const float scale = j->a->scale;
     float *out[ROW_BLOCK];
@@ -245,6 +267,13 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
             float *s = scores + (size_t)r * KEY_CHUNK, *p = out[r] - 2;
             int seen = nc;
             if (causal && tpos[r] - c0 + 1 < nc) seen = tpos[r] - c0 + 1;
+            /* keys [0, from) of the chunk are before the row's window */
+            const int from = lo && lo[r] > c0 ? (lo[r] - c0 < nc ? lo[r] - c0 : nc) : 0;
+            if (from >= seen) { /* none of the chunk: the row's state stays as it is */
+                memset(s, 0, sizeof(float) * nc);
+                continue;
+            }
+            for (int i = 0; i < from; i++) s[i] = -INFINITY;
             const int sv = seen - seen % VL;
             vf most = splat(-INFINITY);
             for (int i = 0; i < sv; i += VL) {
@@ -272,6 +301,9 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
                 total += s[i];
             }
             for (int i = seen; i < nc; i++) s[i] = 0.0f;
+            /* exactly 0 as MLX weighs them (vexp clamps -inf to e^-88: already below what
+             * rounding keeps of `total`, which holds e^0 of the maximum) */
+            for (int i = 0; i < from; i++) s[i] = 0.0f;
             p[0] = top;
             p[1] += total;
         }
@@ -305,7 +337,8 @@ static void attention_items(const void *arg, int index, int count) {
     float *scores = j->scores + (size_t)index * (ROW_BLOCK + D) * KEY_CHUNK;
     float *kt = scores + (size_t)ROW_BLOCK * KEY_CHUNK;
     const float *qrow[ROW_BLOCK];
-    int grow[ROW_BLOCK], tpos[ROW_BLOCK];
+    int grow[ROW_BLOCK], tpos[ROW_BLOCK], lo[ROW_BLOCK];
+    const int *window = j->cache->window ? lo : NULL;
     for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
         if (item < prefix_items) { /* every batch row's rows against a range of the cache */
             const int g = item / (j->splits * j->prefix_blocks);
@@ -315,9 +348,10 @@ static void attention_items(const void *arg, int index, int count) {
             group_rows(j, g, r0, r1, qrow, grow, tpos);
             const float *kc = j->cache->keys + g * j->cache->head_stride;
             const float *vc = j->cache->values + g * j->cache->head_stride;
-            const int k0 = split_start(a->offset, s, j->splits);
-            const int k1 = split_start(a->offset, s + 1, j->splits);
-            attend(j, qrow, grow, tpos, r1 - r0, kc, vc, k0, k1, 0, s, scores, kt);
+            const int k0 = split_start(j->cached, s, j->splits);
+            const int k1 = split_start(j->cached, s + 1, j->splits);
+            for (int r = 0; r < r1 - r0; r++) lo[r] = window_lo(a, j->cache, tpos[r], j->cache->start);
+            attend(j, qrow, grow, tpos, window, r1 - r0, kc, vc, k0, k1, 0, s, scores, kt);
         } else { /* one batch row's rows against its own new keys */
             const int rest = item - prefix_items, b = rest / j->own_blocks / G;
             const int g = rest / j->own_blocks % G, first = b * own_rows;
@@ -325,8 +359,9 @@ static void attention_items(const void *arg, int index, int count) {
             const int r1 = r0 + ROW_BLOCK < first + own_rows ? r0 + ROW_BLOCK : first + own_rows;
             group_rows(j, g, r0, r1, qrow, grow, tpos);
             const size_t at = ((size_t)b * G + g) * T * D;
-            attend(j, qrow, grow, tpos, r1 - r0, j->nk + at, j->nv + at, 0, tpos[r1 - r0 - 1] + 1, 1,
-                   j->splits, scores, kt);
+            for (int r = 0; r < r1 - r0; r++) lo[r] = window_lo(a, j->cache, tpos[r], a->offset);
+            attend(j, qrow, grow, tpos, window, r1 - r0, j->nk + at, j->nv + at, 0,
+                   tpos[r1 - r0 - 1] + 1, 1, j->splits, scores, kt);
         }
     }
 }
@@ -422,10 +457,11 @@ struct online {
 };
 
 /* The online softmax over keys [c0, c0 + nc) of `keys` / `values`, `causal`: key i only for
- * rows whose token is >= i (the row's own keys). st, qt: scratch of the item. */
+ * rows whose token is >= i (the row's own keys); `windowed`: key i only for rows whose
+ * token t has t + shift <= i (window_lo). st, qt: scratch of the item. */
 static void online_chunk(const struct attention_job *j, struct online *o, const float *keys,
                          const float *values, int c0, int nc, int next, int causal,
-                         const float *qt, float *st) {
+                         int windowed, int shift, const float *qt, float *st) {
     const int D = j->a->head_dim, nv = o->nv, W = nv * VL;
     const float scale = j->a->scale;
     const float *k = keys + (size_t)c0 * D;
@@ -438,15 +474,24 @@ static void online_chunk(const struct attention_job *j, struct online *o, const 
     else keys_times_1(k, nc, D, qt, st, ahead, ahead_rows);
     const vf ninf = splat(-INFINITY);
     vf most[3] = {ninf, ninf, ninf}, total[3] = {0}, correction[3];
+    const int masked = causal || windowed;
+    /* per row: the keys it sees, as [low, high] of i */
+    vi low[3], high[3];
+    for (int v = 0; v < nv; v++) {
+        low[v] = windowed ? o->tpos[v] + (shift - c0) : (vi){0} + INT_MIN / 2;
+        high[v] = causal ? o->tpos[v] - c0 : (vi){0} + INT_MAX / 2;
+    }
     for (int i = 0; i < nc; i++)
         for (int v = 0; v < nv; v++) {
             vf x = load(st + (size_t)i * W + v * VL);
-            if (causal) x = select_(o->tpos[v] >= c0 + i, x, ninf);
+            if (masked) x = select_((high[v] >= i) & (low[v] <= i), x, ninf);
             most[v] = select_(x > most[v], x, most[v]);
         }
     for (int v = 0; v < nv; v++) {
-        /* scale > 0. A row that sees no key of the chunk (an own chunk past its token) keeps
-         * its max: every row's first chunk has a key it sees (a cached key, or own key 0). */
+        /* scale > 0. A row that sees no key of the chunk (an own chunk past its token, a
+         * cached chunk before its window) keeps its max, which starts at -FLT_MAX: a row
+         * that has seen nothing yet corrects by e^0 and then by e^-88 (vexp's clamp), on a
+         * sum and output still 0. */
         const vf top = most[v] * scale;
         const vf m = select_(top > o->m[v], top, o->m[v]);
         correction[v] = o->started ? vexp(o->m[v] - m) : splat(0.0f);
@@ -455,7 +500,7 @@ static void online_chunk(const struct attention_job *j, struct online *o, const 
     for (int i = 0; i < nc; i++)
         for (int v = 0; v < nv; v++) {
             vf e = vexp(load(st + (size_t)i * W + v * VL) * scale - o->m[v]);
-            if (causal) e = select_(o->tpos[v] >= c0 + i, e, splat(0.0f));
+            if (masked) e = select_((high[v] >= i) & (low[v] <= i), e, splat(0.0f));
             store_vec(st + (size_t)i * W + v * VL, e);
             total[v] += e;
         }
@@ -499,20 +544,26 @@ static void attend_rows(const struct attention_job *j, int g, int b, int r0, int
         for (int d = 0; d < D; d++) qt[(size_t)d * W + r] = r < o.rows ? qrow[r][d] : 0.0f;
     }
     for (int v = 0; v < o.nv; v++) {
-        o.m[v] = splat(-INFINITY);
+        o.m[v] = splat(-FLT_MAX);
         o.l[v] = splat(0.0f);
     }
-    for (int c0 = 0; c0 < a->offset; c0 += ROW_ITEM_KEYS) { /* the cache: unread at offset 0 */
-        const float *kc = j->cache->keys + g * j->cache->head_stride;
-        const float *vc = j->cache->values + g * j->cache->head_stride;
-        const int nc = chunk_keys(a->offset, c0), next = chunk_keys(a->offset, c0 + nc);
-        online_chunk(j, &o, kc, vc, c0, nc, next, 0, qt, st);
+    const struct step_cache *c = j->cache;
+    const int windowed = c->window != 0, cached = j->cached;
+    /* window_lo's shifts: a row of token t sees cached key t + shift and on */
+    const int cached_shift = windowed ? window_lo(a, c, 0, c->start) : 0;
+    const int own_shift = windowed ? window_lo(a, c, 0, a->offset) : 0;
+    /* the cache's chunks from the first one the block's first row sees (unread when none) */
+    int c0 = windowed && tpos[0] + cached_shift > 0 ? tpos[0] + cached_shift : 0;
+    for (c0 -= c0 % ROW_ITEM_KEYS; c0 < cached; c0 += ROW_ITEM_KEYS) {
+        const float *kc = c->keys + g * c->head_stride, *vc = c->values + g * c->head_stride;
+        const int nc = chunk_keys(cached, c0), next = chunk_keys(cached, c0 + nc);
+        online_chunk(j, &o, kc, vc, c0, nc, next, 0, windowed, cached_shift, qt, st);
     }
     const size_t at = ((size_t)b * a->kv_heads + g) * T * D;
     const int seen = tpos[o.rows - 1] + 1;
-    for (int c0 = 0; c0 < seen; c0 += ROW_ITEM_KEYS) {
-        const int nc = chunk_keys(seen, c0), next = chunk_keys(seen, c0 + nc);
-        online_chunk(j, &o, j->nk + at, j->nv + at, c0, nc, next, 1, qt, st);
+    for (int k0 = 0; k0 < seen; k0 += ROW_ITEM_KEYS) {
+        const int nc = chunk_keys(seen, k0), next = chunk_keys(seen, k0 + nc);
+        online_chunk(j, &o, j->nk + at, j->nv + at, k0, nc, next, 1, windowed, own_shift, qt, st);
     }
     for (int r = 0; r < o.rows; r++) {
         const float inv = 1.0f / o.l[r / VL][r % VL];
@@ -543,7 +594,7 @@ static int prefix_blocks(const struct step_args *a) {
 }
 
 long attention_scratch_floats(const struct step_args *a) {
-    const int splits = attention_splits(a, prefix_blocks(a));
+    const int splits = attention_splits(a, prefix_blocks(a), a->offset); /* the most */
     return (long)(splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2) +
            (long)MAX_THREADS * (ROW_BLOCK + a->head_dim) * KEY_CHUNK;
 }
@@ -556,7 +607,8 @@ void attention(const struct step_args *a, const struct step_cache *cache, const 
     struct attention_job j = {.a = a, .cache = cache, .q = q, .nk = nk, .nv = nv, .out = out};
     j.prefix_blocks = prefix_blocks(a);
     j.own_blocks = ceil_div((long)a->tokens * (a->heads / a->kv_heads), ROW_BLOCK);
-    j.splits = attention_splits(a, j.prefix_blocks);
+    j.cached = a->offset - cache->start;
+    j.splits = attention_splits(a, j.prefix_blocks, j.cached);
     j.items = a->kv_heads * (j.splits * j.prefix_blocks + a->batch * j.own_blocks);
     j.part = scratch;
     j.scores = scratch + (long)(j.splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2);
@@ -578,7 +630,7 @@ void attention(const struct step_args *a, const struct step_cache *cache, const 
         parallel(row_items_run, &ri);
         return;
     }
-    const long work = (long)a->heads * a->batch * a->tokens * (a->offset + a->tokens) * a->head_dim;
+    const long work = (long)a->heads * a->batch * a->tokens * (j.cached + a->tokens) * a->head_dim;
     if (work < (1L << 16))
         attention_items(&j, 0, 1);
     else

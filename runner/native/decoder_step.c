@@ -1,6 +1,6 @@
 /*
- * The decoder layers of a Llama-shaped model (Llama, Qwen3) for a few tokens, in one call:
- * the products on products.c's tiles and pool, attention in attention.c.
+ * The decoder layers of a Llama-shaped model (Llama, Qwen2, Qwen3, Mistral) for a few tokens,
+ * in one call: the products on products.c's tiles and pool, attention in attention.c.
  *
  * Why: on MLX's CPU backend a decode step of SmolLM2 is ~3,000 primitive operations at
  * ~5 us each, beside reading the weights once (docs/DESIGN.md §4). Here a step is 7
@@ -8,7 +8,8 @@
  *
  *   h = rms_norm(x) ; q, k, v = h Wq^T (+b), h Wk^T (+b), h Wv^T (+b)
  *   (Qwen3) q, k = rms_norm per head ; rotary on q, k (cos/sin tables from the caller)
- *   o = softmax(q k^T * scale, causal) v over the cached keys and these ; x += o Wo^T (+b)
+ *   o = softmax(q k^T * scale, causal) v over the cached keys and these (a layer's window,
+ *       where its cache says: attention.c) ; x += o Wo^T (+b)
  *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
  *   then the final rms_norm.
  *

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 10
+#define RUNNER_NATIVE_ABI_VERSION 11
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -55,8 +55,15 @@ struct step_layer {
 };
 
 struct step_cache {
-    const float *keys, *values; /* [kv_heads, capacity, head_dim]: head h at h * head_stride */
+    /* [kv_heads, capacity, head_dim]: head h at h * head_stride; row i holds position
+     * start + i, for positions [start, offset) */
+    const float *keys, *values;
     long head_stride;
+    int start;
+    /* 0: full causal attention; else a sliding window: the query at position p sees the
+     * positions (p - window, p] (transformers' and mlx-lm's windows; `start` may then skip
+     * the positions no query of the step sees) */
+    int window;
     /* NULL, or where this step's keys and values go (one row: keys + offset * head_dim,
      * same head stride), written after they are computed (the attention reads only the
      * positions below them) */
