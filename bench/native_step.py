@@ -20,6 +20,13 @@ ratio to float's (the issue's target: at most 1.3, below 1 for a decode step).
 
     python -m bench.native_step --model default --tokens 1,15 --quantize 4:64
     python -m bench.native_step --model qwen3-0.6b --tokens 1,15 --quantize 4:64
+
+`--window N` windows every layer of the model at N positions (a Llama becomes the Mistral of
+the same weights, a Qwen gets `layer_types` all sliding): its layers' caches are then
+mlx-lm's rotating rings, read and masked by the step (docs/DESIGN.md §4.2), reset to the
+prompt's state before every forward.
+
+    python -m bench.native_step --model default --tokens 1,15,64 --window 256
 """
 
 from __future__ import annotations
@@ -59,6 +66,28 @@ def quantized_dir(source: Path, into: Path, bits: int, group: int) -> Path:
     return into
 
 
+def windowed_dir(source: Path, into: Path, window: int) -> Path:
+    """`source` (a Llama or Qwen model directory) with every layer windowed at `window`
+    positions, written at `into` (the weights and tokenizer linked, not copied)."""
+    import json
+
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    if config.get("model_type") == "llama":  # the Mistral of the same weights
+        config |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+        config.pop("layer_types", None)
+    else:
+        config["layer_types"] = ["sliding_attention"] * layers
+        config["use_sliding_window"] = True
+    config["sliding_window"] = window
+    into.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (into / item.name).symlink_to(item.resolve())
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
 def model_path(name: str) -> Path:
     """A model directory: `default`, a bench shape (bench/models.py SHAPES, by name or
     shape name: random weights, written once), or a path."""
@@ -84,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantize", default=None, help="BITS:GROUP (e.g. 4:64): see above")
+    p.add_argument("--window", type=int, default=None, help="window every layer: see above")
     p.add_argument(
         "--no-q-mlx", action="store_true", help="with --quantize: leave out q-mlx (slow)"
     )
@@ -91,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
     import numpy as np
+    from mlx_lm.models.cache import RotatingKVCache
 
     from runner.backend import Backend
     from runner.models import build_model
@@ -101,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     native_backend = Backend.cpu().replace(native_step_max_tokens=max(sizes))
     mlx_backend = Backend.cpu().replace(native_step_max_tokens=None)
     scratch = tempfile.TemporaryDirectory()
+    if args.window:
+        path = windowed_dir(path, Path(scratch.name) / "windowed", args.window)
     if args.quantize:
         bits, group = (int(x) for x in args.quantize.split(":"))
         qpath = quantized_dir(path, Path(scratch.name) / "q", bits, group)
@@ -146,12 +179,23 @@ def main(argv: list[str] | None = None) -> int:
         prompt_caches[name] = caches
         return caches
 
+    def prompt_state(caches: list[Any]) -> list[Any]:
+        """What resets `caches` to the prompt: an offset (a KV cache's rewind), or a rotating
+        ring's whole state (a wrapped ring cannot be rewound)."""
+        return [c.state if isinstance(c, RotatingKVCache) else args.cached for c in caches]
+
     def timed(name: str, model: Any, t: int) -> float:
         caches = cached(name, model)
+        state = prompt_state(caches)
         best = float("inf")
         for _ in range(1 if name == "q-mlx" else args.repeats):
-            for c in caches:
-                c.offset = args.cached  # rewind to the prompt (a KV cache's rewind)
+            for c, s in zip(caches, state, strict=True):
+                if isinstance(c, RotatingKVCache):  # fresh views: MLX's writes into the
+                    # ring rebind the array object the cache holds, which must not be ours
+                    keys, values, *rest = s
+                    c.state = (keys[:], values[:], *rest)
+                else:
+                    c.offset = s
             new = mx.array([prompt[args.cached : args.cached + t]], dtype=mx.int32)
             started = time.perf_counter()
             hidden = model.hidden(new, caches)
@@ -167,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 key = (t, name)
                 best[key] = min(best.get(key, float("inf")), timed(name, model, t))
     print(
-        f"model {path}{f' quantized {args.quantize}' if args.quantize else ''}: {args.cached} "
+        f"model {path}{f' quantized {args.quantize}' if args.quantize else ''}"
+        f"{f' windowed at {args.window}' if args.window else ''}: {args.cached} "
         f"tokens cached, then T new; best of {args.repeats} x {args.rounds} rounds (q-mlx: 1 "
         f"x {args.rounds}), {started}; ms for the forward and the head's last row"
     )
