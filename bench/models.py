@@ -20,7 +20,9 @@ import numpy as np
 
 from bench.text import TOKENIZER_VOCAB, pad_vocabulary, train_tokenizer
 
-CONFIG_TEMPLATE = Path(__file__).parents[1] / "tests/data/configs/Qwen3ForCausalLM.json"
+CONFIGS = Path(__file__).parents[1] / "tests/data/configs"
+CONFIG_TEMPLATE = CONFIGS / "Qwen3ForCausalLM.json"
+GEMMA3_TEMPLATE = CONFIGS / "Gemma3ForCausalLM.json"
 STAMP = "bench-model.json"
 FORMAT_VERSION = 2
 
@@ -38,6 +40,10 @@ class Shape:
     context: int = 40960
     qk_norm: bool = True  # Qwen3's per-head RMSNorm of queries and keys
     tied: bool = True  # the output head is the embedding
+    # "qwen3", or "gemma3": Gemma3's layers (four norms a layer scaling by 1 + weight, GELU),
+    # five sliding-window layers of `window` positions to one full, scaled embeddings
+    family: str = "qwen3"
+    window: int = 0
 
     def params(self, embedding: bool = True) -> int:
         """Weights of the model; without the embedding (and an untied output head, which
@@ -72,6 +78,10 @@ SHAPES = {
     # Qwen3-0.6B's shape.
     "default": Shape("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936),
     "small": Shape("qwen3-small", 256, 4, 4, 2, 64, 768, 4096),
+    # Gemma3-1B's shape (google/gemma-3-1b-pt's config)
+    "gemma3-1b": Shape(
+        "gemma3-1b", 1152, 26, 4, 1, 256, 6912, 262144, 32768, family="gemma3", window=512
+    ),
 }
 
 TOKENIZER_CONFIG = {
@@ -84,7 +94,39 @@ TOKENIZER_CONFIG = {
 }
 
 
+def gemma3_config(shape: Shape) -> dict[str, Any]:
+    """transformers 5's Gemma3 text config (the tests' key set) with the shape's dimensions
+    and Gemma3-1B's windows, rotary bases and query scale; no soft-caps, as Gemma3 has."""
+    config = json.loads(GEMMA3_TEMPLATE.read_text())
+    config.update(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        max_position_embeddings=shape.context,
+        layer_types=[
+            "full_attention" if (n + 1) % 6 == 0 else "sliding_attention"
+            for n in range(shape.layers)
+        ],
+        sliding_window=shape.window,
+        query_pre_attn_scalar=shape.head_dim,
+        rope_parameters={
+            "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        tie_word_embeddings=True,
+    )
+    return config
+
+
 def model_config(shape: Shape) -> dict[str, Any]:
+    if shape.family == "gemma3":
+        return gemma3_config(shape)
     config = json.loads(CONFIG_TEMPLATE.read_text())
     config.update(
         hidden_size=shape.hidden,
@@ -102,7 +144,8 @@ def model_config(shape: Shape) -> dict[str, Any]:
 
 
 def weight_shapes(shape: Shape) -> dict[str, tuple[tuple[int, ...], float | None]]:
-    """Hugging Face names -> (shape, std); std None means a norm (1 + small noise)."""
+    """Hugging Face names -> (shape, std); std None means a norm (1 + small noise; Gemma's,
+    which scale by 1 + weight, small noise)."""
     h, d, i = shape.hidden, shape.head_dim, shape.intermediate
     q, kv = shape.heads * d, shape.kv_heads * d
     spec: dict[str, tuple[tuple[int, ...], float | None]] = {
@@ -124,6 +167,11 @@ def weight_shapes(shape: Shape) -> dict[str, tuple[tuple[int, ...], float | None
             f"{p}.input_layernorm.weight": ((h,), None),
             f"{p}.post_attention_layernorm.weight": ((h,), None),
         }
+        if shape.family == "gemma3":
+            spec |= {
+                f"{p}.pre_feedforward_layernorm.weight": ((h,), None),
+                f"{p}.post_feedforward_layernorm.weight": ((h,), None),
+            }
     return spec
 
 
@@ -133,7 +181,7 @@ def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
     for name, (dims, std) in sorted(weight_shapes(shape).items()):
         w = rng.standard_normal(dims, dtype=np.float32)
         w *= 0.1 if std is None else std
-        if std is None:
+        if std is None and shape.family != "gemma3":
             w += 1.0
         weights[name] = w.astype(np.float16)
     return weights

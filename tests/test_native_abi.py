@@ -92,15 +92,15 @@ def swapped(mirror: type[ctypes.Structure], a: str, b: str) -> type[ctypes.Struc
 @pytest.mark.parametrize(
     ("struct", "change", "said"),
     [
-        ("step_args", lambda m: swapped(m, "eps", "scale"), "eps@44 (C: 40)"),
+        ("step_args", lambda m: swapped(m, "eps", "scale"), "eps@48 (C: 44)"),
         ("step_weight", lambda m: swapped(m, "scales", "biases"), "scales@32 (C: 24)"),
         ("step_cache", lambda m: swapped(m, "keys", "values"), "keys@8 (C: 0)"),
         (  # a field added on the Python side only
             "step_layer",
             lambda m: type(
-                "L", (ctypes.Structure,), {"_fields_": [*m._fields_, ("x", ctypes.c_int)]}
+                "L", (ctypes.Structure,), {"_fields_": [*m._fields_, ("x", ctypes.c_double)]}
             ),
-            "struct step_layer: 400 bytes, the mirror 408",
+            "struct step_layer: 424 bytes, the mirror 432",
         ),
     ],
 )
@@ -391,11 +391,14 @@ def test_every_level_computes_the_decoder_step(
         assert np.abs(got - want).max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize(
+    "arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+)
 def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path: Path) -> None:
     """Sliding-window layers (windows of 8; Qwen2's first layer full) through the level's
     step equal MLX's path: a chunk longer than the window (row items, its own keys
-    windowed), decode steps that wrap the ring (split items), chunks over a wrapped ring."""
+    windowed), decode steps that wrap the ring (split items), chunks over a wrapped ring;
+    with Gemma2's soft-capped scores and Gemma's norms, GELU and rotary tables."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
@@ -403,7 +406,9 @@ def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path
     assert functions is not None
     backend = Backend.cpu().replace(native_step_max_tokens=None, gemv=False)
     plain = load_tiny_model(arch, tmp_path, backend=backend)
-    step = native_step.build(plain.module, plain.KERNELS, 16, (), functions=functions)
+    step = native_step.build(
+        plain.module, plain.KERNELS, 16, (), functions=functions, shape=plain.native_shape()
+    )
     assert step is not None
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 300, size=40)]
     cuts = [0, 13, 14, 15, 16, 17, 18, 21, 30, 31, 40]
@@ -413,7 +418,7 @@ def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path
         caches, out = plain.make_caches(), []
         for start, stop in itertools.pairwise(cuts):
             hidden = plain.hidden(mx.array([prompt[start:stop]], dtype=mx.int32), caches)
-            out.append(np.array(plain.unembed(hidden)))
+            out += [np.array(hidden), np.array(plain.unembed(hidden))]
         return out
 
     taken = []
@@ -427,7 +432,7 @@ def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path
     native, mlx_path = run(counted), run(None)
     assert all(taken) and len(taken) == len(cuts) - 1
     for got, want in zip(native, mlx_path, strict=True):
-        assert np.abs(got - want).max() < 1e-4
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no arm64 cross compiler")

@@ -375,8 +375,24 @@ def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
 
 
 # Families with sliding-window layers (tests/data/configs: window 8): Mistral windows every
-# layer, this Qwen2 its last two of three.
-WINDOWED = ["MistralForCausalLM", "Qwen2ForCausalLM"]
+# layer, this Qwen2 its last two of three; Gemma2 (soft-capped attention, alternate windows)
+# and Gemma3 (three of four windowed, local and global rotary tables), both with Gemma's
+# four norms a layer scaling by 1 + weight, GELU MLPs and scaled embeddings.
+WINDOWED = ["MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+
+
+def forward_both(model: Any, caches: list[Any], tokens: list[int]) -> tuple[np.ndarray, ...]:
+    """The hidden states and the logits of a forward: Gemma's final soft-caps (0.5 in the
+    tiny configs) squash the logits, so the hidden states are compared too."""
+    hidden = model.hidden(mx.array([tokens], dtype=mx.int32), caches)
+    logits = model.unembed(hidden)
+    mx.eval(hidden, logits)
+    return np.array(hidden), np.array(logits)
+
+
+def assert_forwards_equal(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...]) -> None:
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
 
 
 def windowed_pair(arch: str, path: Any, max_tokens: int, **config: Any) -> tuple[Any, Any]:
@@ -417,8 +433,8 @@ def test_sliding_windows_equal_mlx(arch, tmp_path):
     a, b = native.make_caches(), plain.make_caches()
     cuts = [0, 3, 6, 13, *range(14, 24), 30, 31, 32, 45, 46, *range(47, 60), 61, 76, 77, 80]
     for start, stop in itertools.pairwise(cuts):
-        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        chunk = prompt[start:stop]
+        assert_forwards_equal(forward_both(native, a, chunk), forward_both(plain, b, chunk))
         assert_rings_equal(a, b)
     assert native._native.taken == len(cuts) - 1
     assert native._native.declined == 0
@@ -436,8 +452,8 @@ def test_long_windowed_forwards_equal_mlx(arch, tmp_path):
     # items), decode steps, 261 more, 600 by MLX's path (> 512), then 40 and decode
     cuts = [0, 300, 337, 344, 345, 346, 607, 1207, 1247, 1248, 1249]
     for start, stop in itertools.pairwise(cuts):
-        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        chunk = prompt[start:stop]
+        assert_forwards_equal(forward_both(native, a, chunk), forward_both(plain, b, chunk))
     assert_rings_equal(a, b)
     assert native._native.taken == len(cuts) - 2
     assert native._native.declined == 1
@@ -470,8 +486,8 @@ def test_windowed_rows_batched_over_a_prefix_equal_mlx(arch, tmp_path):
 
 def test_only_float32_llama_shapes_get_a_step(tmp_path):
     """Families without the step keep MLX's path, as does a Llama with the step turned off."""
-    gemma = load_tiny_model("Gemma3ForCausalLM", tmp_path / "g")
-    assert gemma._native is None
+    phi3 = load_tiny_model("Phi3ForCausalLM", tmp_path / "g")  # fused projections
+    assert phi3._native is None
     without = Backend.cpu().replace(native_step_max_tokens=None)
     off = load_tiny_model("LlamaForCausalLM", tmp_path / "l", backend=without)
     assert off._native is None

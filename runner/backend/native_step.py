@@ -32,10 +32,13 @@ the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or
 quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
 
-It serves Llama, Qwen2, Qwen3 and Mistral as mlx-lm builds them (mlx-lm's llama, qwen2 and
-qwen3 classes): RMSNorm, optional q/k/v/o biases, Qwen3's per-head q/k norms, rotate-half
-rotary embeddings from the runner's tables (runner/backend/rope.py), SwiGLU, and full or
-sliding-window attention. `build` returns None for anything else (a weight it cannot read:
+It serves Llama, Qwen2, Qwen3, Mistral, Gemma2 and Gemma3 as mlx-lm builds them (mlx-lm's
+llama, qwen2, qwen3, gemma2 and gemma3_text classes, as the families adapt them): RMSNorm,
+optional q/k/v/o biases, per-head q/k norms, rotate-half rotary embeddings from the runner's
+tables (runner/backend/rope.py; a table per rotary embedding the layers use), SwiGLU or
+Gemma's GELU MLP, full or sliding-window attention, Gemma2's soft-capped scores, and what a
+family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a layer,
+and its scaled embeddings). `build` returns None for anything else (a weight it cannot read:
 non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales); another
 module shape), and a call returns None where MLX's path must run: more tokens than the
 backend's limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
@@ -289,11 +292,33 @@ def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
     return matrix, bias
 
 
-def _norm(parent: nn.Module, name: str) -> tuple[np.ndarray, float]:
+def _norm(
+    parent: nn.Module, name: str, plus_one: tuple[type, ...] = ()
+) -> tuple[np.ndarray, float]:
+    """An RMSNorm's weights as the step multiplies by them, and its eps: `nn.RMSNorm`'s own,
+    or for the classes of `plus_one` (Gemma's, `rms_norm(x, 1 + weight)`) 1 + weight as MLX
+    computes it (a float32 array of the step's own)."""
     layer = getattr(parent, name, None)
-    if type(layer) is not nn.RMSNorm:
-        raise _Unsupported(f"{name}: {type(layer).__name__}")
-    return _view(layer.weight, f"{name}.weight"), float(layer.eps)
+    if type(layer) is nn.RMSNorm:
+        return _view(layer.weight, f"{name}.weight"), float(layer.eps)
+    if layer is not None and type(layer) in plus_one:
+        weight = layer.weight
+        if not isinstance(weight, mx.array) or weight.dtype != mx.float32:
+            raise _Unsupported(f"{name}.weight: not a float32 array")
+        return _view(1.0 + weight, f"{name}.weight"), float(layer.eps)
+    raise _Unsupported(f"{name}: {type(layer).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeShape:
+    """What a family's model does around its layers that its mlx-lm classes do not say, for
+    the step to do the same (runner/models/decoder.py's `DecoderModel.native_shape`)."""
+
+    # RMSNorm classes that scale by 1 + weight (Gemma's), beside nn.RMSNorm
+    plus_one_norms: tuple[type, ...] = ()
+    # the embeddings multiplied by this float32 number before the layers (Gemma's
+    # sqrt(hidden)), or None
+    embedding_scale: float | None = None
 
 
 class NativeStep:
@@ -306,10 +331,15 @@ class NativeStep:
         max_tokens: int,
         functions: abi.Functions,
         half_formats: tuple[str, ...] = (),
+        shape: NativeShape | None = None,
     ):
         """`kernels`: the family's declared mlx-lm classes (runner/backend/install.py); every
-        layer's attention and SwiGLU MLP must be of them. `half_formats`: the formats tried
-        for exact half-precision copies of the weights (`_half_copies`); none: float32 only."""
+        layer's attention and gated MLP (SwiGLU, or Gemma's GELU one) must be of them.
+        `half_formats`: the formats tried for exact half-precision copies of the weights
+        (`_half_copies`); none: float32 only. `shape`: what the family's model does around
+        the layers that the module's classes do not say (NativeShape)."""
+        shape = shape or NativeShape()
+        plus_one = shape.plus_one_norms
         self._step, self._scratch = functions.step, functions.scratch
         self._weight_product = functions.weight_product
         self.max_tokens = max_tokens
@@ -335,7 +365,8 @@ class NativeStep:
             raise _Unsupported(f"the embedding is a {type(embed).__name__}")
         table = GGML_BLOCKS if embed_matrix is not None and embed_matrix.block_format else "weight"
         self.vocab = int(embed[table].shape[0])
-        self._final_norm, eps = _norm(inner, "norm")
+        self._final_norm, eps = _norm(inner, "norm", plus_one)
+        self._embed_scale = shape.embedding_scale
         layers = list(inner.layers)
         self._keep: list[Any] = [self._final_norm]  # the views' lifetimes
         structs = (abi.Layer * len(layers))()
@@ -348,20 +379,49 @@ class NativeStep:
         rope = first.rope
         if not isinstance(rope, TableRoPE):
             raise _Unsupported("rotary embedding without a table")
-        self._rope = rope
+        # the layers' rotary embeddings, one table each a forward (Gemma3: local and global)
+        self._ropes: list[TableRoPE] = []
+        cap = getattr(first, "softcap", None)  # Gemma2's attention soft-cap, or none
+        self.softcap = float(cap) if cap else 0.0
+        self.activation = ""
         q_weight, _ = _linear(first, "q_proj")
         self.head_dim = q_weight.n // self.heads
         self.hidden = q_weight.k
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(attn, kernels.attention) or not isinstance(mlp, kernels.swiglu):
+            activation = (
+                "silu"
+                if isinstance(mlp, kernels.swiglu)
+                else "gelu_tanh"
+                if isinstance(mlp, kernels.gelu_glu)
+                else None
+            )
+            if not isinstance(attn, kernels.attention) or activation is None:
                 raise _Unsupported("a layer of other classes than the family declares")
-            if not (isinstance(attn.rope, TableRoPE) and attn.rope.key == rope.key):
+            if self.activation not in ("", activation):
+                raise _Unsupported("layers of different activations")
+            self.activation = activation
+            if not (isinstance(attn.rope, TableRoPE) and attn.rope.dims == rope.dims):
                 raise _Unsupported("layers rotate differently")
+            cap = getattr(attn, "softcap", None)
+            if (float(cap) if cap else 0.0) != self.softcap:
+                raise _Unsupported("layers soft-cap differently")
+            keys = [r.key for r in self._ropes]
+            if attn.rope.key not in keys:
+                self._ropes.append(attn.rope)
+                keys.append(attn.rope.key)
+            structs[i].rope_table = keys.index(attn.rope.key)
             fields: dict[str, np.ndarray | None] = {}
             products: dict[str, _Matrix] = {}
-            fields["input_norm"], e1 = _norm(layer, "input_layernorm")
-            fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm")
+            fields["input_norm"], e1 = _norm(layer, "input_layernorm", plus_one)
+            if "pre_feedforward_layernorm" in layer:  # Gemma's four norms a layer
+                fields["post_norm"], e2 = _norm(layer, "pre_feedforward_layernorm", plus_one)
+                fields["attn_out_norm"], e3 = _norm(layer, "post_attention_layernorm", plus_one)
+                fields["mlp_out_norm"], e4 = _norm(layer, "post_feedforward_layernorm", plus_one)
+                if e3 != e2 or e4 != e2:
+                    raise _Unsupported("norms with different eps")
+            else:
+                fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm", plus_one)
             for proj in ("q", "k", "v", "o"):
                 products[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
             q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -385,7 +445,7 @@ class NativeStep:
             eps_all = {e1, e2, eps}
             for name in ("q_norm", "k_norm"):
                 if hasattr(attn, name):
-                    fields[name], e = _norm(attn, name)
+                    fields[name], e = _norm(attn, name, plus_one)
                     eps_all.add(e)
             if len(eps_all) != 1:
                 raise _Unsupported("norms with different eps")
@@ -550,8 +610,12 @@ class NativeStep:
                 cache_structs[i].head_stride = o.capacity * self.head_dim
                 cache_structs[i].append_keys = o.keys_at + row
                 cache_structs[i].append_values = o.values_at + row
-        cos, sin = self._rope.table(offset, t)
-        cos_view, sin_view = np.asarray(cos), np.asarray(sin)
+        tables = [r.table(offset, t) for r in self._ropes]
+        if len(tables) == 1:
+            cos_view, sin_view = np.asarray(tables[0][0]), np.asarray(tables[0][1])
+        else:
+            cos_view = np.concatenate([np.asarray(c) for c, _ in tables])
+            sin_view = np.concatenate([np.asarray(s) for _, s in tables])
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
         size = int(np.prod(shape))
         new_keys = self._workspace("keys", size).reshape(shape)
@@ -559,8 +623,9 @@ class NativeStep:
         args = abi.Args(
             batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-            layers=self.layers, offset=offset, rope_dims=self._rope.dims, eps=self.eps,
-            scale=self.scale, cos=_pointer(cos_view), sin=_pointer(sin_view),
+            layers=self.layers, offset=offset, rope_dims=self._ropes[0].dims,
+            activation=abi.ACTIVATIONS[self.activation], eps=self.eps, scale=self.scale,
+            softcap=self.softcap, cos=_pointer(cos_view), sin=_pointer(sin_view),
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
         )  # fmt: skip
@@ -576,12 +641,17 @@ class NativeStep:
         return mx.array(x.reshape(batch, t, self.hidden))  # evaluated: nothing left to schedule
 
     def _embedded(self, ids: np.ndarray) -> np.ndarray:
-        """The embedding rows of `ids`, float32, contiguous and this step's to write."""
+        """The embedding rows of `ids` (scaled where the family scales them), float32,
+        contiguous and this step's to write."""
         if self._embed is not None:
-            return np.ascontiguousarray(self._embed[ids], dtype=np.float32)
-        assert self._embed_module is not None
-        rows = self._embed_module(mx.array(ids)).astype(mx.float32)  # as MLX's path embeds
-        return np.array(rows, dtype=np.float32)
+            rows = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
+        else:
+            assert self._embed_module is not None
+            embedded = self._embed_module(mx.array(ids)).astype(mx.float32)  # as MLX's path
+            rows = np.array(embedded, dtype=np.float32)
+        if self._embed_scale is not None:
+            rows *= np.float32(self._embed_scale)
+        return rows
 
     def unembed(self, hidden: mx.array) -> mx.array | None:
         """The head's logits of `hidden` [..., H] from its codes (any number of rows) or its
@@ -785,17 +855,18 @@ def build(
     max_tokens: int | None,
     half_formats: tuple[str, ...] = (),
     functions: abi.Functions | None = None,
+    shape: NativeShape | None = None,
 ) -> NativeStep | None:
     """The native step for `module`, or None (not a module it serves, no library, or off);
-    `half_formats`: see `NativeStep`; `functions`: a library's (default: the one preloaded
-    into this process, if its ABI is the runner's)."""
+    `half_formats`, `shape`: see `NativeStep`; `functions`: a library's (default: the one
+    preloaded into this process, if its ABI is the runner's)."""
     if not max_tokens:
         return None
     functions = abi.load() if functions is None else functions
     if functions is None:
         return None
     try:
-        return NativeStep(module, kernels, max_tokens, functions, half_formats)
+        return NativeStep(module, kernels, max_tokens, functions, half_formats, shape)
     except _Unsupported as e:
         log.debug("no native step: %s", e)
         return None

@@ -202,10 +202,16 @@ class DecoderModel:
                 self.NATIVE_KERNELS or self.KERNELS,
                 backend.native_step_max_tokens,
                 backend.native_half_formats,
+                shape=self.native_shape(),
             )
             if self.NATIVE_STEP
             else None
         )
+
+    def native_shape(self) -> native_step.NativeShape:
+        """What the family's model does around its layers that the native step must do too
+        (Gemma's norms and embedding scale); nothing here."""
+        return native_step.NativeShape()
 
     def make_caches(self) -> list[Any]:
         return make_prompt_cache(self.module)

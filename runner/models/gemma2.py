@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma2
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from runner.backend import native_step
 from runner.backend.install import Kernels
 from runner.cache.shared_prefix import SharedPrefixKV
 from runner.models.config import (
@@ -178,6 +179,14 @@ def _cap(c: dict[str, Any], key: str) -> float | None:
 class Gemma2(DecoderModel):
     DEFAULT_CONTEXT = 8192
     KERNELS = Kernels(attention=(Attention,), gelu_glu=(gemma2.MLP,))
+    NATIVE_STEP = True
+
+    def native_shape(self) -> native_step.NativeShape:
+        """Gemma's norms scale by 1 + weight; its embeddings by the float32 sqrt(hidden)."""
+        hidden = int(self.module.model.args.hidden_size)
+        return native_step.NativeShape(
+            plus_one_norms=(gemma2.RMSNorm,), embedding_scale=math.sqrt(hidden)
+        )
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:

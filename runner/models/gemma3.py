@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.rope_utils import initialize_rope
 
+from runner.backend import native_step
 from runner.backend.install import Kernels
 from runner.models.config import (
     FULL,
@@ -114,6 +115,14 @@ class _Model(gemma3_text.Model):
 class Gemma3(DecoderModel):
     DEFAULT_CONTEXT = 131072
     KERNELS = Kernels(attention=(gemma3_text.Attention,), gelu_glu=(gemma3_text.MLP,))
+    NATIVE_STEP = True
+
+    def native_shape(self) -> native_step.NativeShape:
+        """Gemma's norms scale by 1 + weight; its embeddings by the float32 sqrt(hidden)."""
+        hidden = int(self.module.model.args.hidden_size)
+        return native_step.NativeShape(
+            plus_one_norms=(gemma3_text.RMSNorm,), embedding_scale=math.sqrt(hidden)
+        )
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:

@@ -36,9 +36,10 @@ static const struct field step_weight_fields[] = {
 static const struct field step_layer_fields[] = {
     FIELD(step_layer, input_norm), FIELD(step_layer, q_bias), FIELD(step_layer, k_bias),
     FIELD(step_layer, v_bias), FIELD(step_layer, o_bias), FIELD(step_layer, q_norm),
-    FIELD(step_layer, k_norm), FIELD(step_layer, post_norm), FIELD(step_layer, q),
-    FIELD(step_layer, k), FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, gate),
-    FIELD(step_layer, up), FIELD(step_layer, down),
+    FIELD(step_layer, k_norm), FIELD(step_layer, post_norm), FIELD(step_layer, attn_out_norm),
+    FIELD(step_layer, mlp_out_norm), FIELD(step_layer, q), FIELD(step_layer, k),
+    FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, gate), FIELD(step_layer, up),
+    FIELD(step_layer, down), FIELD(step_layer, rope_table),
 };
 static const struct field step_cache_fields[] = {
     FIELD(step_cache, keys), FIELD(step_cache, values), FIELD(step_cache, head_stride),
@@ -49,8 +50,9 @@ static const struct field step_args_fields[] = {
     FIELD(step_args, batch), FIELD(step_args, tokens), FIELD(step_args, hidden),
     FIELD(step_args, heads), FIELD(step_args, kv_heads), FIELD(step_args, head_dim),
     FIELD(step_args, intermediate), FIELD(step_args, layers), FIELD(step_args, offset),
-    FIELD(step_args, rope_dims), FIELD(step_args, eps),
-    FIELD(step_args, scale), FIELD(step_args, cos), FIELD(step_args, sin),
+    FIELD(step_args, rope_dims), FIELD(step_args, activation), FIELD(step_args, eps),
+    FIELD(step_args, scale), FIELD(step_args, softcap), FIELD(step_args, cos),
+    FIELD(step_args, sin),
     FIELD(step_args, layer), FIELD(step_args, cache), FIELD(step_args, final_norm),
     FIELD(step_args, x), FIELD(step_args, new_keys), FIELD(step_args, new_values),
     FIELD(step_args, scratch),

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 11  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 12  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -31,6 +31,8 @@ F32_FORMAT, AFFINE, Q6K, Q4K = 0, 3, 4, 5
 HALF_FORMATS = {"float16": 1, "bfloat16": 2}
 SCALE_FORMATS = {"float32": F32_FORMAT, **HALF_FORMATS}
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
+# The gated MLP's activations (step_args' `activation`: ACT_SILU, ACT_GELU_TANH)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class Weight(ctypes.Structure):  # struct step_weight
@@ -52,10 +54,11 @@ class Layer(ctypes.Structure):  # struct step_layer
             (name, F32)
             for name in (
                 "input_norm", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
-                "post_norm",
+                "post_norm", "attn_out_norm", "mlp_out_norm",
             )
         ),
         *((name, Weight) for name in PRODUCTS),
+        ("rope_table", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -77,11 +80,12 @@ class Args(ctypes.Structure):  # struct step_args
             (name, ctypes.c_int)
             for name in (
                 "batch", "tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                "layers", "offset", "rope_dims",
+                "layers", "offset", "rope_dims", "activation",
             )
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
         ("cos", F32),
         ("sin", F32),
         ("layer", ctypes.POINTER(Layer)),

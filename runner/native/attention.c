@@ -216,6 +216,23 @@ static void transpose_keys(const float *keys, int n, int d_, float *kt) {
             kt[(size_t)d * KEY_CHUNK + i] = i < n ? keys[(size_t)i * d_ + d] : 0.0f;
 }
 
+/* Gemma2's soft-cap, s = cap * tanh(s * scale / cap), on n scores in place; the softmax then
+ * takes them with a scale of 1 (`score_scale`). */
+static void softcapped(float *s, int n, float scale, float cap) {
+    int i = 0;
+    for (; i + VL <= n; i += VL) store_vec(s + i, vtanh(load(s + i) * (scale / cap)) * cap);
+    if (i < n) {
+        float t[VL] = {0};
+        memcpy(t, s + i, sizeof(float) * (n - i));
+        store_vec(t, vtanh(load(t) * (scale / cap)) * cap);
+        memcpy(s + i, t, sizeof(float) * (n - i));
+    }
+}
+
+/* What the softmax multiplies a layer's scores by: the attention's scale, or 1 for scores
+ * already soft-capped (which took it). */
+static float score_scale(const struct step_args *a) { return a->softcap > 0 ? 1.0f : a->scale; }
+
 static float *partial(const struct attention_job *j, int slot, int row) {
     const struct step_args *a = j->a;
     const size_t rows = (size_t)a->batch * a->tokens * a->heads;
@@ -230,7 +247,7 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
                    const float *values, int k0, int k1, int causal, int slot, float *scores,
                    float *kt) {
     const int D = j->a->head_dim;
-    const float scale = j->a->scale;
+    const float scale = score_scale(j->a), cap = j->a->softcap;
     float *out[ROW_BLOCK];
     for (int r = 0; r < n; r++) {
         float *p = partial(j, slot, grow[r]);
@@ -263,6 +280,8 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
                 }
             }
         }
+        if (cap > 0)
+            for (int r = first; r < n; r++) softcapped(srow[r], nc, j->a->scale, cap);
         for (int r = first; r < n; r++) {
             float *s = scores + (size_t)r * KEY_CHUNK, *p = out[r] - 2;
             int seen = nc;
@@ -463,7 +482,7 @@ static void online_chunk(const struct attention_job *j, struct online *o, const 
                          const float *values, int c0, int nc, int next, int causal,
                          int windowed, int shift, const float *qt, float *st) {
     const int D = j->a->head_dim, nv = o->nv, W = nv * VL;
-    const float scale = j->a->scale;
+    const float scale = score_scale(j->a);
     const float *k = keys + (size_t)c0 * D;
     /* the chunk's values (read next) and the next chunk's keys fetched while its keys are
      * multiplied: a layer's keys and values were last touched a forward ago */
@@ -472,6 +491,7 @@ static void online_chunk(const struct attention_job *j, struct online *o, const 
     if (nv == 3) keys_times_3(k, nc, D, qt, st, ahead, ahead_rows);
     else if (nv == 2) keys_times_2(k, nc, D, qt, st, ahead, ahead_rows);
     else keys_times_1(k, nc, D, qt, st, ahead, ahead_rows);
+    if (j->a->softcap > 0) softcapped(st, nc * W, j->a->scale, j->a->softcap);
     const vf ninf = splat(-INFINITY);
     vf most[3] = {ninf, ninf, ninf}, total[3] = {0}, correction[3];
     const int masked = causal || windowed;

@@ -1,6 +1,7 @@
 /*
- * The decoder layers of a Llama-shaped model (Llama, Qwen2, Qwen3, Mistral) for a few tokens,
- * in one call: the products on products.c's tiles and pool, attention in attention.c.
+ * The decoder layers of a Llama-shaped model (Llama, Qwen2, Qwen3, Mistral; Gemma2 and Gemma3
+ * with their parameters) for a few tokens, in one call: the products on products.c's tiles
+ * and pool, attention in attention.c.
  *
  * Why: on MLX's CPU backend a decode step of SmolLM2 is ~3,000 primitive operations at
  * ~5 us each, beside reading the weights once (docs/DESIGN.md §4). Here a step is 7
@@ -9,9 +10,13 @@
  *   h = rms_norm(x) ; q, k, v = h Wq^T (+b), h Wk^T (+b), h Wv^T (+b)
  *   (Qwen3) q, k = rms_norm per head ; rotary on q, k (cos/sin tables from the caller)
  *   o = softmax(q k^T * scale, causal) v over the cached keys and these (a layer's window,
- *       where its cache says: attention.c) ; x += o Wo^T (+b)
- *   h = rms_norm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
+ *       where its cache says; Gemma2's soft-capped scores: attention.c) ;
+ *   x += o Wo^T (+b)            (Gemma: x += rms_norm(o Wo^T), `attn_out_norm`)
+ *   h = rms_norm(x) ; x += (act(h Wg^T) * h Wu^T) Wd^T   (Gemma: the sum's rms_norm added,
+ *       `mlp_out_norm`; act: SiLU, or Gemma's tanh-approximate GELU)
  *   then the final rms_norm.
+ * Gemma's norms scale by 1 + weight: the caller passes that sum, as MLX computes it; its
+ * embeddings' scale is the caller's too (x comes in embedded and scaled).
  *
  * Weights: each product's in its own format (struct step_weight): float32; exact
  * half-precision copies in panels (runner_narrow_panels), with the float32 weights beside them
@@ -45,24 +50,31 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
 }
 
 
-/* gate[r, j0:j1] = silu(gate) * up = g / (1 + e^-g) * u over rows [0, m) of [m, n], every
- * element through `vexp` (a partial vector through a copy): the same value whichever share
- * of the columns it falls in. */
-static void swiglu_columns(float *gate, const float *up, int m, int n, int j0, int j1) {
+/* The gate's activation: silu(g) = g / (1 + e^-g), or GELU's tanh approximation as MLX's
+ * gelu_approx computes it, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). */
+static inline vf activated(vf g, int activation) {
+    if (activation == ACT_GELU_TANH) {
+        const vf inner = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
+        return g * 0.5f * (vtanh(inner) + 1.0f);
+    }
+    return g / (vexp(-g) + 1.0f);
+}
+
+/* gate[r, j0:j1] = act(gate) * up over rows [0, m) of [m, n], every element through
+ * `activated` (a partial vector through a copy): the same value whichever share of the
+ * columns it falls in. */
+static void glu_columns(float *gate, const float *up, int m, int n, int j0, int j1,
+                        int activation) {
     for (int r = 0; r < m; r++) {
         float *g = gate + (size_t)r * n;
         const float *u = up + (size_t)r * n;
         int j = j0;
-        for (; j + VL <= j1; j += VL) {
-            const vf x = load(g + j);
-            store_vec(g + j, x / (vexp(-x) + 1.0f) * load(u + j));
-        }
+        for (; j + VL <= j1; j += VL) store_vec(g + j, activated(load(g + j), activation) * load(u + j));
         if (j < j1) {
             float tg[VL] = {0}, tu[VL] = {0};
             memcpy(tg, g + j, sizeof(float) * (j1 - j));
             memcpy(tu, u + j, sizeof(float) * (j1 - j));
-            const vf x = load(tg);
-            store_vec(tg, x / (vexp(-x) + 1.0f) * load(tu));
+            store_vec(tg, activated(load(tg), activation) * load(tu));
             memcpy(g + j, tg, sizeof(float) * (j1 - j));
         }
     }
@@ -72,6 +84,7 @@ struct gate_up_job {
     struct product p[2]; /* gate, up: one shape and format, so the same column shares */
     float *gate;
     const float *up;
+    int activation;
 };
 
 static void gate_up_share(const void *arg, int index, int count) {
@@ -80,14 +93,15 @@ static void gate_up_share(const void *arg, int index, int count) {
     product_share(&job->p[1], index, count);
     int j0, j1;
     share_columns(&job->p[0], index, count, &j0, &j1);
-    if (j0 < j1) swiglu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1);
+    if (j0 < j1) glu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1, job->activation);
 }
 
-/* gate = silu(A Wg^T) * (A Wu^T), up = A Wu^T: one job on the pool, each thread applying the
+/* gate = act(A Wg^T) * (A Wu^T), up = A Wu^T: one job on the pool, each thread applying the
  * activation to the columns it computed (on one thread, ~16 us a SmolLM2 layer of 15 rows
  * while the other waited). */
 static void gate_up(int m, int k, int n, const float *a, const struct step_weight *wg,
-                    const struct step_weight *wu, float *gate, float *up, float *reordered) {
+                    const struct step_weight *wu, float *gate, float *up, float *reordered,
+                    int activation) {
     const int widths[2] = {n, n};
     const struct step_weight *ws[2] = {wg, wu};
     float *cs[2] = {gate, up};
@@ -95,13 +109,13 @@ static void gate_up(int m, int k, int n, const float *a, const struct step_weigh
     const int alike = wg->format == wu->format && (wg->format != W_AFFINE || wg->bits == wu->bits);
     if (!alike || to_blas(m, wg) || to_blas(m, wu)) {
         products_of(m, k, a, 2, widths, ws, cs, reordered); /* the BLAS, or shares that differ */
-        swiglu_columns(gate, up, m, n, 0, n);
+        glu_columns(gate, up, m, n, 0, n, activation);
         return;
     }
     const float *rows = rows_for(wg, m, k, a, k, reordered);
     const struct gate_up_job job = {
         {tiles_product(m, n, k, rows, k, wg, gate, n), tiles_product(m, n, k, rows, k, wu, up, n)},
-        gate, up};
+        gate, up, activation};
     if ((long)m * k * n < (1L << 18))
         gate_up_share(&job, 0, 1);
     else
@@ -171,6 +185,7 @@ int runner_decoder_step(const struct step_args *a) {
     const int I = a->intermediate;
     const int qd = a->heads * D, kd = a->kv_heads * D;
     if (a->rope_dims > 1024 || a->rope_dims > D || a->heads % a->kv_heads || D % VL) return -1;
+    if (a->activation != ACT_SILU && a->activation != ACT_GELU_TANH) return -1;
     if (!weights_supported(a)) return -1;
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
@@ -193,8 +208,9 @@ int runner_decoder_step(const struct step_args *a) {
             for (int r = 0; r < T * a->heads; r++) rms_norm(q + (size_t)r * D, w->q_norm, a->eps, D, q + (size_t)r * D);
         if (w->k_norm)
             for (int r = 0; r < T * a->kv_heads; r++) rms_norm(k + (size_t)r * D, w->k_norm, a->eps, D, k + (size_t)r * D);
-        rotate(q, T, W, a->heads, D, a->rope_dims, a->cos, a->sin);
-        rotate(k, T, W, a->kv_heads, D, a->rope_dims, a->cos, a->sin);
+        const size_t table = (size_t)w->rope_table * W * a->rope_dims;
+        rotate(q, T, W, a->heads, D, a->rope_dims, a->cos + table, a->sin + table);
+        rotate(k, T, W, a->kv_heads, D, a->rope_dims, a->cos + table, a->sin + table);
         /* this step's keys and values, [batch, kv_heads, tokens, head_dim], for the caches */
         float *nk = a->new_keys + (size_t)l * T * kd, *nv = a->new_values + (size_t)l * T * kd;
         for (int b = 0; b < a->batch; b++)
@@ -216,10 +232,14 @@ int runner_decoder_step(const struct step_args *a) {
         attention(a, &a->cache[l], q, nk, nv, o, scores);
         product(T, H, qd, o, qd, &w->o, tmp, H, reordered);
         add_bias(tmp, w->o_bias, T, H);
+        if (w->attn_out_norm)
+            for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->attn_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
-        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered);
+        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, a->activation);
         product(T, H, I, gate, I, &w->down, tmp, H, reordered);
+        if (w->mlp_out_norm)
+            for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->mlp_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     }
     for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, a->final_norm, a->eps, H, x + (size_t)t * H);

@@ -152,6 +152,13 @@ static inline vf vexp(vf x) {
     return y * (vf)e;
 }
 
+/* tanh(x) as (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign: within a few float32 ulps of 1 + tanh,
+ * what GELU's approximation adds it to, and exactly +-1 past |x| = 44 (vexp's clamp). */
+static inline vf vtanh(vf x) {
+    const vf a = select_(x < 0.0f, -x, x), e = vexp(a * -2.0f);
+    const vf t = (1.0f - e) / (1.0f + e);
+    return select_(x < 0.0f, -t, t);
+}
 
 /* Half panels (panels.c): PANEL rows of W interleaved; a product's rows in groups of at most
  * PANEL_ROWS; one row against ONE_ROW_PANELS panels at once. */

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 11
+#define RUNNER_NATIVE_ABI_VERSION 12
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -50,9 +50,17 @@ struct step_layer {
     const float *input_norm;
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
     const float *q_norm, *k_norm;                   /* NULL: none (Llama); [head_dim] */
-    const float *post_norm;
+    const float *post_norm;                         /* the MLP's input norm */
+    /* NULL: none; else the norm of the attention's / the MLP's output before it is added to
+     * the residual (Gemma's post-attention and post-feedforward norms) */
+    const float *attn_out_norm, *mlp_out_norm;
     struct step_weight q, k, v, o, gate, up, down;
+    int rope_table; /* which of step_args' rotary tables rotates this layer's q and k */
 };
+
+/* The gated MLP's activation of its gate (step_args' `activation`): SiLU (SwiGLU), or GELU
+ * with tanh's approximation as MLX's gelu_approx computes it (Gemma). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 struct step_cache {
     /* [kv_heads, capacity, head_dim]: head h at h * head_stride; row i holds position
@@ -72,8 +80,14 @@ struct step_cache {
 
 struct step_args {
     int batch, tokens, hidden, heads, kv_heads, head_dim, intermediate, layers, offset, rope_dims;
+    int activation; /* ACT_SILU or ACT_GELU_TANH */
     float eps, scale;
-    const float *cos, *sin; /* [tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half) */
+    /* 0: none; else attention scores are soft-capped, cap * tanh(q.k * scale / cap), before
+     * the softmax (Gemma2) */
+    float softcap;
+    /* [tables][tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half), a table per
+     * rotary embedding the layers use (step_layer's `rope_table`) */
+    const float *cos, *sin;
     const struct step_layer *layer;
     const struct step_cache *cache; /* per layer; unread when offset is 0 */
     const float *final_norm;
