@@ -203,7 +203,7 @@ def test_models_loaded_with_numpy_gemv_decode_through_it_with_the_same_logits(tm
 
 
 def _rope_modules():
-    from mlx_lm.models.rope_utils import Llama3RoPE
+    from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
     llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     return [
@@ -216,12 +216,18 @@ def _rope_modules():
             base=500000.0,
             scaling_config={**llama3, "original_max_position_embeddings": 16},
         ),
+        # YaRN with an input scale (mscale 0.1 ln 16 + 1): Ministral3's, DeepSeek's rule
+        YarnRoPE(16, base=1e6, scaling_factor=16.0, original_max_position_embeddings=16),
     ]
 
 
-def rope_float64(x: np.ndarray, inv_freq: np.ndarray, offset: int) -> np.ndarray:
-    """The rotate-half rotary embedding of the leading 2 * len(inv_freq) dims, in float64."""
+def rope_float64(
+    x: np.ndarray, inv_freq: np.ndarray, offset: int, amplitude: float = 1.0
+) -> np.ndarray:
+    """The rotate-half rotary embedding of the leading 2 * len(inv_freq) dims, times
+    `amplitude` (YaRN's input scale), in float64."""
     x = x.astype(np.float64)
+    x[..., : 2 * len(inv_freq)] *= amplitude
     half = len(inv_freq)
     angles = np.arange(offset, offset + x.shape[-2])[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles), np.sin(angles)
@@ -229,20 +235,22 @@ def rope_float64(x: np.ndarray, inv_freq: np.ndarray, offset: int) -> np.ndarray
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-@pytest.mark.parametrize("index", range(4), ids=["plain", "scaled", "partial", "llama3"])
+@pytest.mark.parametrize("index", range(5), ids=["plain", "scaled", "partial", "llama3", "yarn"])
 @pytest.mark.parametrize(("length", "offset"), [(1, 0), (1, 900), (37, 0), (5, 3000)])
 def test_table_rope_equals_mlx_rope(index, length, offset):
     """Equal to mx.fast.rope within its float32 angles (x * inv_freq rounded near 3000 rad is
     off by ~1e-4), and to the float64 rotation within float32 rounding."""
-    from runner.backend.rope import RopeTables, TableRoPE, inverse_frequencies
+    from runner.backend.rope import RopeTables, TableRoPE, amplitude, inverse_frequencies
 
     original = _rope_modules()[index]
-    inv_freq = inverse_frequencies(original)
-    table = TableRoPE(original, inv_freq, RopeTables())
+    inv_freq, scale = inverse_frequencies(original), amplitude(original)
+    assert inv_freq is not None and (scale > 1.25) == (index == 4)
+    table = TableRoPE(original, inv_freq, RopeTables(), scale)
     x = mx.random.normal((2, 3, length, 16), key=mx.random.key(index))
     got = np.array(table(x, offset=offset))
     np.testing.assert_allclose(got, np.array(original(x, offset=offset)), atol=3e-4)
-    np.testing.assert_allclose(got, rope_float64(np.array(x), inv_freq, offset), atol=3e-6)
+    want = rope_float64(np.array(x), inv_freq, offset, scale)
+    np.testing.assert_allclose(got, want, atol=3e-6 * scale)
 
 
 def test_table_rope_hands_array_offsets_and_other_rules_to_mlx():

@@ -38,7 +38,7 @@ from tests.quantized_models import (
     load_quantized_model,
     weight_times,
 )
-from tests.tiny import load_tiny_model
+from tests.tiny import load_tiny_model, tiny_config
 
 COMPILER = build.compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
@@ -392,20 +392,31 @@ def test_every_level_computes_the_decoder_step(
 
 
 @pytest.mark.parametrize(
-    "arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+    "arch",
+    [
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Ministral3ForCausalLM",
+    ],
 )
 def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path: Path) -> None:
     """Sliding-window layers (windows of 8; Qwen2's first layer full) through the level's
     step equal MLX's path: a chunk longer than the window (row items, its own keys
     windowed), decode steps that wrap the ring (split items), chunks over a wrapped ring;
-    with Gemma2's soft-capped scores and Gemma's norms, GELU and rotary tables."""
+    with Gemma2's soft-capped scores and Gemma's norms, GELU and rotary tables, and
+    Ministral3's queries scaled by position (from 16 on; windowed at 8 here too)."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
     functions = abi.load(library)
     assert functions is not None
     backend = Backend.cpu().replace(native_step_max_tokens=None, gemv=False)
-    plain = load_tiny_model(arch, tmp_path, backend=backend)
+    config = tiny_config(arch)
+    if config.get("sliding_window") is None:
+        config["sliding_window"] = 8
+    plain = load_tiny_model(arch, tmp_path, backend=backend, config=config)
     step = native_step.build(
         plain.module, plain.KERNELS, 16, (), functions=functions, shape=plain.native_shape()
     )

@@ -377,8 +377,16 @@ def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
 # Families with sliding-window layers (tests/data/configs: window 8): Mistral windows every
 # layer, this Qwen2 its last two of three; Gemma2 (soft-capped attention, alternate windows)
 # and Gemma3 (three of four windowed, local and global rotary tables), both with Gemma's
-# four norms a layer scaling by 1 + weight, GELU MLPs and scaled embeddings.
-WINDOWED = ["MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+# four norms a layer scaling by 1 + weight, GELU MLPs and scaled embeddings; Ministral3
+# (YaRN rotary tables, queries scaled by position from 16 on), windowed here at 8 too.
+WINDOWED = [
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Ministral3ForCausalLM",
+]
+WINDOW_EDITS = {"Ministral3ForCausalLM": {"sliding_window": 8}}
 
 
 def forward_both(model: Any, caches: list[Any], tokens: list[int]) -> tuple[np.ndarray, ...]:
@@ -398,7 +406,7 @@ def assert_forwards_equal(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, .
 def windowed_pair(arch: str, path: Any, max_tokens: int, **config: Any) -> tuple[Any, Any]:
     on = Backend.cpu().replace(native_step_max_tokens=max_tokens)
     off = Backend.cpu().replace(native_step_max_tokens=None)
-    edited = tiny_config(arch) | config
+    edited = tiny_config(arch) | WINDOW_EDITS.get(arch, {}) | config
     native = load_tiny_model(arch, path / "a", backend=on, config=edited)
     plain = load_tiny_model(arch, path / "b", backend=off, config=edited)
     assert native._native is not None

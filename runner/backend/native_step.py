@@ -32,16 +32,17 @@ the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or
 quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
 
-It serves Llama, Qwen2, Qwen3, Mistral, Gemma2 and Gemma3 as mlx-lm builds them (mlx-lm's
-llama, qwen2, qwen3, gemma2 and gemma3_text classes, as the families adapt them): RMSNorm,
-optional q/k/v/o biases, per-head q/k norms, rotate-half rotary embeddings from the runner's
-tables (runner/backend/rope.py; a table per rotary embedding the layers use), SwiGLU or
-Gemma's GELU MLP, full or sliding-window attention, Gemma2's soft-capped scores, and what a
-family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a layer,
-and its scaled embeddings). `build` returns None for anything else (a weight it cannot read:
-non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales); another
-module shape), and a call returns None where MLX's path must run: more tokens than the
-backend's limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
+It serves Llama, Qwen2, Qwen3, Mistral, Ministral3, Gemma2 and Gemma3 as mlx-lm builds them
+(mlx-lm's llama, qwen2, qwen3, ministral3, gemma2 and gemma3_text classes, as the families
+adapt them): RMSNorm, optional q/k/v/o biases, per-head q/k norms, rotate-half rotary
+embeddings from the runner's tables (runner/backend/rope.py; a table per rotary embedding
+the layers use), SwiGLU or Gemma's GELU MLP, full or sliding-window attention, Gemma2's
+soft-capped scores, and what a family's `NativeShape` adds around the layers (Gemma's norms
+of 1 + weight, four a layer, and its scaled embeddings; Ministral3's queries scaled by
+position). `build` returns None for anything else (a weight it cannot read: non-float32
+floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales); another module
+shape), and a call returns None where MLX's path must run: more tokens than the backend's
+limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
 `SharedPrefixKV` (rows over a prefix) or a `RotatingKVCache` without a `keep`, or cache
 buffers it cannot read in place.
 
@@ -72,6 +73,7 @@ import ctypes
 import dataclasses
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -319,6 +321,9 @@ class NativeShape:
     # the embeddings multiplied by this float32 number before the layers (Gemma's
     # sqrt(hidden)), or None
     embedding_scale: float | None = None
+    # (offset, tokens) -> each token's float32 scale of its queries after their rotation
+    # (Ministral3's by position), or None where every one is 1
+    query_scale: Callable[[int, int], np.ndarray | None] | None = None
 
 
 class NativeStep:
@@ -367,6 +372,7 @@ class NativeStep:
         self.vocab = int(embed[table].shape[0])
         self._final_norm, eps = _norm(inner, "norm", plus_one)
         self._embed_scale = shape.embedding_scale
+        self._query_scale = shape.query_scale
         layers = list(inner.layers)
         self._keep: list[Any] = [self._final_norm]  # the views' lifetimes
         structs = (abi.Layer * len(layers))()
@@ -629,6 +635,12 @@ class NativeStep:
             layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
             x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
         )  # fmt: skip
+        if self._query_scale is not None:
+            scales = self._query_scale(offset, t)
+            if scales is not None:
+                scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(t)
+                keep.append(scales)
+                args.query_scale = _pointer(scales)
         args.scratch = _pointer(self._workspace("scratch", self._scratch(ctypes.byref(args))))
         if self._step(ctypes.byref(args)) != 0:
             return None

@@ -8,8 +8,9 @@ again for the keys of every layer. A decode step of SmolLM2 (30 layers) spends ~
 numpy, and every layer then applies it in 6 operations: `x * C + rotate_half(x) * S`.
 
 It replaces, on the instances of a loaded model only (runner/backend/install.py), the rotary
-modules whose rule is plain: `nn.RoPE` and mlx-lm's `Llama3RoPE`, not traditional (pairs
-interleaved), the rotated part the leading `dims` of each head. Others keep mlx-lm's.
+modules whose rule is plain: `nn.RoPE`, mlx-lm's `Llama3RoPE` and `YarnRoPE` (its input
+scale `mscale` folded into the table), not traditional (pairs interleaved), the rotated part
+the leading `dims` of each head. Others keep mlx-lm's.
 
 Invariants:
 - The result equals `mx.fast.rope`'s within float32 rounding of the angles (the table is
@@ -28,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 
 class RopeTables:
@@ -37,14 +38,15 @@ class RopeTables:
     def __init__(self) -> None:
         self._last: dict[int, tuple[tuple[int, int], tuple[mx.array, mx.array]]] = {}
 
-    def get(self, key: int, inv_freq: np.ndarray, offset: int, length: int):
-        """C = [cos, cos], S = [-sin, sin] for positions offset .. offset + length - 1."""
+    def get(self, key: int, inv_freq: np.ndarray, offset: int, length: int, amplitude: float = 1.0):
+        """C = [cos, cos], S = [-sin, sin] for positions offset .. offset + length - 1, both
+        times `amplitude` (YaRN's input scale)."""
         last = self._last.get(key)
         if last is not None and last[0] == (offset, length):
             return last[1]
         positions = np.arange(offset, offset + length, dtype=np.float64)
         angles = positions[:, None] * inv_freq[None, :]
-        cos, sin = np.cos(angles), np.sin(angles)
+        cos, sin = np.cos(angles) * amplitude, np.sin(angles) * amplitude
         table = (
             mx.array(np.concatenate([cos, cos], axis=-1).astype(np.float32)),
             mx.array(np.concatenate([-sin, sin], axis=-1).astype(np.float32)),
@@ -56,7 +58,13 @@ class RopeTables:
 class TableRoPE(nn.Module):
     """Non-traditional rotary embedding of the leading `dims` of each head, from a table."""
 
-    def __init__(self, original: nn.Module, inv_freq: np.ndarray, tables: RopeTables):
+    def __init__(
+        self,
+        original: nn.Module,
+        inv_freq: np.ndarray,
+        tables: RopeTables,
+        amplitude: float = 1.0,
+    ):
         super().__init__()
         # Plain attributes (not the module's dict): no child modules, no parameters.
         object.__setattr__(self, "_original", original)
@@ -65,16 +73,17 @@ class TableRoPE(nn.Module):
         rotate = mx.array(np.r_[np.arange(half, 2 * half), np.arange(half)], mx.uint32)
         object.__setattr__(self, "_rotate", rotate)
         self._inv_freq = inv_freq  # float64, already multiplied by the position scale
-        self.key = hash(inv_freq.tobytes())  # equal keys: the same rotation
+        self._amplitude = float(amplitude)  # what the rotated part is multiplied by (YaRN)
+        self.key = hash((inv_freq.tobytes(), self._amplitude))  # equal keys: the same rotation
         self.dims = int(original.dims)
 
     def table(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
         """(C, S) [length, dims] for positions offset .. offset + length - 1."""
-        return self._tables.get(self.key, self._inv_freq, offset, length)
+        return self._tables.get(self.key, self._inv_freq, offset, length, self._amplitude)
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if not isinstance(offset, int):
-            return self._original(x, offset=offset)
+    def __call__(self, x: mx.array, offset: Any = 0, **options: Any) -> mx.array:
+        if not isinstance(offset, int) or options:  # e.g. YaRN's inverse rotation
+            return self._original(x, offset=offset, **options)
         cos, sin = self.table(offset, x.shape[-2])
         if x.shape[-1] == self.dims:
             return self._apply(x, cos, sin)
@@ -96,9 +105,15 @@ def inverse_frequencies(module: nn.Module) -> np.ndarray | None:
     if type(module) is nn.RoPE:
         exponents = np.arange(0, dims, 2, dtype=np.float64) / dims
         return float(module.scale) / (float(module.base) ** exponents)
-    if type(module) is Llama3RoPE:
+    if type(module) in (Llama3RoPE, YarnRoPE):
         return 1.0 / np.array(module._freqs, dtype=np.float64)  # scale 1, as mlx-lm calls it
     return None
+
+
+def amplitude(module: nn.Module) -> float:
+    """What a rotary module multiplies the rotated part by before rotating it: YaRN's
+    `mscale`, else 1."""
+    return float(module.mscale) if type(module) is YarnRoPE else 1.0
 
 
 def install(model: nn.Module) -> int:
@@ -112,6 +127,6 @@ def install(model: nn.Module) -> int:
                 continue
             inv_freq = inverse_frequencies(child)
             if inv_freq is not None:
-                setattr(parent, name, TableRoPE(child, inv_freq, tables))
+                setattr(parent, name, TableRoPE(child, inv_freq, tables, amplitude(child)))
                 replaced += 1
     return replaced

@@ -175,9 +175,6 @@ class DecoderModel:
     # Whether short forwards may run in one native call (runner/backend/native_step.py): for
     # mlx-lm's Llama-shaped modules only; the builder still checks every layer.
     NATIVE_STEP: ClassVar[bool] = False
-    # The mlx-lm classes the native step may run, where fewer than `KERNELS` names (a class
-    # of the family the step does not compute); None: `KERNELS`.
-    NATIVE_KERNELS: ClassVar[Kernels | None] = None
     _native: native_step.NativeStep | None = None  # families with their own __init__: none
 
     @classmethod
@@ -199,7 +196,7 @@ class DecoderModel:
         self._native = (
             native_step.build(
                 module,
-                self.NATIVE_KERNELS or self.KERNELS,
+                self.KERNELS,
                 backend.native_step_max_tokens,
                 backend.native_half_formats,
                 shape=self.native_shape(),

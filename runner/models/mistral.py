@@ -26,10 +26,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import llama, ministral3
 from mlx_lm.models.base import create_attention_mask
 
-from runner.backend import Backend
+from runner.backend import Backend, native_step
 from runner.backend.install import Kernels
 from runner.models.config import (
     FULL,
@@ -218,15 +219,26 @@ class _MistralBase(DecoderModel):
     KERNELS = Kernels(
         attention=(llama.Attention, ministral3.Attention), swiglu=(llama.MLP, ministral3.MLP)
     )
-    # Mistral's layers are mlx-lm's llama ones, windowed or not; Ministral3's query scale by
-    # position is not the native step's, so its layers stay on MLX's path.
-    NATIVE_KERNELS = Kernels(attention=(llama.Attention,), swiglu=(llama.MLP,))
+    NATIVE_STEP = True  # Ministral3's query scale by position: `native_shape`
+
+    def native_shape(self) -> native_step.NativeShape:
+        text = self.module.model
+        if not isinstance(text, _Ministral3Text):
+            return native_step.NativeShape()
+        beta, period = text.query_scale_beta, text.query_scale_period
+
+        def query_scale(offset: int, tokens: int) -> np.ndarray | None:
+            if offset + tokens <= period:  # 1 + beta * log(1 + 0): every one 1
+                return None
+            scale = ministral3._get_llama_4_attn_scale(tokens, offset, beta, period)
+            return np.array(scale.astype(mx.float32)).reshape(tokens)
+
+        return native_step.NativeShape(query_scale=query_scale)
 
 
 @register("MistralForCausalLM", "mistral")
 class Mistral(_MistralBase):
     DEFAULT_CONTEXT = 131072
-    NATIVE_STEP = True
 
     @classmethod
     def build_module(cls, config: dict[str, Any]) -> nn.Module:
@@ -283,7 +295,6 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 @register("Mistral3ForConditionalGeneration", "mistral3")
 class Mistral3(_MistralBase):
     DEFAULT_CONTEXT = 131072
-    NATIVE_STEP = True  # a Mistral text model; a Ministral3 one is declined by its classes
 
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend

@@ -52,7 +52,7 @@ static const struct field step_args_fields[] = {
     FIELD(step_args, intermediate), FIELD(step_args, layers), FIELD(step_args, offset),
     FIELD(step_args, rope_dims), FIELD(step_args, activation), FIELD(step_args, eps),
     FIELD(step_args, scale), FIELD(step_args, softcap), FIELD(step_args, cos),
-    FIELD(step_args, sin),
+    FIELD(step_args, sin), FIELD(step_args, query_scale),
     FIELD(step_args, layer), FIELD(step_args, cache), FIELD(step_args, final_norm),
     FIELD(step_args, x), FIELD(step_args, new_keys), FIELD(step_args, new_values),
     FIELD(step_args, scratch),

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 12  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 13  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -88,6 +88,7 @@ class Args(ctypes.Structure):  # struct step_args
         ("softcap", ctypes.c_float),
         ("cos", F32),
         ("sin", F32),
+        ("query_scale", F32),
         ("layer", ctypes.POINTER(Layer)),
         ("cache", ctypes.POINTER(Cache)),
         ("final_norm", F32),

@@ -9,6 +9,7 @@
  *
  *   h = rms_norm(x) ; q, k, v = h Wq^T (+b), h Wk^T (+b), h Wv^T (+b)
  *   (Qwen3) q, k = rms_norm per head ; rotary on q, k (cos/sin tables from the caller)
+ *   (Ministral3) q *= the caller's scale of its position
  *   o = softmax(q k^T * scale, causal) v over the cached keys and these (a layer's window,
  *       where its cache says; Gemma2's soft-capped scores: attention.c) ;
  *   x += o Wo^T (+b)            (Gemma: x += rms_norm(o Wo^T), `attn_out_norm`)
@@ -211,6 +212,12 @@ int runner_decoder_step(const struct step_args *a) {
         const size_t table = (size_t)w->rope_table * W * a->rope_dims;
         rotate(q, T, W, a->heads, D, a->rope_dims, a->cos + table, a->sin + table);
         rotate(k, T, W, a->kv_heads, D, a->rope_dims, a->cos + table, a->sin + table);
+        if (a->query_scale) /* after the rotation, as MLX multiplies them */
+            for (int r = 0; r < T; r++) {
+                const float s = a->query_scale[r % W];
+                float *row = q + (size_t)r * qd;
+                for (int i = 0; i < qd; i++) row[i] *= s;
+            }
         /* this step's keys and values, [batch, kv_heads, tokens, head_dim], for the caches */
         float *nk = a->new_keys + (size_t)l * T * kd, *nv = a->new_values + (size_t)l * T * kd;
         for (int b = 0; b < a->batch; b++)

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 12
+#define RUNNER_NATIVE_ABI_VERSION 13
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -88,6 +88,9 @@ struct step_args {
     /* [tables][tokens, rope_dims]: [cos, cos] and [-sin, sin] (rotate-half), a table per
      * rotary embedding the layers use (step_layer's `rope_table`) */
     const float *cos, *sin;
+    /* NULL: none; else [tokens]: token t's queries are multiplied by query_scale[t] after
+     * their rotation (Ministral3's scale by position) */
+    const float *query_scale;
     const struct step_layer *layer;
     const struct step_cache *cache; /* per layer; unread when offset is 0 */
     const float *final_norm;
