@@ -94,19 +94,26 @@ TOKENIZER_CONFIG = {
 }
 
 
+def _dimensions(shape: Shape) -> dict[str, Any]:
+    """A transformers config's keys for the shape's dimensions."""
+    return {
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.context,
+    }
+
+
 def gemma3_config(shape: Shape) -> dict[str, Any]:
     """transformers 5's Gemma3 text config (the tests' key set) with the shape's dimensions
     and Gemma3-1B's windows, rotary bases and query scale; no soft-caps, as Gemma3 has."""
     config = json.loads(GEMMA3_TEMPLATE.read_text())
     config.update(
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate,
-        vocab_size=shape.vocab,
-        max_position_embeddings=shape.context,
+        _dimensions(shape),
         layer_types=[
             "full_attention" if (n + 1) % 6 == 0 else "sliding_attention"
             for n in range(shape.layers)
@@ -129,14 +136,7 @@ def model_config(shape: Shape) -> dict[str, Any]:
         return gemma3_config(shape)
     config = json.loads(CONFIG_TEMPLATE.read_text())
     config.update(
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate,
-        vocab_size=shape.vocab,
-        max_position_embeddings=shape.context,
+        _dimensions(shape),
         layer_types=["full_attention"] * shape.layers,
         tie_word_embeddings=True,
     )

@@ -368,12 +368,21 @@ def test_every_level_computes_the_decoder_step(
     assert step.half_format == (dtype if half else None)
     assert step.quantized == (7 * step.layers if quantization else 0)
 
+    chunks = [[5, 6, 7, 8, 9, 10, 11], [12], [13], [14, 15]]
+    assert_step_equals_mlx(plain, step, chunks)
+
+
+def assert_step_equals_mlx(plain: Any, step: Any, chunks: list[list[int]]) -> None:
+    """`chunks` forwarded into fresh caches through `step` (each forward must be the
+    step's) and through MLX's path: logits within 1e-4 and hidden states within 1e-4
+    relative at every chunk."""
+
     def run(native: Any) -> list[np.ndarray]:
         plain._native = native
         caches, out = plain.make_caches(), []
-        for tokens in ([5, 6, 7, 8, 9, 10, 11], [12], [13], [14, 15]):
+        for tokens in chunks:
             hidden = plain.hidden(mx.array([tokens], dtype=mx.int32), caches)
-            out.append(np.array(plain.unembed(hidden)))
+            out += [np.array(hidden), np.array(plain.unembed(hidden))]
         return out
 
     taken = []
@@ -386,9 +395,10 @@ def test_every_level_computes_the_decoder_step(
     counted.unembed = step.unembed  # type: ignore[attr-defined]
     counted.half_format = step.half_format  # type: ignore[attr-defined]
     native, mlx_path = run(counted), run(None)
-    assert all(taken) and len(taken) == 4
-    for got, want in zip(native, mlx_path, strict=True):
-        assert np.abs(got - want).max() < 1e-4
+    assert all(taken) and len(taken) == len(chunks)
+    for i, (got, want) in enumerate(zip(native, mlx_path, strict=True)):
+        logits = i % 2 == 1  # run() appends hidden states, then logits
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0 if logits else 1e-4)
 
 
 @pytest.mark.parametrize(
@@ -423,27 +433,7 @@ def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path
     assert step is not None
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 300, size=40)]
     cuts = [0, 13, 14, 15, 16, 17, 18, 21, 30, 31, 40]
-
-    def run(native: Any) -> list[np.ndarray]:
-        plain._native = native
-        caches, out = plain.make_caches(), []
-        for start, stop in itertools.pairwise(cuts):
-            hidden = plain.hidden(mx.array([prompt[start:stop]], dtype=mx.int32), caches)
-            out += [np.array(hidden), np.array(plain.unembed(hidden))]
-        return out
-
-    taken = []
-
-    def counted(tokens: mx.array, caches: list[Any]) -> Any:
-        result = step(tokens, caches)
-        taken.append(result is not None)
-        return result
-
-    counted.unembed = step.unembed  # type: ignore[attr-defined]
-    native, mlx_path = run(counted), run(None)
-    assert all(taken) and len(taken) == len(cuts) - 1
-    for got, want in zip(native, mlx_path, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_step_equals_mlx(plain, step, [prompt[a:b] for a, b in itertools.pairwise(cuts)])
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no arm64 cross compiler")

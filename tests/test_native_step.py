@@ -398,9 +398,21 @@ def forward_both(model: Any, caches: list[Any], tokens: list[int]) -> tuple[np.n
     return np.array(hidden), np.array(logits)
 
 
-def assert_forwards_equal(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...]) -> None:
-    for x, y in zip(got, want, strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+def assert_chunks_equal(
+    native: Any, plain: Any, prompt: list[int], cuts: list[int], rings: bool = False
+) -> None:
+    """`prompt` forwarded in the chunks between `cuts` by both models into fresh caches:
+    hidden states and logits agree at every chunk (and the rings after each, if `rings`),
+    and the caches at the end."""
+    a, b = native.make_caches(), plain.make_caches()
+    for start, stop in itertools.pairwise(cuts):
+        chunk = prompt[start:stop]
+        got, want = forward_both(native, a, chunk), forward_both(plain, b, chunk)
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+        if rings:
+            assert_rings_equal(a, b)
+    assert_rings_equal(a, b)
 
 
 def windowed_pair(arch: str, path: Any, max_tokens: int, **config: Any) -> tuple[Any, Any]:
@@ -438,12 +450,8 @@ def test_sliding_windows_equal_mlx(arch, tmp_path):
     chunk longer than the window (its own keys windowed too). Every forward is the step's."""
     native, plain = windowed_pair(arch, tmp_path, 16)
     prompt = np.random.default_rng(0).integers(3, 300, size=120).tolist()
-    a, b = native.make_caches(), plain.make_caches()
     cuts = [0, 3, 6, 13, *range(14, 24), 30, 31, 32, 45, 46, *range(47, 60), 61, 76, 77, 80]
-    for start, stop in itertools.pairwise(cuts):
-        chunk = prompt[start:stop]
-        assert_forwards_equal(forward_both(native, a, chunk), forward_both(plain, b, chunk))
-        assert_rings_equal(a, b)
+    assert_chunks_equal(native, plain, prompt, cuts, rings=True)
     assert native._native.taken == len(cuts) - 1
     assert native._native.declined == 0
 
@@ -455,14 +463,10 @@ def test_long_windowed_forwards_equal_mlx(arch, tmp_path):
     some rows of a block see and others do not, windows inside a forward's own keys."""
     native, plain = windowed_pair(arch, tmp_path, 512, sliding_window=150)
     prompt = np.random.default_rng(1).integers(3, 300, size=1300).tolist()
-    a, b = native.make_caches(), plain.make_caches()
     # 300 on an empty cache (own keys windowed), 37 over 300 cached (row items), 7 (split
     # items), decode steps, 261 more, 600 by MLX's path (> 512), then 40 and decode
     cuts = [0, 300, 337, 344, 345, 346, 607, 1207, 1247, 1248, 1249]
-    for start, stop in itertools.pairwise(cuts):
-        chunk = prompt[start:stop]
-        assert_forwards_equal(forward_both(native, a, chunk), forward_both(plain, b, chunk))
-    assert_rings_equal(a, b)
+    assert_chunks_equal(native, plain, prompt, cuts)
     assert native._native.taken == len(cuts) - 2
     assert native._native.declined == 1
 
