@@ -534,6 +534,25 @@ def test_rows_batched_over_a_shared_prefix_equal_mlx(pair):
     assert native._native.taken == 1  # the batch (the prefix was MLX's)
 
 
+def test_one_row_over_a_shared_prefix_takes_the_step(pair):
+    """A batch of one row over a shared prefix (SharedPrefixKV caches, batch 1) is the
+    step's, as any batch is, and equals MLX's path."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+    from runner.cache.shared_prefix import SharedPrefixKV
+
+    native, plain = pair
+    results = []
+    for model in (native, plain):
+        caches = model.make_caches()
+        forward(model, caches, [9, 8, 7, 6, 5])
+        batch = broadcast([kind_of(c) for c in caches], caches, 1)
+        assert all(type(c) is SharedPrefixKV for c in batch)
+        results.append(np.array(forward_suffixes(model, batch, [[1, 2, 3]])))
+    np.testing.assert_allclose(results[0], results[1], atol=1e-4, rtol=1e-4)
+    assert native._native.taken == 2  # the prefix and the row
+
+
 def test_batched_rows_equal_each_row_alone(pair):
     """The same rows, batched through the step and one by one through it."""
     from runner.cache.batch import broadcast, forward_suffixes

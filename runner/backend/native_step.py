@@ -546,10 +546,13 @@ class NativeStep:
         # sliding-window layers: mlx-lm's rotating caches (runner/models/decoder.py's
         # layer_caches: the window is the ring's size), read here and appended by MLX
         windowed = [type(c) is RotatingKVCache for c in caches]
-        plain = KVCache if batch == 1 else SharedPrefixKV
+        # one row continues plain KV caches; rows over a shared prefix (any batch, one row
+        # included) continue SharedPrefixKVs
+        shared = batch > 1 or any(type(c) is SharedPrefixKV for c in caches)
+        plain = SharedPrefixKV if shared else KVCache
         if not all(w or type(c) is plain for c, w in zip(caches, windowed, strict=True)):
             return None
-        one_row = batch == 1
+        one_row = not shared
         if one_row:
             offset = caches[0].offset
             # per cache: the buffers this step allocated for it, when they have room for these
