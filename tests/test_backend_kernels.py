@@ -203,7 +203,7 @@ def test_models_loaded_with_numpy_gemv_decode_through_it_with_the_same_logits(tm
 
 
 def _rope_modules():
-    from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
     llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     return [
@@ -218,6 +218,14 @@ def _rope_modules():
         ),
         # YaRN with an input scale (mscale 0.1 ln 16 + 1): Ministral3's, DeepSeek's rule
         YarnRoPE(16, base=1e6, scaling_factor=16.0, original_max_position_embeddings=16),
+        # longrope (Phi3): per-pair factors and an input scale, 12 of 16 dims rotated
+        SuScaledRoPE(
+            12,
+            base=10000.0,
+            max_position_embeddings=256,
+            original_max_position_embeddings=16,
+            long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+        ),
     ]
 
 
@@ -235,7 +243,9 @@ def rope_float64(
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-@pytest.mark.parametrize("index", range(5), ids=["plain", "scaled", "partial", "llama3", "yarn"])
+@pytest.mark.parametrize(
+    "index", range(6), ids=["plain", "scaled", "partial", "llama3", "yarn", "longrope"]
+)
 @pytest.mark.parametrize(("length", "offset"), [(1, 0), (1, 900), (37, 0), (5, 3000)])
 def test_table_rope_equals_mlx_rope(index, length, offset):
     """Equal to mx.fast.rope within its float32 angles (x * inv_freq rounded near 3000 rad is
@@ -244,7 +254,7 @@ def test_table_rope_equals_mlx_rope(index, length, offset):
 
     original = _rope_modules()[index]
     inv_freq, scale = inverse_frequencies(original), amplitude(original)
-    assert inv_freq is not None and (scale > 1.25) == (index == 4)
+    assert inv_freq is not None and (scale > 1) == (index >= 4)
     table = TableRoPE(original, inv_freq, RopeTables(), scale)
     x = mx.random.normal((2, 3, length, 16), key=mx.random.key(index))
     got = np.array(table(x, offset=offset))

@@ -409,14 +409,16 @@ def assert_step_equals_mlx(plain: Any, step: Any, chunks: list[list[int]]) -> No
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Ministral3ForCausalLM",
+        "Phi3ForCausalLM",
     ],
 )
 def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path: Path) -> None:
     """Sliding-window layers (windows of 8; Qwen2's first layer full) through the level's
     step equal MLX's path: a chunk longer than the window (row items, its own keys
     windowed), decode steps that wrap the ring (split items), chunks over a wrapped ring;
-    with Gemma2's soft-capped scores and Gemma's norms, GELU and rotary tables, and
-    Ministral3's queries scaled by position (from 16 on; windowed at 8 here too)."""
+    with Gemma2's soft-capped scores and Gemma's norms, GELU and rotary tables,
+    Ministral3's queries scaled by position (from 16 on; windowed at 8 here too) and Phi3's
+    fused projections and partial longrope."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")

@@ -378,13 +378,15 @@ def test_what_it_does_not_serve_goes_to_mlx_unchanged(pair):
 # layer, this Qwen2 its last two of three; Gemma2 (soft-capped attention, alternate windows)
 # and Gemma3 (three of four windowed, local and global rotary tables), both with Gemma's
 # four norms a layer scaling by 1 + weight, GELU MLPs and scaled embeddings; Ministral3
-# (YaRN rotary tables, queries scaled by position from 16 on), windowed here at 8 too.
+# (YaRN rotary tables, queries scaled by position from 16 on), windowed here at 8 too; Phi3
+# (fused q/k/v and gate/up projections, longrope tables rotating 12 of 16 dims).
 WINDOWED = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Ministral3ForCausalLM",
+    "Phi3ForCausalLM",
 ]
 WINDOW_EDITS = {"Ministral3ForCausalLM": {"sliding_window": 8}}
 
@@ -471,6 +473,27 @@ def test_long_windowed_forwards_equal_mlx(arch, tmp_path):
     assert native._native.declined == 1
 
 
+def test_a_quantized_phi3s_fused_projections_are_read_as_row_ranges(tmp_path):
+    """Phi3's fused qkv_proj and gate_up_proj in mlx-lm's 4-bit quantization: the step reads
+    each part's rows of the codes, scales and biases where MLX keeps them (every product
+    quantized), and equals MLX's path."""
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+    from tests.quantized_models import write_quantized_model
+
+    config = tiny_config("Phi3ForCausalLM")
+    path = write_quantized_model("Phi3ForCausalLM", tmp_path / "q", 4, 32, "float16", config=config)
+    on = Backend.cpu().replace(native_step_max_tokens=16)
+    native = build_model(load_local_dir(path), on)
+    plain = build_model(load_local_dir(path), Backend.cpu().replace(native_step_max_tokens=None))
+    assert native._native is not None
+    assert native._native.quantized == 7 * native._native.layers
+    native._native = Counting(native._native)
+    prompt = np.random.default_rng(2).integers(3, 300, size=40).tolist()
+    assert_chunks_equal(native, plain, prompt, [0, 5, 13, 14, 15, 16, 20, 30, 31, 40])
+    assert native._native.taken == 9
+
+
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_windowed_rows_batched_over_a_prefix_equal_mlx(arch, tmp_path):
     """Scoring's batched rows where a prefix fills the window (and wrapped it: 40 > 8): the
@@ -498,8 +521,8 @@ def test_windowed_rows_batched_over_a_prefix_equal_mlx(arch, tmp_path):
 
 def test_only_float32_llama_shapes_get_a_step(tmp_path):
     """Families without the step keep MLX's path, as does a Llama with the step turned off."""
-    phi3 = load_tiny_model("Phi3ForCausalLM", tmp_path / "g")  # fused projections
-    assert phi3._native is None
+    moe = load_tiny_model("Qwen3MoeForCausalLM", tmp_path / "g")  # experts
+    assert moe._native is None
     without = Backend.cpu().replace(native_step_max_tokens=None)
     off = load_tiny_model("LlamaForCausalLM", tmp_path / "l", backend=without)
     assert off._native is None

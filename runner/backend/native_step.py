@@ -294,6 +294,64 @@ def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
     return matrix, bias
 
 
+def _rows(matrix: _Matrix, start: int, stop: int) -> _Matrix:
+    """Rows [start, stop) of a weight: views of the same memory (a fused projection's
+    parts), contiguous as the rows of a row-major weight are."""
+
+    def part(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[start:stop]
+
+    return dataclasses.replace(
+        matrix, n=stop - start, f32=part(matrix.f32), codes=part(matrix.codes),
+        scales=part(matrix.scales), biases=part(matrix.biases),
+    )  # fmt: skip
+
+
+def _attention_products(
+    attn: nn.Module, heads: int, kv_heads: int
+) -> tuple[dict[str, _Matrix], dict[str, np.ndarray | None]]:
+    """The q, k, v, o weights of an attention and their biases: its own projections, or the
+    row ranges of a fused `qkv_proj` (Phi3: q's rows, then k's, then v's)."""
+    products: dict[str, _Matrix] = {}
+    biases: dict[str, np.ndarray | None] = {}
+    if "qkv_proj" in attn:
+        fused, bias = _linear(attn, "qkv_proj")
+        if bias is not None:
+            raise _Unsupported("a fused projection's bias")
+        if fused.n % (heads + 2 * kv_heads):
+            raise _Unsupported(f"qkv_proj of {fused.n} rows")
+        head_dim = fused.n // (heads + 2 * kv_heads)
+        q, kv = heads * head_dim, kv_heads * head_dim
+        products |= {"q": _rows(fused, 0, q), "k": _rows(fused, q, q + kv)}
+        products["v"] = _rows(fused, q + kv, q + 2 * kv)
+        biases |= dict.fromkeys(("q", "k", "v"))
+    else:
+        for proj in ("q", "k", "v"):
+            products[proj], biases[proj] = _linear(attn, f"{proj}_proj")
+    products["o"], biases["o"] = _linear(attn, "o_proj")
+    return products, biases
+
+
+def _mlp_products(mlp: nn.Module) -> dict[str, _Matrix]:
+    """The gate, up and down weights of a gated MLP (no biases): its own projections, or
+    the halves of a fused `gate_up_proj` (Phi3: the gate's rows, then up's)."""
+    products: dict[str, _Matrix] = {}
+    if "gate_up_proj" in mlp:
+        fused, bias = _linear(mlp, "gate_up_proj")
+        if bias is not None or fused.n % 2:
+            raise _Unsupported("gate_up_proj")
+        half = fused.n // 2
+        products |= {"gate": _rows(fused, 0, half), "up": _rows(fused, half, fused.n)}
+        names: tuple[str, ...] = ("down",)
+    else:
+        names = ("gate", "up", "down")
+    for proj in names:
+        products[proj], bias = _linear(mlp, f"{proj}_proj")
+        if bias is not None:
+            raise _Unsupported("MLP biases")
+    return products
+
+
 def _norm(
     parent: nn.Module, name: str, plus_one: tuple[type, ...] = ()
 ) -> tuple[np.ndarray, float]:
@@ -390,7 +448,7 @@ class NativeStep:
         cap = getattr(first, "softcap", None)  # Gemma2's attention soft-cap, or none
         self.softcap = float(cap) if cap else 0.0
         self.activation = ""
-        q_weight, _ = _linear(first, "q_proj")
+        q_weight = _attention_products(first, self.heads, self.kv_heads)[0]["q"]
         self.head_dim = q_weight.n // self.heads
         self.hidden = q_weight.k
         for i, layer in enumerate(layers):
@@ -428,8 +486,9 @@ class NativeStep:
                     raise _Unsupported("norms with different eps")
             else:
                 fields["post_norm"], e2 = _norm(layer, "post_attention_layernorm", plus_one)
-            for proj in ("q", "k", "v", "o"):
-                products[proj], fields[f"{proj}_bias"] = _linear(attn, f"{proj}_proj")
+            attention, biases = _attention_products(attn, self.heads, self.kv_heads)
+            products |= attention
+            fields |= {f"{proj}_bias": bias for proj, bias in biases.items()}
             q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
             shapes = {p: (m.n, m.k) for p, m in products.items()}
             if shapes != {
@@ -439,10 +498,7 @@ class NativeStep:
                 "o": (self.hidden, q_rows),
             }:
                 raise _Unsupported(f"attention projections {shapes}")
-            for proj in ("gate", "up", "down"):
-                products[proj], bias = _linear(mlp, f"{proj}_proj")
-                if bias is not None:
-                    raise _Unsupported("MLP biases")
+            products |= _mlp_products(mlp)
             intermediate = products["gate"].n
             if {(m.n, m.k) for p, m in products.items() if p in ("gate", "up")} != {
                 (intermediate, self.hidden)

@@ -8,9 +8,9 @@ again for the keys of every layer. A decode step of SmolLM2 (30 layers) spends ~
 numpy, and every layer then applies it in 6 operations: `x * C + rotate_half(x) * S`.
 
 It replaces, on the instances of a loaded model only (runner/backend/install.py), the rotary
-modules whose rule is plain: `nn.RoPE`, mlx-lm's `Llama3RoPE` and `YarnRoPE` (its input
-scale `mscale` folded into the table), not traditional (pairs interleaved), the rotated part
-the leading `dims` of each head. Others keep mlx-lm's.
+modules whose rule is plain: `nn.RoPE`, mlx-lm's `Llama3RoPE`, `YarnRoPE` and `SuScaledRoPE`
+(Phi3's longrope; the last two's input scale folded into the table), not traditional (pairs
+interleaved), the rotated part the leading `dims` of each head. Others keep mlx-lm's.
 
 Invariants:
 - The result equals `mx.fast.rope`'s within float32 rounding of the angles (the table is
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 
 class RopeTables:
@@ -69,13 +69,13 @@ class TableRoPE(nn.Module):
         # Plain attributes (not the module's dict): no child modules, no parameters.
         object.__setattr__(self, "_original", original)
         object.__setattr__(self, "_tables", tables)
-        half = int(original.dims) // 2
+        half = rotated_dims(original) // 2
         rotate = mx.array(np.r_[np.arange(half, 2 * half), np.arange(half)], mx.uint32)
         object.__setattr__(self, "_rotate", rotate)
         self._inv_freq = inv_freq  # float64, already multiplied by the position scale
         self._amplitude = float(amplitude)  # what the rotated part is multiplied by (YaRN)
         self.key = hash((inv_freq.tobytes(), self._amplitude))  # equal keys: the same rotation
-        self.dims = int(original.dims)
+        self.dims = rotated_dims(original)
 
     def table(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
         """(C, S) [length, dims] for positions offset .. offset + length - 1."""
@@ -99,6 +99,8 @@ class TableRoPE(nn.Module):
 def inverse_frequencies(module: nn.Module) -> np.ndarray | None:
     """The angle per position of each rotated pair, scale included, or None when the module's
     rule is not one `TableRoPE` computes."""
+    if type(module) is SuScaledRoPE:  # never traditional; its rotated part is `dim`
+        return 1.0 / np.array(module._freqs, dtype=np.float64) if module.dim % 2 == 0 else None
     if getattr(module, "traditional", True) or int(module.dims) % 2:
         return None
     dims = int(module.dims)
@@ -112,8 +114,17 @@ def inverse_frequencies(module: nn.Module) -> np.ndarray | None:
 
 def amplitude(module: nn.Module) -> float:
     """What a rotary module multiplies the rotated part by before rotating it: YaRN's
-    `mscale`, else 1."""
-    return float(module.mscale) if type(module) is YarnRoPE else 1.0
+    `mscale`, longrope's `_scale`, else 1."""
+    if type(module) is YarnRoPE:
+        return float(module.mscale)
+    if type(module) is SuScaledRoPE:
+        return float(module._scale)
+    return 1.0
+
+
+def rotated_dims(module: nn.Module) -> int:
+    """The leading dims of each head a rotary module rotates."""
+    return int(module.dim if type(module) is SuScaledRoPE else module.dims)
 
 
 def install(model: nn.Module) -> int:

@@ -170,6 +170,7 @@ class _Model(phi3.Model):
 class Phi3(DecoderModel):
     DEFAULT_CONTEXT = 4096
     KERNELS = Kernels(attention=(phi3.Attention,), swiglu=(phi3.MLP,))
+    NATIVE_STEP = True  # its fused projections are read as row ranges (native_step.py)
 
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend
