@@ -32,17 +32,18 @@ the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or
 quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
 
-It serves Llama, Qwen2, Qwen3, Mistral, Ministral3, Gemma2 and Gemma3 as mlx-lm builds them
-(mlx-lm's llama, qwen2, qwen3, ministral3, gemma2 and gemma3_text classes, as the families
-adapt them): RMSNorm, optional q/k/v/o biases, per-head q/k norms, rotate-half rotary
-embeddings from the runner's tables (runner/backend/rope.py; a table per rotary embedding
-the layers use), SwiGLU or Gemma's GELU MLP, full or sliding-window attention, Gemma2's
-soft-capped scores, and what a family's `NativeShape` adds around the layers (Gemma's norms
-of 1 + weight, four a layer, and its scaled embeddings; Ministral3's queries scaled by
-position). `build` returns None for anything else (a weight it cannot read: non-float32
-floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales); another module
-shape), and a call returns None where MLX's path must run: more tokens than the backend's
-limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
+It serves Llama, Qwen2, Qwen3, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as mlx-lm builds
+them (mlx-lm's llama, qwen2, qwen3, ministral3, gemma2, gemma3_text and phi3 classes, as the
+families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's fused q/k/v and gate/up
+projections read as row ranges: `_attention_products`, `_mlp_products`), per-head q/k norms,
+rotate-half rotary embeddings from the runner's tables (runner/backend/rope.py; a table per
+rotary embedding the layers use), SwiGLU or Gemma's GELU MLP, full or sliding-window
+attention, Gemma2's soft-capped scores, and what a family's `NativeShape` adds around the
+layers (Gemma's norms of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
+queries scaled by position). `build` returns None for anything else (a weight it cannot
+read: non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales);
+another module shape), and a call returns None where MLX's path must run: more tokens than
+the backend's limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
 `SharedPrefixKV` (rows over a prefix) or a `RotatingKVCache` without a `keep`, or cache
 buffers it cannot read in place.
 
