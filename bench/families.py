@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,45 @@ def timed_forwards(model: Any, prompt: list[int], tokens: int, steps: int) -> fl
     return statistics.median(times) * 1e3
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family's figures: whether the native step serves it, its layers, and the median
+    ms of a decode step and a 15-token forward as the runner runs it and on MLX's path."""
+
+    arch: str
+    native: bool
+    layers: int
+    decode_ms: float
+    decode_mlx_ms: float
+    forward_ms: float
+    forward_mlx_ms: float
+
+
+def measure(archs: list[str], steps: int) -> list[Family]:
+    """Each of `archs` (tests/tiny.py's architectures) loaded as the runner loads it on this
+    device, and timed."""
+    from runner.backend import Backend
+    from tests.tiny import load_tiny_model, tiny_config
+
+    backend = Backend.for_device()
+    prompt = [3 + i % 200 for i in range(64)]
+    out = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for arch in archs:
+            model = load_tiny_model(arch, Path(scratch) / arch, backend=backend)
+            text = tiny_config(arch)
+            text = text.get("text_config") or text
+            layers = int(text.get("num_hidden_layers") or len(text["layers_block_type"]))
+            ms = []
+            for tokens in (1, 15):
+                ms.append(timed_forwards(model, prompt, tokens, steps))
+                with getattr(model, "mlx_only", contextlib.nullcontext)():
+                    ms.append(timed_forwards(model, prompt, tokens, steps))
+            native = getattr(model, "native", None) is not None
+            out.append(Family(arch, native, layers, *ms))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     preload.reexec_preloaded("bench.families", argv)  # the runner's process, preloaded
@@ -52,35 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from runner.backend import Backend
-    from tests.tiny import TINY_ARCHITECTURES, load_tiny_model, tiny_config
+    from tests.tiny import TINY_ARCHITECTURES
 
-    backend = Backend.for_device()
-    prompt = [3 + i % 200 for i in range(64)]
     print(
-        f"tiny models (tests/tiny.py), {backend.name} backend, native step "
+        f"tiny models (tests/tiny.py), {Backend.for_device().name} backend, native step "
         f"{'on' if preload.dispatch_active() else 'off (no library)'}; median of {args.steps} "
         f"forwards after 64 cached, ms (per layer in brackets), {time.strftime('%Y-%m-%d %H:%M')}"
     )
-    print(
-        f"{'family':40s} {'step':6s} {'1 token':>16s} {'MLX':>16s} {'15 tokens':>16s} {'MLX':>16s}"
-    )
-    with tempfile.TemporaryDirectory() as scratch:
-        for arch in TINY_ARCHITECTURES:
-            model = load_tiny_model(arch, Path(scratch) / arch, backend=backend)
-            text = tiny_config(arch)
-            text = text.get("text_config") or text
-            layers = int(text.get("num_hidden_layers") or len(text["layers_block_type"]))
-            cells = []
-            for tokens in (1, 15):
-                ours = timed_forwards(model, prompt, tokens, args.steps)
-                with getattr(model, "mlx_only", contextlib.nullcontext)():
-                    mlx = timed_forwards(model, prompt, tokens, args.steps)
-                cells += [
-                    f"{ours:7.2f} ({ours / layers:5.2f})",
-                    f"{mlx:7.2f} ({mlx / layers:5.2f})",
-                ]
-            native = "yes" if getattr(model, "native", None) is not None else "MLX"
-            print(f"{arch:40s} {native:6s} " + " ".join(f"{c:>16s}" for c in cells))
+    heads = ("1 token", "MLX", "15 tokens", "MLX")
+    print(f"{'family':40s} {'step':6s} " + " ".join(f"{h:>16s}" for h in heads))
+    for f in measure(list(TINY_ARCHITECTURES), args.steps):
+        times = (f.decode_ms, f.decode_mlx_ms, f.forward_ms, f.forward_mlx_ms)
+        cells = [f"{ms:7.2f} ({ms / f.layers:5.2f})" for ms in times]
+        print(
+            f"{f.arch:40s} {'yes' if f.native else 'MLX':6s} "
+            + " ".join(f"{c:>16s}" for c in cells)
+        )
     return 0
 
 

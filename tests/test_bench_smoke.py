@@ -396,6 +396,22 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         assert all(rate > 0 for rate in rates.values())
 
 
+def test_families_bench_says_which_families_take_the_native_step():
+    """`python -m bench.families`' measurement, in this process: a Llama and a Phi3 (fused
+    projections) take the native step where the dispatch is preloaded, a Qwen3-MoE (experts)
+    stays on MLX's path; every figure a time."""
+    from bench import families
+    from runner.native import preload
+
+    archs = ["LlamaForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM"]
+    measured = {f.arch: f for f in families.measure(archs, steps=2)}
+    step = preload.dispatch_active()
+    assert [measured[a].native for a in archs] == [step, step, False]
+    for f in measured.values():
+        times = (f.decode_ms, f.decode_mlx_ms, f.forward_ms, f.forward_mlx_ms)
+        assert f.layers > 0 and all(ms > 0 for ms in times)
+
+
 def test_kept_connection_posts_over_one_connection():
     """The bench's HTTP client for score requests keeps one connection for all of them (as a
     supervisor's client does: a new TCP connection a request cost ~1-3 ms of a decision
