@@ -38,7 +38,8 @@ from tests.quantized_models import (
     load_quantized_model,
     weight_times,
 )
-from tests.tiny import load_tiny_model, tiny_config
+from tests.test_native_step import WINDOWED, windowed_config
+from tests.tiny import load_tiny_model
 
 COMPILER = build.compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
@@ -401,17 +402,7 @@ def assert_step_equals_mlx(plain: Any, step: Any, chunks: list[list[int]]) -> No
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0 if logits else 1e-4)
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "Ministral3ForCausalLM",
-        "Phi3ForCausalLM",
-    ],
-)
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path: Path) -> None:
     """Sliding-window layers (windows of 8; Qwen2's first layer full) through the level's
     step equal MLX's path: a chunk longer than the window (row items, its own keys
@@ -425,10 +416,7 @@ def test_every_level_computes_sliding_windows(level_library, arch: str, tmp_path
     functions = abi.load(library)
     assert functions is not None
     backend = Backend.cpu().replace(native_step_max_tokens=None, gemv=False)
-    config = tiny_config(arch)
-    if config.get("sliding_window") is None:
-        config["sliding_window"] = 8
-    plain = load_tiny_model(arch, tmp_path, backend=backend, config=config)
+    plain = load_tiny_model(arch, tmp_path, backend=backend, config=windowed_config(arch))
     step = native_step.build(
         plain.module, plain.KERNELS, 16, (), functions=functions, shape=plain.native_shape()
     )

@@ -388,7 +388,14 @@ WINDOWED = [
     "Ministral3ForCausalLM",
     "Phi3ForCausalLM",
 ]
-WINDOW_EDITS = {"Ministral3ForCausalLM": {"sliding_window": 8}}
+
+
+def windowed_config(arch: str) -> dict[str, Any]:
+    """`arch`'s tiny config, windowed at 8 where it has no window of its own (Ministral3)."""
+    config = tiny_config(arch)
+    if config.get("sliding_window") is None:
+        config["sliding_window"] = 8
+    return config
 
 
 def forward_both(model: Any, caches: list[Any], tokens: list[int]) -> tuple[np.ndarray, ...]:
@@ -420,7 +427,7 @@ def assert_chunks_equal(
 def windowed_pair(arch: str, path: Any, max_tokens: int, **config: Any) -> tuple[Any, Any]:
     on = Backend.cpu().replace(native_step_max_tokens=max_tokens)
     off = Backend.cpu().replace(native_step_max_tokens=None)
-    edited = tiny_config(arch) | WINDOW_EDITS.get(arch, {}) | config
+    edited = windowed_config(arch) | config
     native = load_tiny_model(arch, path / "a", backend=on, config=edited)
     plain = load_tiny_model(arch, path / "b", backend=off, config=edited)
     assert native._native is not None

@@ -650,6 +650,9 @@ class NativeStep:
                 cache_structs[i].keys = k_view.ctypes.data
                 cache_structs[i].values = v_view.ctypes.data
                 cache_structs[i].head_stride = k_view.strides[1] // 4
+        rings = [c for c, w in zip(caches, windowed, strict=True) if w and c.keys is not None]
+        if rings:  # last forward's appends, evaluated together (not one graph a layer)
+            mx.eval(*(a for c in rings for a in (c.keys, c.values)))
         for i, c in enumerate(caches):
             if windowed[i]:
                 window = self._window_view(c, offset, batch)
@@ -878,8 +881,7 @@ class NativeStep:
             return offset, empty, empty
         if cache.keys is None:
             return None
-        mx.eval(cache.keys, cache.values)
-        views = []
+        views = []  # of evaluated arrays (the caller evaluates every ring at once)
         for array in (cache.keys, cache.values):
             view = np.asarray(array)
             if (

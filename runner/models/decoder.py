@@ -24,7 +24,13 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from runner.backend import Backend, gemv, native_step
 from runner.backend.install import Kernels
 from runner.models.config import SLIDING
-from runner.models.quantized import BLOCKS, GLOBAL_SCALE, GGMLEmbedding, GGMLLinear
+from runner.models.quantized import (
+    BLOCKS,
+    GLOBAL_SCALE,
+    GGMLEmbedding,
+    GGMLLinear,
+    float32_affine,
+)
 
 
 def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
@@ -33,11 +39,10 @@ def gather_rows(layer: nn.Module, ids: mx.array) -> mx.array:
     if isinstance(layer, (GGMLLinear, GGMLEmbedding)):
         return layer.dequantized(ids)
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        scales, biases = layer["scales"][ids], layer.get("biases")
-        if mx.issubdtype(scales.dtype, mx.floating):  # affine: dequantize in float32
-            scales = scales.astype(mx.float32)
-        if biases is not None:
-            biases = biases[ids].astype(mx.float32)
+        biases = layer.get("biases")
+        scales, biases = float32_affine(
+            layer["scales"][ids], None if biases is None else biases[ids]
+        )
         rows = mx.dequantize(
             layer["weight"][ids],
             scales=scales,

@@ -38,6 +38,15 @@ from runner.sources.source import ModelLoadError
 GLOBAL_SCALE = "global_scale"
 
 
+def float32_affine(scales: mx.array, biases: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    """An affine quantization's floating scales and biases widened (exactly) to float32:
+    MLX dequantizes in the scales' dtype whatever `dtype` asks, so half scales would round
+    the float32 values. Integer scales (the microscaled formats') are returned as they are."""
+    if not mx.issubdtype(scales.dtype, mx.floating):
+        return scales, biases
+    return scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
+
+
 def _row_scales(layer: nn.Module) -> mx.array | None:
     """The layer's global scale as a vector: [1] for the tensor, or [rows]."""
     scale = layer.get(GLOBAL_SCALE)
@@ -75,11 +84,8 @@ class ScaledQuantizedEmbedding(nn.QuantizedEmbedding):
     def __call__(self, x: mx.array) -> mx.array:
         scales, biases = self["scales"][x], self.get("biases")
         biases = biases[x] if biases is not None else None
-        if self.dtype == mx.float32 and mx.issubdtype(scales.dtype, mx.floating):
-            # MLX dequantizes in the scales' dtype whatever `dtype` asks: half scales widened
-            # first (exactly), so the rows are the float32 values
-            scales = scales.astype(mx.float32)
-            biases = biases.astype(mx.float32) if biases is not None else None
+        if self.dtype == mx.float32:  # the rows as the float32 values
+            scales, biases = float32_affine(scales, biases)
         rows = mx.dequantize(
             self["weight"][x],
             scales=scales,
@@ -147,10 +153,9 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
         params = infer_quant_config(path, _Shape(in_dims), weights)  # type: ignore[arg-type]
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    scales, biases = weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
-    if mx.issubdtype(scales.dtype, mx.floating):  # MLX dequantizes in the scales' dtype
-        scales = scales.astype(mx.float32)
-        biases = biases.astype(mx.float32) if biases is not None else None
+    scales, biases = float32_affine(
+        weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
+    )
     dense = mx.dequantize(weights[f"{path}.weight"], scales, biases, dtype=mx.float32, **params)
     scale = weights.pop(f"{path}.{GLOBAL_SCALE}", None)
     if scale is not None:
