@@ -54,6 +54,21 @@ typedef float qv_unaligned __attribute__((vector_size(QBYTES), aligned(4), may_a
 #define ALWAYS static inline __attribute__((always_inline))
 
 ALWAYS qv qload(const float *p) { return *(const qv_unaligned *)p; }
+
+/* *p in every lane, as it is (one broadcast from memory: `(qv){0} + *p` compiles to a scalar
+ * add of +0, which turns -0 into +0, then the broadcast: two instructions where the tiles make
+ * a table or a scale every 32 weights). */
+ALWAYS qv qsplat_at(const float *p) {
+#if QPATH == 512
+    return (qv)_mm512_set1_ps(*p);
+#elif QPATH == 256
+    return (qv)_mm256_broadcast_ss(p);
+#else
+    qv v;
+    for (int l = 0; l < QL; l++) v[l] = *p;
+    return v;
+#endif
+}
 ALWAYS void qstore(float *p, qv v) { *(qv_unaligned *)p = v; }
 
 /* A float kept from being fused with the operation that follows it (the dequantizing rounds
@@ -164,7 +179,7 @@ struct qgroup {
 
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
     const qv low = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const qv s = (qv){0} + *scale, b = (qv){0} + *bias; /* broadcasts from memory */
+    const qv s = qsplat_at(scale), b = qsplat_at(bias);
     struct qgroup g;
     if (bits == 8) {
         g.t0 = s;
@@ -220,7 +235,7 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
     (void)bits;
-    return (struct qgroup){(qv){0} + *scale, (qv){0} + *bias};
+    return (struct qgroup){qsplat_at(scale), qsplat_at(bias)};
 }
 
 typedef __m256i qraw;
@@ -252,7 +267,7 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
     (void)bits;
-    return (struct qgroup){(qv){0} + *scale, (qv){0} + *bias};
+    return (struct qgroup){qsplat_at(scale), qsplat_at(bias)};
 }
 
 typedef struct {
