@@ -199,12 +199,16 @@ def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
         assert native._native.taken == len(cuts) - 2
 
 
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(48, 8, 2), (80, 4, 1), (128, 8, 4)])
+@pytest.mark.parametrize(
+    "head_dim, heads, kv_heads", [(48, 8, 2), (80, 4, 1), (128, 8, 4), (64, 9, 3), (32, 4, 4)]
+)
 def test_attention_of_other_head_sizes_equals_mlx(head_dim, heads, kv_heads, tmp_path):
     """Head sizes past the tiny models' 16: rows of 48 and 80 values end in a one-vector
     remainder of the 4-vector tiles (and their keys in 3 or 5 cache lines, which the row
     items prefetch), 128 is Qwen3's. Row items (37 tokens, batched rows of 9 tokens) and
-    split items (2 tokens, decode steps) over a cache of 300 positions equal MLX's path."""
+    split items (2 tokens, decode steps) over a cache of 300 positions equal MLX's path.
+    A decode step's rows a group take the few-row scores: 3 (SmolLM2's 9 heads over 3) the
+    3x4 tiles, 2 the 2x6, 1 (as many KV heads as heads) the 1x8."""
     from runner.cache.batch import broadcast, forward_suffixes
     from runner.cache.kinds import kind_of
 
@@ -213,6 +217,8 @@ def test_attention_of_other_head_sizes_equals_mlx(head_dim, heads, kv_heads, tmp
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
     }
+    # the next multiple of the heads (config checks; 9 heads: 72)
+    config["hidden_size"] = -(-config["hidden_size"] // heads) * heads
     backend = Backend.cpu().replace(native_step_max_tokens=64)
     native = load_tiny_model("LlamaForCausalLM", tmp_path / "a", backend=backend, config=config)
     plain = load_tiny_model(

@@ -180,6 +180,8 @@ void tile_2x6(const float *const *a, const float *const *w, int kv, float *dot,
               const char *ahead, int ahead_lines);
 void tile_1x8(const float *const *a, const float *const *w, int kv, float *dot,
               const char *ahead, int ahead_lines);
+void tile_3x4(const float *const *a, const float *const *w, int kv, float *dot,
+              const char *ahead, int ahead_lines);
 
 /* panels.c: columns [j0, j1) from W's half panels; how many columns a block of one is. */
 void panel_columns(const struct product *p, int j0, int j1);

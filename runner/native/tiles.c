@@ -50,6 +50,7 @@
     }
 TILE(tile_2x6, 2, 6, 1)
 TILE(tile_1x8, 1, 8, 0)
+TILE(tile_3x4, 3, 4, 1)
 
 /* Columns [j0, j1) of C, W in float32 (the half formats: panel_columns; W_AFFINE:
  * affine_columns): RW rows of W at a
