@@ -840,9 +840,46 @@ def test_quantized_weights_are_read_where_mlx_keeps_them(arch, tmp_path):
             assert weight.scale_format == abi.SCALE_FORMATS["float16"]
             got = (weight.data, weight.scales, weight.biases)
             assert got == addresses(getattr(owner, f"{name}_proj"))
+    assert step._embed_rows is not None  # its rows float32 values, dequantized by the step
     head = step._head
     owner = model.module.model.embed_tokens if arch == "Qwen3ForCausalLM" else model.module.lm_head
     assert (head.data, head.scales, head.biases) == addresses(owner)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("scales", ["float32", "float16", "bfloat16"])
+def test_quantized_embedding_rows_are_mlx_dequantized_values(bits, scales):
+    """A quantized embedding's rows, dequantized in numpy for the step (`_Matrix.values`):
+    exactly mx.dequantize's float32 values (from float32 scales and biases), any row, a row
+    twice."""
+    from runner.backend.native_step import _Matrix
+
+    rng = np.random.default_rng(bits)
+    w = Affine(rng.normal(size=(40, 256)).astype(np.float32), bits, 64, scales)
+    codes, s, b = w.arrays
+    matrix = _Matrix(
+        40, 256, codes=codes, scales=s, biases=b, bits=bits, group=64,
+        scale_format=abi.SCALE_FORMATS[scales],
+    )  # fmt: skip
+    ids = np.array([0, 39, 7, 7, 20])
+    np.testing.assert_array_equal(matrix.values(ids), w.values[ids])
+
+
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
+    """GGML blocks' rows dequantized in numpy for the step: exactly the values of MLX's path
+    (runner/models/quantized.py's dequantization of the blocks, llama.cpp's bit for bit)."""
+    from runner.backend.native_step import GGML_FORMATS, _Matrix
+    from runner.models.quantized import DEQUANTIZE
+    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+
+    quantize = quantize_q6_k if ggml_type == "Q6_K" else quantize_q4_k
+    rng = np.random.default_rng(3)
+    blocks = np.ascontiguousarray(quantize(rng.normal(size=(24, 512)).astype(np.float32)))
+    matrix = _Matrix(24, 512, codes=blocks, block_format=GGML_FORMATS[ggml_type][0])
+    ids = np.array([23, 0, 5, 5])
+    want = np.array(DEQUANTIZE[ggml_type](mx.array(blocks[ids])))
+    np.testing.assert_array_equal(matrix.values(ids), want)
 
 
 def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
