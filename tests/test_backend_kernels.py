@@ -263,6 +263,31 @@ def test_table_rope_equals_mlx_rope(index, length, offset):
     np.testing.assert_allclose(got, want, atol=3e-6 * scale)
 
 
+def test_the_native_steps_rope_rows_are_the_tables_rows():
+    """The native step's rotary rows (`_RopeRows`: blocks of positions computed once, a few
+    kept) equal the tables MLX's path computes for the same positions, bit for bit: within
+    a block, across block boundaries, for two tables at once (Gemma3's), after evictions."""
+    from runner.backend import rope
+    from runner.backend.native_step import ROPE_BLOCK, _RopeRows
+
+    tables = rope.RopeTables()
+    ropes = [
+        rope.TableRoPE(m, rope.inverse_frequencies(m), tables, rope.amplitude(m))
+        for m in (_rope_modules()[0], _rope_modules()[4])  # plain; YaRN (an amplitude)
+    ]
+    rows = _RopeRows(ropes)
+    spans = [(0, 1), (5, 37), (ROPE_BLOCK - 3, 9), (3 * ROPE_BLOCK - 1, 2 * ROPE_BLOCK + 5)]
+    spans += [(b * ROPE_BLOCK + 7, 1) for b in range(8)] + [(5, 37), (900, 1)]
+    for offset, length in spans:
+        cos, sin = rows.rows(offset, length)
+        assert cos.shape == (2, length, ropes[0].dims) and cos.flags.c_contiguous
+        for i, r in enumerate(ropes):
+            want_cos, want_sin = r.table(offset, length)
+            np.testing.assert_array_equal(cos[i], np.array(want_cos))
+            np.testing.assert_array_equal(sin[i], np.array(want_sin))
+    assert len(rows._blocks) <= _RopeRows.KEPT
+
+
 def test_table_rope_hands_array_offsets_and_other_rules_to_mlx():
     from runner.backend import rope
 

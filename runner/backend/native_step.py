@@ -73,6 +73,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,8 @@ _P = abi.F32
 # The head through its half copy for at most this many rows (a decode step is one; scoring
 # takes candidates' rows, prefill only its last position's).
 HEAD_ROWS = 40
+# Positions in a block of rotary rows the step computes once and keeps (`_RopeRows`).
+ROPE_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,44 @@ def _half_copies(
 
 
 def _pointer(view: np.ndarray) -> Any:
-    return view.ctypes.data_as(_P)
+    return ctypes.cast(view.ctypes.data, _P)
+
+
+class _RopeRows:
+    """A model's rotary tables' rows for a forward's positions, [tables, tokens, dims], from
+    blocks of ROPE_BLOCK positions computed once (`TableRoPE.numpy_table`: a position's row is
+    the same whichever positions are computed with it), the last few kept. A decode step's
+    rows made afresh each step, in numpy and through MLX arrays, took ~70 us of SmolLM2's
+    ~7 ms token."""
+
+    KEPT = 4
+
+    def __init__(self, ropes: list[TableRoPE]):
+        self._ropes = ropes
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the newest last
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        block = self._blocks.pop(b, None)
+        if block is None:
+            parts = [r.numpy_table(b * ROPE_BLOCK, ROPE_BLOCK) for r in self._ropes]
+            block = np.stack([c for c, _ in parts]), np.stack([s for _, s in parts])
+            if len(self._blocks) >= self.KEPT:
+                del self._blocks[next(iter(self._blocks))]
+        self._blocks[b] = block
+        return block
+
+    def rows(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """(C, S) of positions offset .. offset + length - 1: contiguous, not to be written."""
+        first, last = offset // ROPE_BLOCK, (offset + length - 1) // ROPE_BLOCK
+        blocks = [self._block(b) for b in range(first, last + 1)]
+        start = offset - first * ROPE_BLOCK
+        if len(blocks) == 1:
+            c, s = blocks[0]
+        else:
+            c = np.concatenate([b[0] for b in blocks], axis=1)
+            s = np.concatenate([b[1] for b in blocks], axis=1)
+        c, s = c[:, start : start + length], s[:, start : start + length]
+        return np.ascontiguousarray(c), np.ascontiguousarray(s)  # views when one table
 
 
 class _Unsupported(Exception):
@@ -633,6 +673,28 @@ class NativeStep:
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs
+        self._rope_rows = _RopeRows(self._ropes)
+        # The struct step_args, its fields that stay set once; and a one-row step's per-layer
+        # caches, kept with the buffers (`_Owned`) each layer's entry was filled from: a
+        # decode step set ~30 fields of each afresh (~0.1 ms of SmolLM2's token).
+        self._args = abi.Args(
+            hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, intermediate=self.intermediate, layers=self.layers,
+            rope_dims=self._ropes[0].dims, activation=abi.ACTIVATIONS[self.activation],
+            eps=self.eps, scale=self.scale, softcap=self.softcap, layer=self._structs,
+            final_norm=_pointer(self._final_norm),
+        )  # fmt: skip
+        self._row_caches = (abi.Cache * self.layers)()
+        self._row_filled: list[_Owned | None] = [None] * self.layers
+        # the entries as uint64 words, for writing every layer's append addresses at once
+        words = np.frombuffer(memoryview(self._row_caches).cast("B"), np.uint64).reshape(
+            self.layers, -1
+        )
+        self._row_appends = (
+            words[:, abi.Cache.append_keys.offset // 8],
+            words[:, abi.Cache.append_values.offset // 8],
+        )
+        self._row_bases = (np.zeros(self.layers, np.uint64), np.zeros(self.layers, np.uint64))
         # single-row caches -> the buffers this step allocated for them (`_grow`)
         self._owned: weakref.WeakKeyDictionary[KVCache, _Owned] = weakref.WeakKeyDictionary()
         self._buffers: dict[str, np.ndarray] = {}  # `_workspace`
@@ -685,7 +747,8 @@ class NativeStep:
             return None
         if any(c.offset != offset for c in caches):
             return None
-        cache_structs = (abi.Cache * self.layers)()
+        kept_structs = one_row and not any(windowed)  # the caches' entries kept between steps
+        cache_structs = self._row_caches if kept_structs else (abi.Cache * self.layers)()
         keep: list[np.ndarray] = []  # the views' lifetimes: until the call returns
         if buffers:
             mx.eval(*(a for pair in buffers.values() for a in pair))
@@ -718,35 +781,37 @@ class NativeStep:
         if ids.min() < 0 or ids.max() >= self.vocab:
             return None  # MLX's path decides what an id past the table means
         x = self._embedded(ids)
-        if one_row:  # every check passed: the caches move to buffers this step writes
+        if kept_structs and all(
+            o is not None and o is f for o, f in zip(owned, self._row_filled, strict=True)
+        ):
+            row = offset * self.head_dim * 4  # the entries hold these buffers: the rows move
+            for appends, bases in zip(self._row_appends, self._row_bases, strict=True):
+                np.add(bases, np.uint64(row), out=appends)
+        elif one_row:  # every check passed: the caches move to buffers this step writes
             row = offset * self.head_dim * 4
             for i, (c, o) in enumerate(zip(caches, owned, strict=True)):
                 if windowed[i]:
                     continue
                 o = o or self._grow(c, offset + t)
-                cache_structs[i].keys, cache_structs[i].values = o.keys_at, o.values_at
-                cache_structs[i].head_stride = o.capacity * self.head_dim
-                cache_structs[i].append_keys = o.keys_at + row
-                cache_structs[i].append_values = o.values_at + row
-        tables = [r.table(offset, t) for r in self._ropes]
-        if len(tables) == 1:
-            cos_view, sin_view = np.asarray(tables[0][0]), np.asarray(tables[0][1])
-        else:
-            cos_view = np.concatenate([np.asarray(c) for c, _ in tables])
-            sin_view = np.concatenate([np.asarray(s) for _, s in tables])
+                entry = cache_structs[i]
+                if not kept_structs or self._row_filled[i] is not o:
+                    entry.keys, entry.values = o.keys_at, o.values_at
+                    entry.head_stride = o.capacity * self.head_dim
+                    if kept_structs:
+                        self._row_filled[i] = o
+                        self._row_bases[0][i], self._row_bases[1][i] = o.keys_at, o.values_at
+                entry.append_keys = o.keys_at + row
+                entry.append_values = o.values_at + row
+        cos_view, sin_view = self._rope_rows.rows(offset, t)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         new_keys = self._workspace("keys", size).reshape(shape)
         new_values = self._workspace("values", size).reshape(shape)
-        args = abi.Args(
-            batch=batch, tokens=t, hidden=self.hidden, heads=self.heads,
-            kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-            layers=self.layers, offset=offset, rope_dims=self._ropes[0].dims,
-            activation=abi.ACTIVATIONS[self.activation], eps=self.eps, scale=self.scale,
-            softcap=self.softcap, cos=_pointer(cos_view), sin=_pointer(sin_view),
-            layer=self._structs, cache=cache_structs, final_norm=_pointer(self._final_norm),
-            x=_pointer(x), new_keys=_pointer(new_keys), new_values=_pointer(new_values),
-        )  # fmt: skip
+        args = self._args
+        args.batch, args.tokens, args.offset = batch, t, offset
+        args.cos, args.sin, args.cache = _pointer(cos_view), _pointer(sin_view), cache_structs
+        args.x, args.new_keys = _pointer(x), _pointer(new_keys)
+        args.new_values, args.query_scale = _pointer(new_values), None
         if self._query_scale is not None:
             scales = self._query_scale(offset, t)
             if scales is not None:

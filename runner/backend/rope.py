@@ -32,6 +32,21 @@ import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 
+def table_values(
+    inv_freq: np.ndarray, offset: int, length: int, amplitude: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """C = [cos, cos], S = [-sin, sin] (float32 [length, dims], computed in float64) for
+    positions offset .. offset + length - 1, both times `amplitude`. A position's row is the
+    same whichever positions are computed with it."""
+    positions = np.arange(offset, offset + length, dtype=np.float64)
+    angles = positions[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles) * amplitude, np.sin(angles) * amplitude
+    return (
+        np.concatenate([cos, cos], axis=-1).astype(np.float32),
+        np.concatenate([-sin, sin], axis=-1).astype(np.float32),
+    )
+
+
 class RopeTables:
     """The last (C, S) table per frequency vector, shared by a model's rotary modules."""
 
@@ -44,13 +59,8 @@ class RopeTables:
         last = self._last.get(key)
         if last is not None and last[0] == (offset, length):
             return last[1]
-        positions = np.arange(offset, offset + length, dtype=np.float64)
-        angles = positions[:, None] * inv_freq[None, :]
-        cos, sin = np.cos(angles) * amplitude, np.sin(angles) * amplitude
-        table = (
-            mx.array(np.concatenate([cos, cos], axis=-1).astype(np.float32)),
-            mx.array(np.concatenate([-sin, sin], axis=-1).astype(np.float32)),
-        )
+        cos, sin = table_values(inv_freq, offset, length, amplitude)
+        table = (mx.array(cos), mx.array(sin))
         self._last[key] = ((offset, length), table)
         return table
 
@@ -80,6 +90,10 @@ class TableRoPE(nn.Module):
     def table(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
         """(C, S) [length, dims] for positions offset .. offset + length - 1."""
         return self._tables.get(self.key, self._inv_freq, offset, length, self._amplitude)
+
+    def numpy_table(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """`table`'s values in numpy (for the native step, runner/backend/native_step.py)."""
+        return table_values(self._inv_freq, offset, length, self._amplitude)
 
     def __call__(self, x: mx.array, offset: Any = 0, **options: Any) -> mx.array:
         if not isinstance(offset, int) or options:  # e.g. YaRN's inverse rotation

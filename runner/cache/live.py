@@ -77,9 +77,12 @@ class LiveState:
     def step(self, token: int | mx.array, layout: Any = None) -> mx.array:
         """Build (lazily) the forward of one decode token; returns its hidden row [1, H].
         `layout`: the request's position layout (runner/media/prepare.py), if any."""
-        token = mx.array([token], dtype=mx.int32) if isinstance(token, int) else token
+        if isinstance(token, int):  # [[token]] made whole: no reshape for the step to evaluate
+            ids, token = mx.array([[token]], dtype=mx.int32), mx.array([token], dtype=mx.int32)
+        else:
+            ids = token.reshape(1, 1)
         try:
-            hidden = self._forward(token.reshape(1, 1), None, layout)
+            hidden = self._forward(ids, None, layout)
         except BaseException:
             self.reset()
             raise
