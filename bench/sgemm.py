@@ -19,10 +19,13 @@ and `panels-1t` (the native step's products on exact float16 copies stored as pa
 their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
-biases), and `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
+biases), `q4k`, `q6k` and their `-1t` (GGML's Q4_K and Q6_K blocks as a GGUF stores
+them, read by the same library; random blocks, rows of whole blocks only: the Qwen3 shape),
+and `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
+    python -m bench.sgemm --shape qwen3-0.6b --rows 1,2,18 --settings q4k-1t,q6k-1t,q4-1t
 """
 
 from __future__ import annotations
@@ -43,25 +46,31 @@ SHAPES = {
     "qwen3-0.6b": ([(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048),
                     (3072, 1024), (3072, 1024), (1024, 3072)], 28),
     "tiny": ([(48, 32), (16, 32), (16, 32), (32, 48), (72, 32), (72, 32), (32, 72)], 2),  # tests
+    "tiny-blocks": ([(24, 256), (8, 256), (8, 256), (16, 256), (40, 256), (40, 256), (16, 512)], 2),
 }  # fmt: skip
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
-EXTRA_SETTINGS = ("q4", "q4-1t", "q5", "q8", "mlx-q4", "mlx-q8")
+EXTRA_SETTINGS = ("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q6k", "q6k-1t", "mlx-q4", "mlx-q8")
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
+# GGML blocks: bytes a block of 256 weights
+GGML_BLOCK_BYTES = {"q4k": 144, "q6k": 210}
 
 
 def setting_kind(setting: str) -> str:
     """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
     products) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
     base = setting.removesuffix("-1t")
-    return base if base in ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8") else "sgemm"
+    known = ("panels", *WEIGHT_BYTES, *GGML_BLOCK_BYTES, "mlx-q4", "mlx-q8")
+    return base if base in known else "sgemm"
 
 
 def weight_bytes(setting: str) -> float:
     kind = setting_kind(setting).removeprefix("mlx-")
     if kind in ("q4", "q5", "q8"):
         return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
+    if kind in GGML_BLOCK_BYTES:
+        return GGML_BLOCK_BYTES[kind] / 256
     return WEIGHT_BYTES.get(kind, 4.0)
 
 
@@ -90,6 +99,8 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
         for i, w in enumerate(layer):
             if kind == "panels":
                 layer[i] = _panels(functions, w.astype(np.float16).astype(np.float32))
+            elif kind in GGML_BLOCK_BYTES:
+                layer[i] = _ggml_blocks(kind, w.shape, rng)
             elif kind != "sgemm":
                 layer[i] = _affine(w, int(kind[-1]), kind.startswith("mlx-"))
 
@@ -126,6 +137,26 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
             best = max(best, flops / (time.perf_counter() - started) / 1e9)
         result[str(m)] = best
     return result
+
+
+def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
+    """Random GGML Q4_K or Q6_K blocks of `shape` (their float16 d, dmin set to 0.01, the rest
+    random bytes: any codes and scales take the tiles' time), as a step_weight with its
+    array."""
+    import numpy as np
+
+    from runner.native import abi
+
+    n, k = shape
+    if k % 256:
+        raise SystemExit(f"{kind}: rows of {k} weights are not whole blocks of 256")
+    size = GGML_BLOCK_BYTES[kind]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    for at in (0, 2) if kind == "q4k" else (208,):  # Q4_K: d, dmin first; Q6_K: d last
+        blocks[:, :, at : at + 2] = half
+    form = abi.Q4K if kind == "q4k" else abi.Q6K
+    return abi.Weight(format=form, data=blocks.ctypes.data), blocks
 
 
 def _panels(functions: Any, exact: Any) -> Any:
