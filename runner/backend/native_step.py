@@ -30,7 +30,8 @@ and the runner's GGUF repacks hold) is read as MLX stores it, the codes unpacked
 by the library's tiles (runner/native/quantized.c): no float copy is made, and the numbers are
 the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or a tied
 quantized embedding) is computed there too, for any number of rows (MLX's CPU
-`quantized_matmul` is ~40x slower); a quantized embedding is gathered by MLX.
+`quantized_matmul` is ~40x slower); a quantized embedding's rows are dequantized here too
+where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
 
 It serves Llama, Qwen2, Qwen3, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as mlx-lm builds
 them (mlx-lm's llama, qwen2, qwen3, ministral3, gemma2, gemma3_text and phi3 classes, as the
@@ -274,7 +275,7 @@ class _Matrix:
             return quants.dequantize(self.codes[ids].reshape(-1), kind, (len(ids), self.k))
         if self.codes is None:
             assert self.f32 is not None
-            return np.array(self.f32[ids], dtype=np.float32)
+            return np.ascontiguousarray(self.f32[ids], dtype=np.float32)
         assert self.scales is not None and self.biases is not None
         raw = self.codes[ids].view(np.uint8)  # each row one little-endian bit stream
         if self.bits == 8:
@@ -490,17 +491,16 @@ class NativeStep:
         self.max_tokens = max_tokens
         inner = module.model
         embed = inner.embed_tokens
-        # A float32 embedding is gathered here; a quantized one dequantized here where its
-        # rows are float32 values (`_Matrix.values`), else by MLX (its module, as MLX's path
-        # calls it); either also serves as a tied head.
-        self._embed: np.ndarray | None = None
+        # A float32 embedding's rows are gathered here, a quantized one's dequantized here
+        # where they are float32 values (`_Matrix.values`), else by MLX (its module, as MLX's
+        # path calls it); either also serves as a tied head.
         self._embed_module: nn.Module | None = None
         self._embed_rows: _Matrix | None = None
         embed_matrix: _Matrix | None = None
         if type(embed) is nn.Embedding:
-            self._embed = _view(embed.weight, "embed_tokens.weight")
-            vocab, width = self._embed.shape
-            embed_matrix = _Matrix(int(vocab), int(width), f32=self._embed)
+            table_view = _view(embed.weight, "embed_tokens.weight")
+            rows, width = table_view.shape
+            embed_matrix = _Matrix(int(rows), int(width), f32=table_view)
         elif isinstance(embed, nn.QuantizedEmbedding) and GLOBAL_SCALE not in embed:
             self._embed_module = embed
             with contextlib.suppress(_Unsupported):  # the head may still be MLX's
@@ -510,10 +510,10 @@ class NativeStep:
             embed_matrix = _ggml(embed, "embed_tokens")
         else:
             raise _Unsupported(f"the embedding is a {type(embed).__name__}")
-        if (
-            embed_matrix is not None
-            and embed_matrix.codes is not None
-            and (embed_matrix.block_format or _is_float32(getattr(embed, "dtype", None)))
+        if embed_matrix is not None and (
+            embed_matrix.codes is None  # float32
+            or embed_matrix.block_format
+            or _is_float32(getattr(embed, "dtype", None))
         ):  # rows MLX makes float32 (GGML blocks'; affine ones asked for in float32)
             self._embed_rows = embed_matrix
         table = GGML_BLOCKS if embed_matrix is not None and embed_matrix.block_format else "weight"
@@ -781,27 +781,24 @@ class NativeStep:
         if ids.min() < 0 or ids.max() >= self.vocab:
             return None  # MLX's path decides what an id past the table means
         x = self._embedded(ids)
-        if kept_structs and all(
-            o is not None and o is f for o, f in zip(owned, self._row_filled, strict=True)
-        ):
-            row = offset * self.head_dim * 4  # the entries hold these buffers: the rows move
-            for appends, bases in zip(self._row_appends, self._row_bases, strict=True):
-                np.add(bases, np.uint64(row), out=appends)
-        elif one_row:  # every check passed: the caches move to buffers this step writes
+        if one_row:  # every check passed: the caches move to buffers this step writes
             row = offset * self.head_dim * 4
             for i, (c, o) in enumerate(zip(caches, owned, strict=True)):
-                if windowed[i]:
-                    continue
+                if windowed[i] or (kept_structs and o is not None and self._row_filled[i] is o):
+                    continue  # windowed: set above; kept: the entry holds these buffers
                 o = o or self._grow(c, offset + t)
                 entry = cache_structs[i]
-                if not kept_structs or self._row_filled[i] is not o:
-                    entry.keys, entry.values = o.keys_at, o.values_at
-                    entry.head_stride = o.capacity * self.head_dim
-                    if kept_structs:
-                        self._row_filled[i] = o
-                        self._row_bases[0][i], self._row_bases[1][i] = o.keys_at, o.values_at
-                entry.append_keys = o.keys_at + row
-                entry.append_values = o.values_at + row
+                entry.keys, entry.values = o.keys_at, o.values_at
+                entry.head_stride = o.capacity * self.head_dim
+                if kept_structs:
+                    self._row_filled[i] = o
+                    self._row_bases[0][i], self._row_bases[1][i] = o.keys_at, o.values_at
+                else:
+                    entry.append_keys = o.keys_at + row
+                    entry.append_values = o.values_at + row
+            if kept_structs:  # the rows move: every layer's append addresses at once
+                for appends, bases in zip(self._row_appends, self._row_bases, strict=True):
+                    np.add(bases, np.uint64(row), out=appends)
         cos_view, sin_view = self._rope_rows.rows(offset, t)
         shape = (self.layers, batch, self.kv_heads, t, self.head_dim)
         size = math.prod(shape)
@@ -832,9 +829,7 @@ class NativeStep:
     def _embedded(self, ids: np.ndarray) -> np.ndarray:
         """The embedding rows of `ids` (scaled where the family scales them), float32,
         contiguous and this step's to write."""
-        if self._embed is not None:
-            rows = np.ascontiguousarray(self._embed[ids], dtype=np.float32)
-        elif self._embed_rows is not None:
+        if self._embed_rows is not None:
             rows = self._embed_rows.values(ids)
         else:
             assert self._embed_module is not None
