@@ -140,7 +140,13 @@ static void rows_times(const float *const *w, long ws, int rows, int n, const fl
  * 20 tokens over 480 cached 0.72 s against 1.0-1.1 s for one (row, head) at a time with
  * 8-key dot products; 15 tokens over 483 cached 11.5-11.8 against 12.5-13.5 ms.
  */
-enum { KEY_CHUNK = 128, ROW_BLOCK = 48, TRANSPOSED_ROWS = 4, MIN_SPLIT_KEYS = 32, TARGET_ITEMS = 16, MAX_SPLITS = 16 };
+/* TARGET_ITEMS: split items a layer aims at. A constant, not the pool's size, so that the
+ * numbers (the split-softmax merge's roundings) do not depend on the machine's cores. 8, not
+ * 16: each split re-reads the group's query rows and adds a partial to merge; decode
+ * attention alone (bench/attention_decode.c, 2 threads, 3 runs) Qwen3-0.6B's shapes at 640
+ * cached 6.1-6.8 -> 5.6-5.8 ms, at 2000 19.9-20.4 -> 19.2-19.6, SmolLM2's 0.65-0.68 ->
+ * 0.64-0.65, Gemma3-1B's 2.1-2.3 -> 2.0-2.1. */
+enum { KEY_CHUNK = 128, ROW_BLOCK = 48, TRANSPOSED_ROWS = 4, MIN_SPLIT_KEYS = 32, TARGET_ITEMS = 8, MAX_SPLITS = 16 };
 
 struct attention_job {
     const struct step_args *a;
