@@ -14,8 +14,14 @@ from runner.text.tokenizer import Tokenizer
 from tests.tiny import prefix_cache, write_tiny_model
 
 
-def tiny_generator(path: Path, arch: str) -> Generator:
-    source = load_local_dir(write_tiny_model(arch, path))
+def tiny_generator(path: Path, arch: str, dtype: str = "float32") -> Generator:
+    """A generator over a tiny `arch` model stored in `dtype` at `path`."""
+    return generator_of(write_tiny_model(arch, path, dtype=dtype))
+
+
+def generator_of(model_dir: Path) -> Generator:
+    """A generator over the model directory `model_dir`."""
+    source = load_local_dir(model_dir)
     tokenizer = Tokenizer(
         source.tokenizer_json,
         config=source.config,

@@ -843,6 +843,15 @@ class NativeStep:
         """The head's logits of `hidden` [..., H] from its codes (any number of rows) or its
         half copy (up to `HEAD_ROWS` rows): MLX's product up to float32 rounding. None where
         MLX computes them (another format, or more rows than a half copy takes)."""
+        out = self.host_logits(hidden)
+        if out is None:
+            return None
+        return mx.array(out.reshape(*hidden.shape[:-1], out.shape[-1]))
+
+    def host_logits(self, hidden: mx.array) -> np.ndarray | None:
+        """`unembed`'s logits as numpy's [rows, vocab] float32, never through MLX's stream (a
+        greedy decode step takes its argmax there: runner/generate/pipeline.py). None where
+        `unembed` gives None."""
         if self._head is None or hidden.dtype != mx.float32 or hidden.shape[-1] != self.hidden:
             return None
         rows = hidden.size // self.hidden
@@ -858,7 +867,7 @@ class NativeStep:
             return None
         if self._head_bias is not None:
             out += self._head_bias
-        return mx.array(out).reshape(*hidden.shape[:-1], vocab)
+        return out
 
     def restore(self, cache: Any, segments: list[Any], target: int, kept: int = 0) -> bool:
         """Make `cache` (a plain `KVCache`) hold [0, target) from the trie's KV segments

@@ -10,6 +10,9 @@
   a family the native step covers is one native call, runner/backend/native_step.py, and
   without the native library the one-row products run in numpy as they are built,
   runner/backend/gemv.py: either way the step is computed there and then);
+- a greedy draw (no temperature, penalty or logprobs) from logits the native head computed
+  on the host is their argmax taken there (`HostLogits`, runner/models/base.py): the same
+  token as MLX's argmax, without a round trip through MLX's stream for it;
 - the session records every token fed in decode (the seed included) and, when decode stops,
   waits for the forward still in flight (runner/cache/live.py); a failure discards the live
   state, a cancellation stores it;
@@ -30,6 +33,7 @@ from collections.abc import Generator as Stream
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from runner.cache.prefix_cache import PrefixCache
 from runner.cache.session import PrefixSession
@@ -39,6 +43,7 @@ from runner.generate.sampling import Draw, Sampler, SamplerOptions, top_sorted
 from runner.media.prepare import PreparedPrompt
 from runner.media.request import RequestMedia
 from runner.models import Model
+from runner.models.base import HostLogits
 from runner.protocol.wire import CompletionResponse, Logprob, TopLogprob
 from runner.text.tokenizer import Tokenizer
 
@@ -149,9 +154,18 @@ class Generator:
     ) -> Stream[Step, None, None]:
         sampler = Sampler(options.sampler, self.model.context_length, tokens)
         budget = options.num_predict
+        # A greedy draw from logits the native head computed on the host is their argmax
+        # taken there: each MLX evaluation in a decode loop waits on MLX's stream thread
+        # (~0.1-0.2 ms a round trip on a 2-core VM, two a token for argmax and its id).
+        host = self.model if sampler.argmax_alone and isinstance(self.model, HostLogits) else None
 
         def forward(token: int | mx.array) -> Draw:
-            draw = sampler.sample(self.model.unembed(session.decode(token))[0])
+            hidden = session.decode(token)
+            if host is not None:
+                logits = host.host_logits(hidden)
+                if logits is not None:
+                    return Draw(int(np.argmax(logits[0])))
+            draw = sampler.sample(self.model.unembed(hidden)[0])
             mx.async_eval(*draw.arrays())
             return draw
 
@@ -166,7 +180,7 @@ class Generator:
             if stats.generated + 1 < budget:
                 job.check()
                 upcoming = forward(draw.token)
-            current, token = draw, int(draw.token.item())  # type: ignore[arg-type]
+            current, token = draw, draw.token_id()
             draw = upcoming
             if self.tokenizer.is_eos(token):
                 stats.done_reason = DONE_STOP

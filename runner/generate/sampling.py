@@ -73,16 +73,21 @@ class SamplerOptions:
 
 @dataclass
 class Draw:
-    """One lazy draw: the token, and (when asked for) its logprob and the top logprobs."""
+    """One lazy draw: the token, and (when asked for) its logprob and the top logprobs. The
+    token is an int where the host chose it (`Sampler.argmax_alone`)."""
 
-    token: mx.array  # int32 scalar
+    token: mx.array | int  # int32 scalar
     logprob: mx.array | None = None  # float32 scalar
     top_ids: mx.array | None = None  # int32 [n], unsorted
     top_logprobs: mx.array | None = None  # float32 [n], aligned with top_ids
 
     def arrays(self) -> list[mx.array]:
         items = (self.token, self.logprob, self.top_ids, self.top_logprobs)
-        return [a for a in items if a is not None]
+        return [a for a in items if isinstance(a, mx.array)]
+
+    def token_id(self) -> int:
+        """The token, waiting for it where it is still being computed."""
+        return self.token if isinstance(self.token, int) else int(self.token.item())  # type: ignore[arg-type]
 
 
 class Sampler:
@@ -107,6 +112,13 @@ class Sampler:
             self.history = mx.array(history[-self.window :], dtype=mx.int32)
         self.seed = options.seed if options.seed >= 0 else secrets.randbits(63)
         self.draws = 0
+
+    @property
+    def argmax_alone(self) -> bool:
+        """Whether a draw is the argmax of the raw logits and nothing else: no temperature,
+        no penalty, no logprobs (then the first of equal maxima, as MLX's and numpy's argmax
+        both choose, NaN counting as the largest)."""
+        return self.options.temperature <= 0 and self.window == 0 and not self.options.logprobs
 
     def penalise(self, logits: mx.array) -> mx.array:
         """Step 1 on a [V] row (returned unchanged when no penalty applies)."""

@@ -27,6 +27,11 @@ scoring is dispatched (runner/server/endpoints.py, runner/score/scorer.py):
   the scoring prefix cache with `hidden_rows(tokens)` -> (the last token's hidden row [1, H],
   tokens restored from the cache); that call checks for cancellation between chunks.
 
+- `HostLogits`: `host_logits(hidden)` gives `unembed(hidden)`'s logits as numpy's [rows,
+  vocab] float32 where the model computed them on the host (the native step's head), the
+  same values; None otherwise. A greedy decode step takes its argmax there
+  (runner/generate/pipeline.py).
+
 - `KVRestorer` (declared by its user, runner/cache/prefix_cache.py): `restore_kv(cache,
   segments, target, kept)` makes one plain `KVCache` hold [0, target) from the trie's KV
   segments (`Snap`s of (keys, values), in order from 0) without new buffers, writing them
@@ -75,6 +80,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
+import numpy as np
 
 if TYPE_CHECKING:
     from runner.media.prepare import Expansion, ImagePlan, Item
@@ -102,6 +108,11 @@ class CandidateUnembedder(Protocol):
 
 
 HiddenRows = Callable[[list[int]], tuple[mx.array, int]]
+
+
+@runtime_checkable
+class HostLogits(Protocol):
+    def host_logits(self, hidden: mx.array) -> np.ndarray | None: ...
 
 
 @runtime_checkable

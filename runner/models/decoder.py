@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU
@@ -248,6 +249,11 @@ class DecoderModel:
         """Element-wise logit post-processing (soft-capping, ...); identity here."""
         return logits
 
+    def postprocess_is_identity(self) -> bool:
+        """Whether `postprocess` returns its logits as they are (a family that overrides it
+        says when its own does)."""
+        return type(self).postprocess is DecoderModel.postprocess
+
     def unembed(self, hidden: mx.array) -> mx.array:
         if self._native is not None:  # the head's half-precision copy, where it has one
             logits = self._native.unembed(hidden)
@@ -261,6 +267,18 @@ class DecoderModel:
         else:
             logits = head.as_linear(hidden)
         return self.postprocess(logits)
+
+    def host_logits(self, hidden: mx.array) -> np.ndarray | None:
+        """`HostLogits`: where the native step's head computes `unembed(hidden)` and this
+        family adds nothing to it (no post-processing, no `unembed` of its own), those logits
+        as numpy's [rows, vocab] float32; else None."""
+        if (
+            self._native is None
+            or type(self).unembed is not DecoderModel.unembed
+            or not self.postprocess_is_identity()
+        ):
+            return None
+        return self._native.host_logits(hidden)
 
     def unembed_candidates(self, hidden: mx.array, ids: mx.array) -> mx.array:
         logits = hidden.astype(mx.float32) @ gather_rows(self._head, ids).T

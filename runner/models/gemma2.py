@@ -220,3 +220,7 @@ class Gemma2(DecoderModel):
     def postprocess(self, logits: mx.array) -> mx.array:
         cap = self.config.get("final_logit_softcapping", GEMMA2_DEFAULTS["final_logit_softcapping"])
         return mx.tanh(logits / cap) * cap if cap else logits
+
+    def postprocess_is_identity(self) -> bool:
+        cap = self.config.get("final_logit_softcapping", GEMMA2_DEFAULTS["final_logit_softcapping"])
+        return not cap
