@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -165,10 +166,20 @@ def test_a_signal_after_a_completion_exits_0_without_an_abort(ollama_store, sig)
 
 @pytest.mark.parametrize("delay", [0.3, 1.0, 2.0])
 def test_a_signal_while_loading_exits_0_without_a_traceback(ollama_store, delay):
-    with spawned(ollama_store, "--model", "tiny-llama") as process:
+    # faulthandler: a runner still alive 10 s after the signal (seen once in a CI run, never
+    # reproduced) is made to dump every thread's stack into its log before the test fails
+    env = {"PYTHONFAULTHANDLER": "1"}
+    with spawned(ollama_store, "--model", "tiny-llama", env=env) as process:
         time.sleep(delay)  # Python starting, imports, or the model loading
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=10)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+            log = process.output()[-8000:]
+            pytest.fail(f"alive 10 s after SIGINT at {delay} s; its log:\n{log}")
         assert_clean(process, 0)
 
 
