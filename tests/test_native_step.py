@@ -471,6 +471,33 @@ def test_sliding_windows_equal_mlx(arch, tmp_path):
     assert native._native.declined == 0
 
 
+def test_a_wrapped_ring_is_read_in_place_in_two_runs(tmp_path):
+    """Once a ring has wrapped, the positions a step's queries see lie in two runs of it: the
+    step reads both where they are (struct step_cache's `wrap`), no copy made; together they
+    are the positions in order, as mlx-lm orders its ring."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    native, _ = windowed_pair("MistralForCausalLM", tmp_path, 16)
+    caches = native.make_caches()
+    prompt = np.random.default_rng(3).integers(3, 300, size=13).tolist()
+    forward(native, caches, prompt[:8])
+    for token in prompt[8:]:  # decode steps write in place at the ring's `_idx`
+        forward(native, caches, [token])
+    ring = caches[0]
+    assert type(ring) is RotatingKVCache and 0 < ring._idx < ring.max_size
+    mx.eval(ring.keys, ring.values)
+    start, (keys, values), rest = native._native._window_view(ring, ring.offset, 1)
+    assert start == ring.offset - ring.max_size + 1 and rest is not None
+    for run, array in (
+        (keys, ring.keys),
+        (values, ring.values),
+        *zip(rest, (ring.keys, ring.values), strict=True),
+    ):
+        assert np.shares_memory(run, np.asarray(array))
+    ordered = np.array(ring._temporal_order(ring.keys))[0, :, -(ring.offset - start) :]
+    np.testing.assert_array_equal(np.concatenate([keys, rest[0]], axis=1), ordered)
+
+
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_long_windowed_forwards_equal_mlx(arch, tmp_path):
     """Windows that span several of the attention's key chunks (row items: 64 keys; split

@@ -51,7 +51,8 @@ buffers it cannot read in place.
 Sliding windows: a layer whose cache is a `RotatingKVCache` is windowed by the ring's size
 (the runner's layer_caches makes every windowed layer's ring the window's size, and mlx-lm's
 masks are that window): the step reads the positions its queries see out of the ring in
-order of position (`_window_view`: a view, or a copy where the ring has wrapped), and the
+order of position (`_window_view`: one view, or two where the ring has wrapped, read in
+place as two runs), and the
 new keys go in through the ring's own `update_and_fetch`, as MLX's path appends them.
 
 Invariants:
@@ -770,13 +771,17 @@ class NativeStep:
                 window = self._window_view(c, offset, batch)
                 if window is None:
                     return None
-                start, k_view, v_view = window
+                start, (k_view, v_view), wrapped = window
                 keep += (k_view, v_view)
-                cache_structs[i].keys = k_view.ctypes.data
-                cache_structs[i].values = v_view.ctypes.data
-                cache_structs[i].head_stride = k_view.strides[0] // 4
-                cache_structs[i].start = start
-                cache_structs[i].window = c.max_size
+                entry = cache_structs[i]
+                entry.keys, entry.values = k_view.ctypes.data, v_view.ctypes.data
+                entry.head_stride = k_view.strides[0] // 4
+                entry.start, entry.window = start, c.max_size
+                if wrapped is not None:  # the ring's positions in two runs, read in place
+                    k_rest, v_rest = wrapped
+                    keep += (k_rest, v_rest)
+                    entry.wrap = k_view.shape[1]
+                    entry.keys2, entry.values2 = k_rest.ctypes.data, v_rest.ctypes.data
         ids = np.asarray(tokens).reshape(-1)
         if ids.min() < 0 or ids.max() >= self.vocab:
             return None  # MLX's path decides what an id past the table means
@@ -981,12 +986,13 @@ class NativeStep:
 
     def _window_view(
         self, cache: RotatingKVCache, offset: int, batch: int
-    ) -> tuple[int, np.ndarray, np.ndarray] | None:
+    ) -> tuple[int, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None] | None:
         """The positions of a rotating cache that this step's queries see, [start, offset),
-        as (start, keys, values) [kv_heads, offset - start, head_dim] in order of position:
-        views of the ring where those positions lie in one run of it, else copies (the ring
-        has wrapped). None when the cache cannot serve (`keep`, a buffer of another shape,
-        positions it no longer holds).
+        as (start, (keys, values), rest): views of the ring [kv_heads, n, head_dim] in order
+        of position, the first run of them, and `rest` None where they lie in one run, else
+        the second run (the ring has wrapped: the step reads both in place, struct
+        step_cache's `wrap`). None when the cache cannot serve (`keep`, a buffer of another
+        shape, positions it no longer holds).
 
         mlx-lm's ring (`RotatingKVCache`): `_idx` is the slot after the newest position
         (offset - 1), and the slots before it, cyclically, hold the positions before that,
@@ -998,7 +1004,7 @@ class NativeStep:
         start = max(0, offset - cache.max_size + 1)
         if offset == 0 or start == offset:
             empty = np.zeros((self.kv_heads, 0, self.head_dim), np.float32)
-            return offset, empty, empty
+            return offset, (empty, empty), None
         if cache.keys is None:
             return None
         views = []  # of evaluated arrays (the caller evaluates every ring at once)
@@ -1020,10 +1026,10 @@ class NativeStep:
             return None  # the window reaches back past what the ring holds
         first, n = (idx - offset + start) % slots, offset - start
         if first + n <= slots:
-            return start, views[0][:, first : first + n], views[1][:, first : first + n]
+            return start, (views[0][:, first : first + n], views[1][:, first : first + n]), None
         rest = first + n - slots
-        k, v = (np.concatenate([w[:, first:], w[:, :rest]], axis=1) for w in views)
-        return start, k, v
+        k, v = views
+        return start, (k[:, first:], v[:, first:]), (k[:, :rest], v[:, :rest])
 
     def _cache_view(self, array: mx.array, offset: int) -> np.ndarray | None:
         """`array` ([1, Hkv, >= offset, D] float32, positions' rows contiguous) as numpy's

@@ -44,7 +44,8 @@ static const struct field step_layer_fields[] = {
 static const struct field step_cache_fields[] = {
     FIELD(step_cache, keys), FIELD(step_cache, values), FIELD(step_cache, head_stride),
     FIELD(step_cache, start), FIELD(step_cache, window), FIELD(step_cache, append_keys),
-    FIELD(step_cache, append_values),
+    FIELD(step_cache, append_values), FIELD(step_cache, wrap), FIELD(step_cache, keys2),
+    FIELD(step_cache, values2),
 };
 static const struct field step_args_fields[] = {
     FIELD(step_args, batch), FIELD(step_args, tokens), FIELD(step_args, hidden),

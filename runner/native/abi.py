@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 13  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 14  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -71,6 +71,9 @@ class Cache(ctypes.Structure):  # struct step_cache
         ("window", ctypes.c_int),
         ("append_keys", ctypes.c_void_p),
         ("append_values", ctypes.c_void_p),
+        ("wrap", ctypes.c_int),
+        ("keys2", ctypes.c_void_p),
+        ("values2", ctypes.c_void_p),
     ]
 
 

@@ -169,6 +169,18 @@ static int window_lo(const struct step_args *a, const struct step_cache *cache, 
     return a->offset + t - cache->window + 1 - first;
 }
 
+/* Row i of a head's cached keys (or values) held in one run (`wrap` 0) or two (a ring that
+ * has wrapped: rows [0, wrap) of `run`, then from row 0 of `run2`; struct step_cache). */
+static inline const float *cached_row(const float *run, const float *run2, int wrap, int i,
+                                      int D) {
+    return wrap && i >= wrap ? run2 + (size_t)(i - wrap) * D : run + (size_t)i * D;
+}
+
+/* Where the run holding cached row i ends, within [0, end): a chunk of rows never crosses it. */
+static inline int run_end(int wrap, int i, int end) {
+    return wrap && i < wrap && wrap < end ? wrap : end;
+}
+
 /* How many ranges the `cached` keys are split into: enough items for the pool, each range at
  * least MIN_SPLIT_KEYS keys (more cached keys never make fewer). */
 static int attention_splits(const struct step_args *a, int prefix_blocks, int cached) {
@@ -277,12 +289,13 @@ static void few_rows_scores(const float *const *q, int n, const float *keys, con
 }
 
 /* The partial softmax of `n` query rows against keys [k0, k1) of `keys` / `values` (rows of
- * head_dim floats), into slot `slot`. `causal`: row r sees key i only if i <= tpos[r], and
+ * head_dim floats; a wrapped ring's in two runs, `keys2` / `values2` from row `wrap`:
+ * cached_row), into slot `slot`. `causal`: row r sees key i only if i <= tpos[r], and
  * tpos grows with r. `lo`: NULL, or row r sees key i only if i >= lo[r]. */
 static void attend(const struct attention_job *j, const float *const *qrow, const int *grow,
                    const int *tpos, const int *lo, int n, const float *keys,
-                   const float *values, int k0, int k1, int causal, int slot, float *scores,
-                   float *kt) {
+                   const float *values, const float *keys2, const float *values2, int wrap,
+                   int k0, int k1, int causal, int slot, float *scores, float *kt) {
     const int D = j->a->head_dim;
     const float scale = score_scale(j->a), cap = j->a->softcap;
     float *out[ROW_BLOCK];
@@ -293,19 +306,23 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
         memset(p + 2, 0, sizeof(float) * D);
         out[r] = p + 2;
     }
-    for (int c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
-        const int nc = k1 - c0 < KEY_CHUNK ? k1 - c0 : KEY_CHUNK;
+    for (int c0 = k0, nc; c0 < k1; c0 += nc) {
+        const int end = run_end(wrap, c0, k1); /* the chunk's keys lie in one run */
+        nc = end - c0 < KEY_CHUNK ? end - c0 : KEY_CHUNK;
+        const float *kchunk = cached_row(keys, keys2, wrap, c0, D);
+        const float *vchunk = cached_row(values, values2, wrap, c0, D);
         int first = 0; /* the rows before it see no key of this chunk */
         if (causal)
             while (first < n && tpos[first] < c0) first++;
         float *srow[ROW_BLOCK];
         for (int r = first; r < n; r++) srow[r] = scores + (size_t)r * KEY_CHUNK;
         if (n - first >= TRANSPOSED_ROWS) { /* q K^T as rows times the keys transposed */
-            transpose_keys(keys + (size_t)c0 * D, nc, D, kt);
+            transpose_keys(kchunk, nc, D, kt);
             rows_times(qrow + first, 1, n - first, D, kt, KEY_CHUNK, (nc + VL - 1) / VL * VL,
                        srow + first, 0);
         } else { /* a few rows (a decode step): dot products, no transposition */
-            few_rows_scores(qrow + first, n - first, keys, values, c0, nc, k1, D, srow + first);
+            few_rows_scores(qrow + first, n - first, kchunk, vchunk, 0, nc, end - c0, D,
+                            srow + first);
         }
         if (cap > 0)
             for (int r = first; r < n; r++) softcapped(srow[r], nc, j->a->scale, cap);
@@ -353,7 +370,7 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
             p[0] = top;
             p[1] += total;
         }
-        rows_times((const float *const *)srow + first, 1, n - first, nc, values + (size_t)c0 * D, D, D,
+        rows_times((const float *const *)srow + first, 1, n - first, nc, vchunk, D, D,
                    out + first, 1);
     }
 }
@@ -392,12 +409,14 @@ static void attention_items(const void *arg, int index, int count) {
             const int r0 = item % j->prefix_blocks * ROW_BLOCK;
             const int r1 = r0 + ROW_BLOCK < all_rows ? r0 + ROW_BLOCK : all_rows;
             group_rows(j, g, r0, r1, qrow, grow, tpos);
-            const float *kc = j->cache->keys + g * j->cache->head_stride;
-            const float *vc = j->cache->values + g * j->cache->head_stride;
+            const struct step_cache *c = j->cache;
+            const size_t head = (size_t)g * c->head_stride;
+            const float *kc2 = c->wrap ? c->keys2 + head : NULL, *vc2 = c->wrap ? c->values2 + head : NULL;
             const int k0 = split_start(j->cached, s, j->splits);
             const int k1 = split_start(j->cached, s + 1, j->splits);
-            for (int r = 0; r < r1 - r0; r++) lo[r] = window_lo(a, j->cache, tpos[r], j->cache->start);
-            attend(j, qrow, grow, tpos, window, r1 - r0, kc, vc, k0, k1, 0, s, scores, kt);
+            for (int r = 0; r < r1 - r0; r++) lo[r] = window_lo(a, c, tpos[r], c->start);
+            attend(j, qrow, grow, tpos, window, r1 - r0, c->keys + head, c->values + head, kc2, vc2,
+                   c->wrap, k0, k1, 0, s, scores, kt);
         } else { /* one batch row's rows against its own new keys */
             const int rest = item - prefix_items, b = rest / j->own_blocks / G;
             const int g = rest / j->own_blocks % G, first = b * own_rows;
@@ -406,7 +425,7 @@ static void attention_items(const void *arg, int index, int count) {
             group_rows(j, g, r0, r1, qrow, grow, tpos);
             const size_t at = ((size_t)b * G + g) * T * D;
             for (int r = 0; r < r1 - r0; r++) lo[r] = window_lo(a, j->cache, tpos[r], a->offset);
-            attend(j, qrow, grow, tpos, window, r1 - r0, j->nk + at, j->nv + at, 0,
+            attend(j, qrow, grow, tpos, window, r1 - r0, j->nk + at, j->nv + at, NULL, NULL, 0, 0,
                    tpos[r1 - r0 - 1] + 1, 1, j->splits, scores, kt);
         }
     }
@@ -502,18 +521,18 @@ struct online {
     float *out[ROW_ITEM_ROWS];
 };
 
-/* The online softmax over keys [c0, c0 + nc) of `keys` / `values`, `causal`: key i only for
- * rows whose token is >= i (the row's own keys); `windowed`: key i only for rows whose
- * token t has t + shift <= i (window_lo). st, qt: scratch of the item. */
-static void online_chunk(const struct attention_job *j, struct online *o, const float *keys,
-                         const float *values, int c0, int nc, int next, int causal,
-                         int windowed, int shift, const float *qt, float *st) {
+/* The online softmax over keys [c0, c0 + nc) (their rows at `k` / `v`), `causal`: key i only
+ * for rows whose token is >= i (the row's own keys); `windowed`: key i only for rows whose
+ * token t has t + shift <= i (window_lo). The next chunk's `next` keys are at `next_keys`.
+ * st, qt: scratch of the item. */
+static void online_chunk(const struct attention_job *j, struct online *o, const float *k,
+                         const float *v, int c0, int nc, const float *next_keys, int next,
+                         int causal, int windowed, int shift, const float *qt, float *st) {
     const int D = j->a->head_dim, nv = o->nv, W = nv * VL;
     const float scale = score_scale(j->a);
-    const float *k = keys + (size_t)c0 * D;
     /* the chunk's values (read next) and the next chunk's keys fetched while its keys are
      * multiplied: a layer's keys and values were last touched a forward ago */
-    const float *ahead[2] = {values + (size_t)c0 * D, k + (size_t)nc * D};
+    const float *ahead[2] = {v, next_keys};
     const int ahead_rows[2] = {nc, next};
     if (nv == 3) keys_times_3(k, nc, D, qt, st, ahead, ahead_rows);
     else if (nv == 2) keys_times_2(k, nc, D, qt, st, ahead, ahead_rows);
@@ -560,7 +579,7 @@ static void online_chunk(const struct attention_job *j, struct online *o, const 
         }
     const float *pcol[ROW_ITEM_ROWS];
     for (int r = 0; r < o->rows; r++) pcol[r] = st + r;
-    rows_times(pcol, W, o->rows, nc, values + (size_t)c0 * D, D, D, o->out, o->started);
+    rows_times(pcol, W, o->rows, nc, v, D, D, o->out, o->started);
     o->started = 1;
 }
 
@@ -601,16 +620,25 @@ static void attend_rows(const struct attention_job *j, int g, int b, int r0, int
     const int own_shift = windowed ? window_lo(a, c, 0, a->offset) : 0;
     /* the cache's chunks from the first one the block's first row sees (unread when none) */
     int c0 = windowed && tpos[0] + cached_shift > 0 ? tpos[0] + cached_shift : 0;
-    for (c0 -= c0 % ROW_ITEM_KEYS; c0 < cached; c0 += ROW_ITEM_KEYS) {
-        const float *kc = c->keys + g * c->head_stride, *vc = c->values + g * c->head_stride;
-        const int nc = chunk_keys(cached, c0), next = chunk_keys(cached, c0 + nc);
-        online_chunk(j, &o, kc, vc, c0, nc, next, 0, windowed, cached_shift, qt, st);
+    const size_t head = (size_t)g * c->head_stride;
+    const float *kc = c->keys + head, *vc = c->values + head;
+    const float *kc2 = c->wrap ? c->keys2 + head : NULL, *vc2 = c->wrap ? c->values2 + head : NULL;
+    /* chunks of ROW_ITEM_KEYS from a multiple of it, none across the wrap of a ring's runs */
+    for (c0 -= c0 % ROW_ITEM_KEYS; c0 < cached;) {
+        const int nc = chunk_keys(run_end(c->wrap, c0, cached), c0), c1 = c0 + nc;
+        const int next = chunk_keys(run_end(c->wrap, c1, cached), c1);
+        online_chunk(j, &o, cached_row(kc, kc2, c->wrap, c0, D), cached_row(vc, vc2, c->wrap, c0, D),
+                     c0, nc, cached_row(kc, kc2, c->wrap, c1, D), next, 0, windowed, cached_shift,
+                     qt, st);
+        c0 = c1;
     }
     const size_t at = ((size_t)b * a->kv_heads + g) * T * D;
+    const float *nk = j->nk + at, *nv = j->nv + at;
     const int seen = tpos[o.rows - 1] + 1;
     for (int k0 = 0; k0 < seen; k0 += ROW_ITEM_KEYS) {
         const int nc = chunk_keys(seen, k0), next = chunk_keys(seen, k0 + nc);
-        online_chunk(j, &o, j->nk + at, j->nv + at, k0, nc, next, 1, windowed, own_shift, qt, st);
+        online_chunk(j, &o, nk + (size_t)k0 * D, nv + (size_t)k0 * D, k0, nc,
+                     nk + (size_t)(k0 + nc) * D, next, 1, windowed, own_shift, qt, st);
     }
     for (int r = 0; r < o.rows; r++) {
         const float inv = 1.0f / o.l[r / VL][r % VL];

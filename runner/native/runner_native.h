@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 13
+#define RUNNER_NATIVE_ABI_VERSION 14
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -76,6 +76,11 @@ struct step_cache {
      * same head stride), written after they are computed (the attention reads only the
      * positions below them) */
     float *append_keys, *append_values;
+    /* 0, or the positions' rows in two runs (a ring that has wrapped): rows [0, wrap) of
+     * `keys` / `values` hold positions [start, start + wrap), rows from 0 of `keys2` /
+     * `values2` (the same head stride) the rest, [start + wrap, offset) */
+    int wrap;
+    const float *keys2, *values2;
 };
 
 struct step_args {
