@@ -309,8 +309,10 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
     for (int c0 = k0, nc; c0 < k1; c0 += nc) {
         const int end = run_end(wrap, c0, k1); /* the chunk's keys lie in one run */
         nc = end - c0 < KEY_CHUNK ? end - c0 : KEY_CHUNK;
-        const float *kchunk = cached_row(keys, keys2, wrap, c0, D);
-        const float *vchunk = cached_row(values, values2, wrap, c0, D);
+        /* the chunk's run, and the chunk's first row in it */
+        const int second = wrap && c0 >= wrap, row = second ? c0 - wrap : c0;
+        const float *krun = second ? keys2 : keys, *vrun = second ? values2 : values;
+        const float *kchunk = krun + (size_t)row * D, *vchunk = vrun + (size_t)row * D;
         int first = 0; /* the rows before it see no key of this chunk */
         if (causal)
             while (first < n && tpos[first] < c0) first++;
@@ -321,7 +323,7 @@ static void attend(const struct attention_job *j, const float *const *qrow, cons
             rows_times(qrow + first, 1, n - first, D, kt, KEY_CHUNK, (nc + VL - 1) / VL * VL,
                        srow + first, 0);
         } else { /* a few rows (a decode step): dot products, no transposition */
-            few_rows_scores(qrow + first, n - first, kchunk, vchunk, 0, nc, end - c0, D,
+            few_rows_scores(qrow + first, n - first, krun, vrun, row, nc, end - c0 + row, D,
                             srow + first);
         }
         if (cap > 0)
