@@ -52,8 +52,8 @@ Sliding windows: a layer whose cache is a `RotatingKVCache` is windowed by the r
 (the runner's layer_caches makes every windowed layer's ring the window's size, and mlx-lm's
 masks are that window): the step reads the positions its queries see out of the ring in
 order of position (`_window_view`: one view, or two where the ring has wrapped, read in
-place as two runs), and the
-new keys go in through the ring's own `update_and_fetch`, as MLX's path appends them.
+place as two runs), and the new keys go in through the ring's own `update_and_fetch`, as
+MLX's path appends them.
 
 Invariants:
 - One row's `KVCache`s are written in place, into buffers this step allocated for them
