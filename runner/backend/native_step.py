@@ -89,6 +89,7 @@ from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
 from runner.cache.shared_prefix import SharedPrefixKV
 from runner.native import abi
+from runner.sources.gguf import quants
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ GLOBAL_SCALE = "global_scale"
 # library's format and the bytes a block of 256 weights (repeated here for the same reason)
 GGML_BLOCKS = "blocks"
 GGML_FORMATS = {"Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144)}
+GGML_TYPE_IDS = {abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K}  # `_Matrix.values`' dequantizing
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
@@ -269,10 +271,8 @@ class _Matrix:
         sum), or llama.cpp's from GGML blocks, bit for bit. In numpy: one row through MLX's
         graph costs a decode step ~0.25 ms (SmolLM2's Q8_0 embedding), 3% of the token."""
         if self.block_format:
-            from runner.sources.gguf import quants
-
-            kind = quants.Q6_K if self.block_format == abi.Q6K else quants.Q4_K
             assert self.codes is not None
+            kind = GGML_TYPE_IDS[self.block_format]
             return quants.dequantize(self.codes[ids].reshape(-1), kind, (len(ids), self.k))
         if self.codes is None:
             assert self.f32 is not None
