@@ -113,7 +113,7 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
             )
         elif kind != "sgemm":
             functions.weight_product(
-                m, n, k, a.ctypes.data_as(abi.F32), ctypes.byref(w[0]), c.ctypes.data_as(abi.F32)
+                m, n, k, a.ctypes.data_as(abi.F32), ctypes.byref(w[0]), c.ctypes.data_as(abi.F32), 0
             )
         else:
             sgemm(101, 111, 112, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k,

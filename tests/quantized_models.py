@@ -105,15 +105,20 @@ class Affine:
 
 
 def weight_times(
-    functions: abi.Functions, weight: abi.Weight, shape: tuple[int, ...], a: np.ndarray
+    functions: abi.Functions,
+    weight: abi.Weight,
+    shape: tuple[int, ...],
+    a: np.ndarray,
+    decode: bool = False,
 ) -> np.ndarray:
     """a W^T through runner_weight_product, W [n, k] = `shape` as the struct step_weight
-    `weight` holds it."""
+    `weight` holds it; `decode`: as a decode step's rows (GGML blocks by limbs where the
+    library has them)."""
     c = np.full((a.shape[0], shape[0]), np.nan, np.float32)
     a = np.ascontiguousarray(a, dtype=np.float32)
     code = functions.weight_product(
         a.shape[0], shape[0], shape[1], a.ctypes.data_as(abi.F32), ctypes.byref(weight),
-        c.ctypes.data_as(abi.F32),
+        c.ctypes.data_as(abi.F32), int(decode),
     )  # fmt: skip
     assert code == 0
     return c

@@ -147,6 +147,68 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bo
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
+def test_decode_steps_of_k_quant_blocks_are_within_float32_grade(tmp_path: Path) -> None:
+    """A Q4_K_M-like file's decode steps (what the generation pipeline computes inside the
+    model's `decode_steps`, runner/models/base.py): each step's logits are the float64
+    forward's of the blocks' values within 1e-4, as a forward's are; where the library has
+    limb products (AVX512-VNNI) the step's products take them (its hidden row within 1e-5 of
+    a forward's, not its bits), elsewhere the float tiles (a forward's bits). Only one token
+    a row inside `decode_steps` is a decode step: prompts, and forwards outside it, are not.
+    Generation enters it for every decode step and for nothing else."""
+    from runner.engine import Job
+    from runner.generate.pipeline import GenerateOptions, Generator, Stats
+    from runner.generate.sampling import SamplerOptions
+    from runner.text.tokenizer import Tokenizer
+    from tests.tiny import edit_text_config, prefix_cache, tiny_config
+
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
+    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    w64 = {k: v.astype(np.float64) for k, v in weights.items()}
+    source = load_gguf(path)
+    model = build_model(source)
+    native = model._native
+    assert native is not None and native.quantized
+    flags: list[tuple[int, int]] = []  # each native call's (tokens, decode)
+    real_step = native._step
+
+    def step(args: Any) -> int:
+        flags.append((args._obj.tokens, args._obj.decode))
+        return real_step(args)
+
+    native._step = step
+
+    prompt = 4
+    caches = model.make_caches()
+    model.hidden(mx.array([SEQUENCE[:prompt]]), caches)
+    differ = []
+    for i in range(prompt, len(SEQUENCE)):
+        with model.decode_steps():
+            hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
+            got = np.array(model.unembed(hidden)[0, -1])
+        whole = model.hidden(mx.array([SEQUENCE[: i + 1]]), model.make_caches())[0, -1]
+        want = llama_forward(w64, source.config, SEQUENCE[: i + 1])
+        assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+        step, forward = np.array(hidden[0, -1]), np.array(whole)
+        np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
+        differ.append(not np.array_equal(step, forward))
+    assert any(differ) == native.limb_products
+    steps = len(SEQUENCE) - prompt
+    decode_flags = [d for t, d in flags if t == 1]
+    assert [d for t, d in flags if t > 1] == [0] * (steps + 1)  # the prompt and the forwards
+    assert decode_flags == [1] * steps
+
+    flags.clear()  # generation: every decode step inside decode_steps, the prompt outside
+    tokenizer = Tokenizer(source.tokenizer_json, config=source.config)
+    generator = Generator(model, tokenizer, prefix_cache(model, name="generate"))
+    stats = Stats()
+    options = GenerateOptions(num_predict=5, sampler=SamplerOptions(temperature=0))
+    list(generator.steps(SEQUENCE, options, Job(lambda _: None, None), stats))
+    assert [d for t, d in flags if t > 1] == [0] * sum(t > 1 for t, _ in flags)
+    assert [d for t, d in flags if t == 1] == [1] * stats.generated
+
+
 def llama_forward(w: dict[str, np.ndarray], c: dict, tokens: list[int]) -> np.ndarray:
     """transformers' LlamaForCausalLM in float64: RMSNorm, rotate-half RoPE (llama3
     scaling), grouped-query causal attention, SwiGLU; the last position's logits."""

@@ -64,7 +64,10 @@ def compile_with(tmp: Path, flags: list[str], edit: dict[str, tuple[str, str]] |
 
 
 def native_flags(march: str = "native") -> list[str]:
-    return [f"-march={march}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
+    """The library's flags for `march` (a level with `+vnni`: that level and -mavx512vnni)."""
+    arch, _, extra = march.partition("+")
+    flags = [f"-march={arch}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
+    return flags + [f"-mavx512{extra}"] * bool(extra)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -165,6 +168,11 @@ LEVELS = {
     "x86-64-v2": ("sse", {"sse4_2", "popcnt", "ssse3"}),
     "x86-64-v3": ("avx2", {"avx2", "fma", "f16c", "bmi2", "movbe"}),
     "x86-64-v4": ("avx512", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    # with VNNI (Zen 4, Ice Lake and later): decode steps' GGML block products by limbs
+    "x86-64-v4+vnni": (
+        "avx512",
+        {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+    ),
 }
 
 
@@ -198,6 +206,7 @@ def test_every_level_builds_with_its_path(level_library) -> None:
     functions = abi.load(library)
     assert functions is not None
     assert functions.half_weights == (LEVELS[march][0] in ("avx2", "avx512"))
+    assert functions.limb_products == march.endswith("+vnni")
 
 
 @pytest.mark.parametrize("m", [1, 3, 15, 40])
@@ -219,7 +228,7 @@ def test_every_level_computes_products(level_library, m: int) -> None:
     f32 = abi.Weight(format=abi.F32_FORMAT, data=w.ctypes.data)
     assert (
         functions.weight_product(
-            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(f32), c.ctypes.data_as(pointer)
+            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(f32), c.ctypes.data_as(pointer), 0
         )
         == 0
     )
@@ -231,7 +240,7 @@ def test_every_level_computes_products(level_library, m: int) -> None:
         c16 = np.zeros((m, n), np.float32)
         half = abi.Weight(format=abi.HALF_FORMATS["float16"], data=panels.ctypes.data)
         functions.weight_product(
-            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(half), c16.ctypes.data_as(pointer)
+            m, n, k, a.ctypes.data_as(pointer), ctypes.byref(half), c16.ctypes.data_as(pointer), 0
         )
         assert np.abs(c16 - a.astype(np.float64) @ w16.astype(np.float64).T).max() < 1e-4
     sgemm = library.cblas_sgemm
@@ -328,6 +337,66 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
     short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
     assert not functions.weight_supported(ctypes.byref(short), n, 300)
+    decode = weight_times(functions, weight, (n, k), a, decode=True)
+    if not functions.limb_products:  # decode rows take the float tiles: the same bits
+        np.testing.assert_array_equal(decode, c)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_type: str) -> None:
+    """A decode step's GGML block products on a build with limbs (runner/native/quantized.c:
+    A's values as three 8-bit limbs a run of 32, the codes' products summed in integers):
+    every value within the limbs' bound of the float64 product of llama.cpp's values (what
+    rounding each run's values to a / 16384, a = max |x| / 127, leaves: 1 / 32768 of a step
+    at most, times sum |w|, plus float32 rounding of sum |w x|), far closer than 8-bit
+    activations (llama.cpp's: 1 / 254 of the run's largest value); not the float tiles' bits;
+    the same bits for any number of rows and each row alone; an A with an infinite value
+    takes the float tiles (the limbs hold no infinity)."""
+    from runner.sources.gguf import quants
+    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+
+    kind, form, quantize = {
+        "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
+        "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
+    }[ggml_type]
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    if not functions.limb_products:
+        return  # its decode products are the float tiles' (the test above)
+    rng = np.random.default_rng(8)
+    n, k = 45, 768
+    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
+    values = quants.dequantize(blocks.reshape(-1), kind, (n, k)).astype(np.float64)
+    weight = abi.Weight(format=form, data=blocks.ctypes.data)
+    a = rng.normal(size=(9, k)).astype(np.float32)
+    a[1, k // 3] = 40.0  # an outlier: its run's step is coarse, the others' are not
+    a[2, 32:64] = 0.0  # a run of zeros
+    a[3] *= np.float32(1e-30)  # tiny values (steps far below float32's normal range)
+    a[4, ::7] *= -1000.0  # runs of very different sizes in one row
+
+    def times(rows: np.ndarray, decode: bool = True) -> np.ndarray:
+        return weight_times(functions, weight, (n, k), rows, decode=decode)
+
+    got, tiles = times(a), times(a, decode=False)
+    x = a.astype(np.float64)
+    want = x @ values.T
+    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)  # max |x| of t's run
+    step = runs / 127 / 16384  # the last limb's step
+    bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ np.abs(values).T)
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    eight_bits = (runs / 254) @ np.abs(values).T  # llama.cpp's rounding of the activations
+    assert np.abs(got - want).max() < 1e-3 * eight_bits.max()
+    assert not np.array_equal(got, tiles)  # the limbs, not the float tiles
+    for m in (1, 2, 5):
+        np.testing.assert_array_equal(times(a[:m]), got[:m])
+    for i in range(len(a)):
+        np.testing.assert_array_equal(times(a[i : i + 1]), got[i : i + 1])
+    infinite = a.copy()
+    infinite[5, 100] = np.inf
+    np.testing.assert_array_equal(times(infinite), times(infinite, decode=False))
 
 
 # (checkpoint dtype, quantization): float32, bfloat16 (half copies where the level has them),

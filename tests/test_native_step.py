@@ -752,7 +752,7 @@ def _panel_product(functions, a: np.ndarray, w: np.ndarray, fmt: str) -> np.ndar
     c = np.empty((m, n), np.float32)
     weight = abi.Weight(format=abi.HALF_FORMATS[fmt], data=panels.ctypes.data)
     code = functions.weight_product(
-        m, n, k, native_step._pointer(a), ctypes.byref(weight), native_step._pointer(c)
+        m, n, k, native_step._pointer(a), ctypes.byref(weight), native_step._pointer(c), 0
     )
     assert code == 0
     return c

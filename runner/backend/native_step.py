@@ -77,7 +77,7 @@ import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -489,6 +489,7 @@ class NativeStep:
         plus_one = shape.plus_one_norms
         self._step, self._scratch = functions.step, functions.scratch
         self._weight_product = functions.weight_product
+        self._limb_products = functions.limb_products
         self.max_tokens = max_tokens
         inner = module.model
         embed = inner.embed_tokens
@@ -698,9 +699,26 @@ class NativeStep:
         self._row_bases = (np.zeros(self.layers, np.uint64), np.zeros(self.layers, np.uint64))
         # single-row caches -> the buffers this step allocated for them (`_grow`)
         self._owned: weakref.WeakKeyDictionary[KVCache, _Owned] = weakref.WeakKeyDictionary()
+        self._decoding = False  # inside `decoding()`
         self._buffers: dict[str, np.ndarray] = {}  # `_workspace`
         if self.heads % self.kv_heads or rope.dims > min(self.head_dim, 1024):
             raise _Unsupported("head layout")
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Forwards of one token a row, and the head, inside are decode steps: their GGML
+        block products take A's values as integer limbs where the library has them
+        (runner/native/quantized.c; `limb_products`)."""
+        outer, self._decoding = self._decoding, True
+        try:
+            yield
+        finally:
+            self._decoding = outer
+
+    @property
+    def limb_products(self) -> bool:
+        """Whether this library's decode steps take limbs (AVX512-VNNI)."""
+        return self._limb_products
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:
         """The final hidden states [B, T, H] of `tokens` [B, T] after the caches, appending
@@ -811,6 +829,7 @@ class NativeStep:
         new_values = self._workspace("values", size).reshape(shape)
         args = self._args
         args.batch, args.tokens, args.offset = batch, t, offset
+        args.decode = int(self._decoding and t == 1)
         args.cos, args.sin, args.cache = _pointer(cos_view), _pointer(sin_view), cache_structs
         args.x, args.new_keys = _pointer(x), _pointer(new_keys)
         args.new_values, args.query_scale = _pointer(new_values), None
@@ -866,7 +885,13 @@ class NativeStep:
         vocab = self._head_vocab
         out = np.empty((rows, vocab), np.float32)
         code = self._weight_product(
-            rows, vocab, self.hidden, _pointer(x), ctypes.byref(self._head), _pointer(out)
+            rows,
+            vocab,
+            self.hidden,
+            _pointer(x),
+            ctypes.byref(self._head),
+            _pointer(out),
+            0,  # a decode step's head too: the limbs read a head no faster (bench/RESULTS.md)
         )
         if code != 0:
             return None

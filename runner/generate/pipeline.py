@@ -43,7 +43,7 @@ from runner.generate.sampling import Draw, Sampler, SamplerOptions, top_sorted
 from runner.media.prepare import PreparedPrompt
 from runner.media.request import RequestMedia
 from runner.models import Model
-from runner.models.base import HostLogits
+from runner.models.base import DecodeSteps, HostLogits
 from runner.protocol.wire import CompletionResponse, Logprob, TopLogprob
 from runner.text.tokenizer import Tokenizer
 
@@ -159,13 +159,20 @@ class Generator:
         # (~0.1-0.2 ms a round trip on a 2-core VM, two a token for argmax and its id).
         host = self.model if sampler.argmax_alone and isinstance(self.model, HostLogits) else None
 
+        # A decode step's forward and head may be computed another exact way than a forward's
+        # (runner/models/base.py, `DecodeSteps`)
+        model = self.model
+        steps = model.decode_steps if isinstance(model, DecodeSteps) else contextlib.nullcontext
+
         def forward(token: int | mx.array) -> Draw:
-            hidden = session.decode(token)
-            if host is not None:
-                logits = host.host_logits(hidden)
-                if logits is not None:
-                    return Draw(int(np.argmax(logits[0])))
-            draw = sampler.sample(self.model.unembed(hidden)[0])
+            with steps():
+                hidden = session.decode(token)
+                logits = host.host_logits(hidden) if host is not None else None
+                if logits is None:
+                    unembedded = self.model.unembed(hidden)[0]
+            if logits is not None:
+                return Draw(int(np.argmax(logits[0])))
+            draw = sampler.sample(unembedded)
             mx.async_eval(*draw.arrays())
             return draw
 

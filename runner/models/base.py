@@ -31,6 +31,12 @@ scoring is dispatched (runner/server/endpoints.py, runner/score/scorer.py):
   vocab] float32 where the model computed them on the host (the native step's head), the
   same values; None otherwise. A greedy decode step takes its argmax there
   (runner/generate/pipeline.py).
+- `DecodeSteps`: `decode_steps()`, a context manager inside which forwards of one token a
+  row and their `unembed` / `host_logits` are decode steps (each row a sequence's next
+  token; runner/generate/pipeline.py enters it around each one). The model may compute them
+  another way than a forward of the same rows, within float32 grade of the same values: the
+  native step's GGML blocks multiply A's values as integer limbs (docs/DESIGN.md §4.4), so
+  a decode step's hidden row is not a forward's bit for bit. Scoring never enters it.
 
 - `KVRestorer` (declared by its user, runner/cache/prefix_cache.py): `restore_kv(cache,
   segments, target, kept)` makes one plain `KVCache` hold [0, target) from the trie's KV
@@ -113,6 +119,11 @@ HiddenRows = Callable[[list[int]], tuple[mx.array, int]]
 @runtime_checkable
 class HostLogits(Protocol):
     def host_logits(self, hidden: mx.array) -> np.ndarray | None: ...
+
+
+@runtime_checkable
+class DecodeSteps(Protocol):
+    def decode_steps(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 @runtime_checkable

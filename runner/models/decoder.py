@@ -234,6 +234,16 @@ class DecoderModel:
         finally:
             self._native = native
 
+    @contextlib.contextmanager
+    def decode_steps(self) -> Iterator[None]:
+        """`DecodeSteps`: the native step's forwards and head inside are decode steps. MLX
+        thread only."""
+        if self._native is None:
+            yield
+            return
+        with self._native.decoding():
+            yield
+
     def hidden(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         if self._native is not None:
             hidden = self._native(tokens, caches)

@@ -57,6 +57,7 @@ static const struct field step_args_fields[] = {
     FIELD(step_args, layer), FIELD(step_args, cache), FIELD(step_args, final_norm),
     FIELD(step_args, x), FIELD(step_args, new_keys), FIELD(step_args, new_values),
     FIELD(step_args, scratch),
+    FIELD(step_args, decode),
 };
 
 #define TABLE(S) {#S, S##_fields, sizeof(S##_fields) / sizeof(S##_fields[0]), sizeof(struct S)}

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 14  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 15  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -99,6 +99,7 @@ class Args(ctypes.Structure):  # struct step_args
         ("new_keys", F32),
         ("new_values", F32),
         ("scratch", F32),
+        ("decode", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -117,9 +118,10 @@ class Functions:
     step: Any  # runner_decoder_step
     scratch: Any  # runner_step_scratch_floats
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
+    limb_products: bool  # whether decode steps' GGML block products take limbs (AVX512-VNNI)
     narrow_panels: Any
     panel_halves: Any
-    weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c)
+    weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c, decode)
     weight_supported: Any  # runner_weight_supported(POINTER(Weight), n, k)
 
 
@@ -206,6 +208,8 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
     step.argtypes = scratch.argtypes = [ctypes.POINTER(Args)]
     step.restype, scratch.restype = ctypes.c_int, ctypes.c_long
     half.restype = ctypes.c_int
+    limbs = library.runner_limb_products
+    limbs.restype = ctypes.c_int
     narrow_panels.argtypes = [F32, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     narrow_panels.restype = ctypes.c_int
     panel_halves.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -217,11 +221,19 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
         F32,
         ctypes.POINTER(Weight),
         F32,
+        ctypes.c_int,
     ]
     weight_product.restype = ctypes.c_int
     supported = library.runner_weight_supported
     supported.argtypes = [ctypes.POINTER(Weight), ctypes.c_int, ctypes.c_int]
     supported.restype = ctypes.c_int
     return Functions(
-        step, scratch, bool(half()), narrow_panels, panel_halves, weight_product, supported
+        step,
+        scratch,
+        bool(half()),
+        bool(limbs()),
+        narrow_panels,
+        panel_halves,
+        weight_product,
+        supported,
     )

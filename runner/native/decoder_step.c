@@ -102,20 +102,20 @@ static void gate_up_share(const void *arg, int index, int count) {
  * while the other waited). */
 static void gate_up(int m, int k, int n, const float *a, const struct step_weight *wg,
                     const struct step_weight *wu, float *gate, float *up, float *reordered,
-                    int activation) {
+                    const void *limbs, int activation) {
     const int widths[2] = {n, n};
     const struct step_weight *ws[2] = {wg, wu};
     float *cs[2] = {gate, up};
     /* one job when both read A alike and share their columns alike */
     const int alike = wg->format == wu->format && (wg->format != W_AFFINE || wg->bits == wu->bits);
     if (!alike || to_blas(m, wg) || to_blas(m, wu)) {
-        products_of(m, k, a, 2, widths, ws, cs, reordered); /* the BLAS, or shares that differ */
+        products_of(m, k, a, 2, widths, ws, cs, reordered, limbs); /* the BLAS, or shares that differ */
         glu_columns(gate, up, m, n, 0, n, activation);
         return;
     }
     const float *rows = rows_for(wg, m, k, a, k, reordered);
     const struct gate_up_job job = {
-        {tiles_product(m, n, k, rows, k, wg, gate, n), tiles_product(m, n, k, rows, k, wu, up, n)},
+        {tiles_product(m, n, k, rows, k, wg, gate, n, limbs), tiles_product(m, n, k, rows, k, wu, up, n, limbs)},
         gate, up, activation};
     if ((long)m * k * n < (1L << 18))
         gate_up_share(&job, 0, 1);
@@ -159,11 +159,34 @@ static long widest_rows(const struct step_args *a) {
     return k;
 }
 
+/* Scratch for a decode step's limbs of the widest A (limb_split), 0 for other steps. */
+static long decode_limb_floats(const struct step_args *a) {
+    return a->decode ? limb_floats(a->batch * a->tokens, (int)widest_rows(a)) + 16 : 0;
+}
+
+/* Whether any product weight of the layers is in a GGML block format (limbs read those). */
+static int ggml_weights(const struct step_args *a) {
+    for (int l = 0; l < a->layers; l++) {
+        const struct step_layer *w = &a->layer[l];
+        const struct step_weight *ws[7] = {&w->q, &w->k, &w->v, &w->o, &w->gate, &w->up, &w->down};
+        for (int i = 0; i < 7; i++)
+            if (ws[i]->format == W_Q4K || ws[i]->format == W_Q6K) return 1;
+    }
+    return 0;
+}
+
+/* A's rows as limbs into `scratch` for a decode step: `scratch`, or NULL (other steps, or a
+ * build or an A that limbs do not take: the float tiles then). */
+static const void *limbs_of(const struct step_args *a, int m, int k, const float *rows, float *scratch) {
+    if (!a->decode || !scratch || !limb_floats(m, k)) return NULL;
+    return limb_split(m, k, rows, k, scratch) ? scratch : NULL;
+}
+
 long runner_step_scratch_floats(const struct step_args *a) {
     const long T = (long)a->batch * a->tokens, qd = (long)a->heads * a->head_dim;
     const long kd = (long)a->kv_heads * a->head_dim;
     return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * a->intermediate * 2 +
-           T * widest_rows(a) + attention_scratch_floats(a);
+           T * widest_rows(a) + decode_limb_floats(a) + attention_scratch_floats(a);
 }
 
 /* Whether every product weight of the layers can be read as a weight of its shape. */
@@ -191,7 +214,10 @@ int runner_decoder_step(const struct step_args *a) {
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
     float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I;
-    float *reordered = up + (size_t)T * I, *scores = reordered + (size_t)T * widest_rows(a);
+    float *reordered = up + (size_t)T * I, *limbs = reordered + (size_t)T * widest_rows(a);
+    float *scores = limbs + decode_limb_floats(a);
+    /* limb_split's blocks at a 64-byte boundary, where a decode step has GGML blocks to read */
+    float *limb_area = a->decode && ggml_weights(a) ? (float *)(((size_t)limbs + 63) & ~(size_t)63) : NULL;
     float *x = a->x;
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];
@@ -200,7 +226,7 @@ int runner_decoder_step(const struct step_args *a) {
             const int n[3] = {qd, kd, kd};
             const struct step_weight *ws[3] = {&w->q, &w->k, &w->v};
             float *cs[3] = {q, k, v};
-            products_of(T, H, h, 3, n, ws, cs, reordered);
+            products_of(T, H, h, 3, n, ws, cs, reordered, limbs_of(a, T, H, h, limb_area));
         }
         add_bias(q, w->q_bias, T, qd);
         add_bias(k, w->k_bias, T, kd);
@@ -237,14 +263,15 @@ int runner_decoder_step(const struct step_args *a) {
                     memcpy(c->append_values + to, nv + ((size_t)g * W + t) * D, sizeof(float) * D);
                 }
         attention(a, &a->cache[l], q, nk, nv, o, scores);
-        product(T, H, qd, o, qd, &w->o, tmp, H, reordered);
+        product(T, H, qd, o, qd, &w->o, tmp, H, reordered, limbs_of(a, T, qd, o, limb_area));
         add_bias(tmp, w->o_bias, T, H);
         if (w->attn_out_norm)
             for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->attn_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
-        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, a->activation);
-        product(T, H, I, gate, I, &w->down, tmp, H, reordered);
+        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, limbs_of(a, T, H, h, limb_area),
+                a->activation);
+        product(T, H, I, gate, I, &w->down, tmp, H, reordered, limbs_of(a, T, I, gate, limb_area));
         if (w->mlp_out_norm)
             for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->mlp_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];

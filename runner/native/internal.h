@@ -95,6 +95,8 @@ struct product {
     int format;
     int bits, group, scale_format; /* W_AFFINE (struct step_weight) */
     const void *scales, *biases;
+    /* NULL, or A's rows as limbs (limb_split): W_Q4K / W_Q6K products of a decode step */
+    const void *limbs;
 };
 
 static inline void store(const struct product *p, int i, int j, float dot) {
@@ -199,6 +201,11 @@ int affine_supported(const struct step_weight *w, int n, int k);
 void ggml_columns(const struct product *p, int j0, int j1);
 int ggml_block(const struct product *p);
 int ggml_supported(const struct step_weight *w, int n, int k);
+/* quantized.c: A's rows as a decode step's limbs (into `out`, limb_floats(m, k) floats),
+ * returning 1; 0 where this build has no limb products or A cannot be split (then `out` is
+ * not to be read). */
+int limb_split(int m, int k, const float *a, int lda, void *out);
+long limb_floats(int m, int k);
 
 /* products.c */
 int column_block(const struct product *p);
@@ -206,14 +213,16 @@ void share_columns(const struct product *p, int index, int count, int *j0, int *
 void product_share(const void *arg, int index, int count);
 void small_product(const struct product *p);
 struct product tiles_product(int m, int n, int k, const float *a, int lda,
-                             const struct step_weight *w, float *c, int ldc);
+                             const struct step_weight *w, float *c, int ldc, const void *limbs);
 int to_blas(int m, const struct step_weight *w);
 float *rows_for(const struct step_weight *w, int m, int k, const float *a, int lda,
                 float *reordered);
+/* `limbs`: NULL, or A's rows as limb_split made them (read by W_Q4K / W_Q6K products) */
 void product(int m, int n, int k, const float *a, int lda, const struct step_weight *w,
-             float *c, int ldc, float *reordered);
+             float *c, int ldc, float *reordered, const void *limbs);
 void products_of(int m, int k, const float *a, int n_products, const int *n,
-                 const struct step_weight *const *w, float *const *c, float *reordered);
+                 const struct step_weight *const *w, float *const *c, float *reordered,
+                 const void *limbs);
 
 /* attention.c: one layer's attention, and the scratch floats it needs. */
 void attention(const struct step_args *a, const struct step_cache *cache, const float *q,

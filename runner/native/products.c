@@ -54,9 +54,9 @@ enum { BLAS_ROWS = 128 };
 /* The product of A (rows of k, `lda` apart; for W_AFFINE in its tiles' order: rows_for) with
  * w, into C. */
 struct product tiles_product(int m, int n, int k, const float *a, int lda,
-                             const struct step_weight *w, float *c, int ldc) {
+                             const struct step_weight *w, float *c, int ldc, const void *limbs) {
     return (struct product){m, n, k, lda, k, ldc, 1.0f, 0.0f, a, w->data, c, w->format,
-                            w->bits, w->group, w->scale_format, w->scales, w->biases};
+                            w->bits, w->group, w->scale_format, w->scales, w->biases, limbs};
 }
 
 /* Whether a product of m rows with W goes to the BLAS: above BLAS_ROWS rows when it has W in
@@ -80,9 +80,10 @@ float *rows_for(const struct step_weight *w, int m, int k, const float *a, int l
     return reordered;
 }
 
-/* C = A W^T; `reordered`: m * k floats of scratch (rows_for). */
+/* C = A W^T; `reordered`: m * k floats of scratch (rows_for); `limbs`: NULL, or A's rows
+ * as limbs (a decode step's). */
 void product(int m, int n, int k, const float *a, int lda, const struct step_weight *w,
-             float *c, int ldc, float *reordered) {
+             float *c, int ldc, float *reordered, const void *limbs) {
     if (to_blas(m, w)) {
         const float *f32 = w->format == W_F32 ? w->data : w->f32;
         blas_sgemm()(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, f32, k, 0.0f, c, ldc);
@@ -90,7 +91,7 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
     }
     const float *rows = rows_for(w, m, k, a, lda, reordered);
     const int ld = rows == a ? lda : k;
-    const struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc);
+    const struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc, limbs);
     small_product(&p);
 }
 
@@ -108,11 +109,13 @@ static void products_share(const void *arg, int index, int count) {
  * `reordered`: m * k floats of scratch, filled once for the products that read A in another
  * order (affine_rows: one order, 4-bit codes'). */
 void products_of(int m, int k, const float *a, int n_products, const int *n,
-                 const struct step_weight *const *w, float *const *c, float *reordered) {
+                 const struct step_weight *const *w, float *const *c, float *reordered,
+                 const void *limbs) {
     int blas = 0;
     for (int i = 0; i < n_products; i++) blas |= to_blas(m, w[i]);
     if (blas) {
-        for (int i = 0; i < n_products; i++) product(m, n[i], k, a, k, w[i], c[i], n[i], reordered);
+        for (int i = 0; i < n_products; i++)
+            product(m, n[i], k, a, k, w[i], c[i], n[i], reordered, limbs);
         return;
     }
     struct product p[3];
@@ -124,7 +127,7 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
             filled = 1;
             rows = reordered;
         }
-        p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i]);
+        p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i], limbs);
     }
     const struct products ps = {p, n_products};
     if ((long)m * k * n[0] < (1L << 18))
@@ -134,19 +137,28 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 }
 
 
-/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K). */
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K);
+ * `decode`: A's rows are a decode step's (GGML blocks take limbs where the build has them). */
 int runner_weight_product(int m, int n, int k, const float *a, const struct step_weight *w,
-                          float *c) {
+                          float *c, int decode) {
     if (m < 1 || n < 1 || k < 1 || !w || !runner_weight_supported(w, n, k)) return -1;
-    float *reordered = NULL;
+    float *reordered = NULL, *limbs = NULL;
     if (w->format == W_AFFINE && affine_reordered(w->bits)) {
         reordered = malloc(sizeof(float) * (size_t)m * k);
         if (!reordered) return -1;
     }
+    if (decode && (w->format == W_Q4K || w->format == W_Q6K) && limb_floats(m, k)) {
+        limbs = aligned_alloc(64, (sizeof(float) * (size_t)limb_floats(m, k) + 63) / 64 * 64);
+        if (limbs && !limb_split(m, k, a, k, limbs)) {
+            free(limbs);
+            limbs = NULL;
+        }
+    }
     const struct step_weight tiles = {w->format, w->bits, w->group, w->scale_format, w->data,
                                       w->scales, w->biases, NULL}; /* never the BLAS */
-    product(m, n, k, a, k, &tiles, c, n, reordered);
+    product(m, n, k, a, k, &tiles, c, n, reordered, limbs);
     free(reordered);
+    free(limbs);
     return 0;
 }
 

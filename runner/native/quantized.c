@@ -880,6 +880,40 @@ ALWAYS void q4k_scales(const unsigned char *x, float *sb) {
 #endif
 }
 
+#if QPATH == 512
+/* q4k_scales of 4 blocks at once (x[r]: row r's), into sb[r]: the 6-bit fields of each in a
+ * 128-bit lane, unpacked by byte shuffles and masks, then the same products. */
+ALWAYS void q4k_scales4(const unsigned char *const *x, __m512 *sb) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)x[0]));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[1]), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[2]), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[3]), 3);
+    /* field byte i of a lane is at 4 + i: sc_0-3 = q0-3, sc_4-7 = q8-11 (low nibbles) with
+     * q0-3's top 2 bits above, m_0-3 = q4-7, m_4-7 = q8-11 (high nibbles) with q4-7's */
+    const __m512i a = _mm512_shuffle_epi8(
+        v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+    const __m512i b = _mm512_shuffle_epi8(
+        v, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
+    const __m512i keep = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m512i nibble = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m512i top = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+    const __m512i six = _mm512_or_si512(
+        _mm512_or_si512(_mm512_and_si512(a, keep), _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble)),
+        _mm512_and_si512(_mm512_srli_epi16(b, 2), top));
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i sign = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, (int)0x80000000u, (int)0x80000000u,
+                                           (int)0x80000000u, (int)0x80000000u, (int)0x80000000u,
+                                           (int)0x80000000u, (int)0x80000000u, (int)0x80000000u);
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+        int both;
+        memcpy(&both, x[r], 4);
+        const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(both))));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(six, r)));
+        sb[r] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(f, dd)), sign));
+    }
+}
+#endif
+
 /* The values of chunk c of a block (qs = its 32 bytes, sub-blocks' constants ga and gb), in
  * order of k: Q4K_CHUNK / QL vectors. */
 ALWAYS void q4k_chunk(const unsigned char *qs, const struct qgroup *ga, const struct qgroup *gb,
@@ -963,6 +997,217 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
     q4k_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
 
+/* --- decode products by limbs (W_Q4K, W_Q6K with AVX512-VNNI) ------------------------------ */
+
+/* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
+ * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
+ * row of A, with a = max |x| / 127 over the run, as three signed 8-bit limbs,
+ *
+ *     x ~ a (l0 + l1 / 128 + l2 / 16384),  l0 in [-127, 127], l1, l2 in [-64, 64],
+ *
+ * (the residual of each limb rounded into the next: at most a / 32768 left, ~2.4e-7 of the
+ * run's largest value), and each 4 codes' products with a limb summed exactly by vpdpbusd
+ * (64 products an instruction, in int32): S = ((q.l0) 128 + q.l1) 128 + q.l2 per lane of 4
+ * weights, < 2^30 for 6-bit codes. A lane's S is converted once and multiplied by its
+ * sub-block's scale times a / 16384, one FMA; a Q4_K sub-block's bias multiplies the run's
+ * float32 sum of x, and Q6_K's codes are read unsigned (q + 32), the 32 taken off with the
+ * sub-block's float32 sum of x. So a decode product is the dequantized weights' product up to
+ * ~1e-6 of sum |w x| (tests/test_native_limbs.py bounds it against float64), against float32
+ * FMAs' ~1e-7, at 1.5-2x fewer instructions a weight than making each weight's float32 value
+ * (bench/RESULTS.md, "Decode products by limbs"). Its bits are not the float tiles': a decode
+ * step's hidden row is not bit for bit a forward's last row. Every row of A is computed
+ * alone, in one order, so the same bits for any number of rows and any share of the columns.
+ * Without AVX512-VNNI (AVX2 has no 8-bit dot product that beats float32 FMAs at three limbs)
+ * limb_split declines and decode steps take the float tiles. */
+#if QPATH == 512 && defined(__AVX512VNNI__)
+#define LIMB_PRODUCTS 1
+#else
+#define LIMB_PRODUCTS 0
+#endif
+
+/* A's limbs for 256 of a row's values (limb_split). */
+struct limb_block {
+    signed char l[3][256];
+    signed char l4[3][256]; /* the same in Q4_K's order: 32-value runs 0 2 1 3 4 6 5 7 */
+    float q4k[16];   /* a / 16384 of the 8 runs of 32, then each run's sum of x */
+    float q6k_u[16]; /* a / 16384 of the run holding each 16 values (Q6_K's sub-blocks) */
+    float q6k_s[16]; /* each 16 values' sum of x */
+};
+
+int runner_limb_products(void) { return LIMB_PRODUCTS; }
+
+long limb_floats(int m, int k) {
+    return LIMB_PRODUCTS ? (long)m * (k / 256) * (long)(sizeof(struct limb_block) / sizeof(float)) : 0;
+}
+
+#if LIMB_PRODUCTS
+/* v rounded to an integer (ties to even) and clamped to [-most, most]. */
+ALWAYS __m512 limb_of(__m512 v, float most) {
+    const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_max_ps(_mm512_min_ps(r, _mm512_set1_ps(most)), _mm512_set1_ps(-most));
+}
+
+ALWAYS void limb_store(signed char *to, __m512 limb) {
+    _mm_storeu_si128((__m128i *)to, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb)));
+}
+
+int limb_split(int m, int k, const float *a, int lda, void *out) {
+    if (k % 256) return 0;
+    struct limb_block *blocks = out;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int i = 0; i < m; i++)
+        for (int b = 0; b < k / 256; b++) {
+            struct limb_block *L = blocks + (size_t)i * (k / 256) + b;
+            const float *x = a + (size_t)i * lda + (size_t)b * 256;
+            for (int j = 0; j < 8; j++) {
+                const __m512 v[2] = {_mm512_loadu_ps(x + 32 * j), _mm512_loadu_ps(x + 32 * j + 16)};
+                const float top = _mm512_reduce_max_ps(
+                    _mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
+                if (!(top <= 3.4e38f)) return 0; /* inf or NaN: the float tiles say what follows */
+                const float step = top / 127.0f, inv = top > 0 ? 127.0f / top : 0.0f;
+                for (int h = 0; h < 2; h++) {
+                    const __m512 l0 = limb_of(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)), 127.0f);
+                    const __m512 e1 = _mm512_fnmadd_ps(l0, _mm512_set1_ps(step), v[h]);
+                    const __m512 l1 = limb_of(_mm512_mul_ps(e1, _mm512_set1_ps(inv * 128.0f)), 64.0f);
+                    const __m512 e2 = _mm512_fnmadd_ps(l1, _mm512_set1_ps(step / 128.0f), e1);
+                    const __m512 l2 = limb_of(_mm512_mul_ps(e2, _mm512_set1_ps(inv * 16384.0f)), 64.0f);
+                    limb_store(L->l[0] + 32 * j + 16 * h, l0);
+                    limb_store(L->l[1] + 32 * j + 16 * h, l1);
+                    limb_store(L->l[2] + 32 * j + 16 * h, l2);
+                    const int at = 32 * ((j & 4) | (j & 1) << 1 | (j & 2) >> 1) + 16 * h;
+                    limb_store(L->l4[0] + at, l0);
+                    limb_store(L->l4[1] + at, l1);
+                    limb_store(L->l4[2] + at, l2);
+                    L->q6k_s[2 * j + h] = _mm512_reduce_add_ps(v[h]);
+                }
+                const float unit = step / 16384.0f;
+                L->q4k[j] = unit;
+                L->q4k[8 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+                L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
+            }
+        }
+    return 1;
+}
+
+/* Each lane's 4 codes (unsigned bytes) times the limbs at l (3 runs of 256 apart): S. */
+ALWAYS __m512i limb_dot(__m512i codes, const signed char *l) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)l));
+    s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), codes, _mm512_loadu_si512((const void *)(l + 256)));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), codes, _mm512_loadu_si512((const void *)(l + 512)));
+}
+
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q4_K blocks. */
+ALWAYS void q4k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
+                          float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    __m512 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int b = 0; b < blocks; b++, L++) {
+        fetch_share(ahead, lines, b, blocks);
+        const __m512 units = _mm512_loadu_ps(L->q4k);
+        const unsigned char *x4[RW];
+        for (int r = 0; r < RW; r++) x4[r] = rows[r] + (size_t)b * Q4K_BYTES;
+        __m512 sb[RW];
+        q4k_scales4(x4, sb);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            const unsigned char *x = x4[r];
+            /* lanes 0-7: each sub-block's scale times a / 16384; 8-15: its bias times its sum */
+            const __m512 f = _mm512_mul_ps(sb[r], units);
+            rest[r] = _mm512_mask_add_ps(rest[r], 0xff00, rest[r], f);
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                const __m512i z = _mm512_loadu_si512((const void *)(x + 16 + 64 * h));
+                const __m512i codes[2] = {_mm512_and_si512(z, low), _mm512_and_si512(_mm512_srli_epi16(z, 4), low)};
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const int s0 = 4 * h + v;
+                    const __m512i s = limb_dot(codes[v], L->l4[0] + 128 * h + 64 * v);
+                    const __m512i at = _mm512_setr_epi32(s0, s0, s0, s0, s0, s0, s0, s0, s0 + 2, s0 + 2, s0 + 2,
+                                                         s0 + 2, s0 + 2, s0 + 2, s0 + 2, s0 + 2);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(rest[r]);
+}
+
+/* The same for Q6_K blocks. */
+ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
+                          float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    __m512 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(15), high2 = _mm512_set1_epi8(0x30);
+    /* qh's 2-bit fields moved to bits 4-5: weights 0-31 of a half (<< 4), 32-63 (<< 2) */
+    const __m512i up = _mm512_setr_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                         0x0004000400040004LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                         0x0002000200020002LL, 0x0002000200020002LL);
+    /* and for weights 64-95 (as they are), 96-127 (>> 2) */
+    const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
+                                           0x0002000200020002LL, 0x0002000200020002LL);
+    for (int b = 0; b < blocks; b++, L++) {
+        fetch_share(ahead, lines, b, blocks);
+        const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            const unsigned char *x = rows[r] + (size_t)b * Q6K_BYTES;
+            unsigned short half;
+            memcpy(&half, x + 208, 2);
+            const __m512 scale = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 192)))),
+                _mm512_set1_ps(half_to_float(half)));
+            const __m512 f = _mm512_mul_ps(scale, units);
+            rest[r] = _mm512_fmadd_ps(scale, sums, rest[r]);
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
+                const __m512i codes[2] = {
+                    _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                    _mm512_and_si512(_mm512_srlv_epi16(qh, down), high2)),
+                };
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const int s0 = 8 * h + 4 * v;
+                    const __m512i s = limb_dot(codes[v], L->l[0] + 128 * h + 64 * v);
+                    const __m512i at = _mm512_setr_epi32(s0, s0, s0, s0, s0 + 1, s0 + 1, s0 + 1, s0 + 1, s0 + 2,
+                                                         s0 + 2, s0 + 2, s0 + 2, s0 + 3, s0 + 3, s0 + 3, s0 + 3);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(rest[r]);
+}
+
+/* Columns [j0, j1) of C from p's limbs: 4 rows of W at a time against each row of A, the
+ * rows PREFETCH_BLOCKS groups ahead fetched over the first row's blocks. */
+static void limb_columns(const struct product *p, size_t row_bytes, int j0, int j1) {
+    const int blocks = p->k / 256;
+    const unsigned char *base = p->w;
+    float dot[4];
+    for (int j = j0; j < j1; j += 4) {
+        const int nj = j1 - j < 4 ? j1 - j : 4;
+        const unsigned char *rows[4];
+        for (int r = 0; r < 4; r++) rows[r] = base + (size_t)(j + (r < nj ? r : 0)) * row_bytes;
+        const int ahead = j + PREFETCH_BLOCKS * 4, fetch = ahead + 4 <= j1;
+        const char *next = fetch ? (const char *)(base + (size_t)ahead * row_bytes) : NULL;
+        const int lines = (int)(4 * row_bytes / 64);
+        for (int i = 0; i < p->m; i++) {
+            const struct limb_block *L = (const struct limb_block *)p->limbs + (size_t)i * blocks;
+            if (p->format == W_Q6K)
+                q6k_limb_tile(blocks, rows, L, dot, i ? NULL : next, lines);
+            else
+                q4k_limb_tile(blocks, rows, L, dot, i ? NULL : next, lines);
+            for (int r = 0; r < nj; r++) store(p, i, j + r, dot[r]);
+        }
+    }
+}
+#else
+int limb_split(int m, int k, const float *a, int lda, void *out) {
+    (void)m, (void)k, (void)a, (void)lda, (void)out;
+    return 0;
+}
+#endif
+
 /* --- block formats: the products ---------------------------------------------------------- */
 
 typedef void (*block_stream_fn)(int, const unsigned char *const *, const float *const *, float *,
@@ -1006,10 +1251,16 @@ int ggml_block(const struct product *p) {
 void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
-    if (p->m > STREAM_ROWS) {
+    if (p->m > STREAM_ROWS && !p->limbs) {
         block_columns(p, j0, j1, row_bytes, ggml_rows_fill, f);
         return;
     }
+#if LIMB_PRODUCTS
+    if (p->limbs) {
+        limb_columns(p, row_bytes, j0, j1);
+        return;
+    }
+#endif
     const unsigned char *base = p->w;
     float dot[2 * BLOCK_RW];
     for (int j = j0; j < j1; j += BLOCK_RW) {
