@@ -914,6 +914,19 @@ ALWAYS void q4k_scales4(const unsigned char *const *x, __m512 *sb) {
 }
 #endif
 
+/* sb[r] = q4k_scales of block b of rows[r], r < 4 (4 at once where there is AVX-512). */
+ALWAYS void q4k_scales_of(const unsigned char *const *rows, int b, float (*sb)[16]) {
+    const unsigned char *x[4];
+    for (int r = 0; r < 4; r++) x[r] = rows[r] + (size_t)b * Q4K_BYTES;
+#if QPATH == 512
+    __m512 v[4];
+    q4k_scales4(x, v);
+    for (int r = 0; r < 4; r++) _mm512_storeu_ps(sb[r], v[r]);
+#else
+    for (int r = 0; r < 4; r++) q4k_scales(x[r], sb[r]);
+#endif
+}
+
 /* The values of chunk c of a block (qs = its 32 bytes, sub-blocks' constants ga and gb), in
  * order of k: Q4K_CHUNK / QL vectors. */
 ALWAYS void q4k_chunk(const unsigned char *qs, const struct qgroup *ga, const struct qgroup *gb,
@@ -938,20 +951,35 @@ ALWAYS void q4k_chunk(const unsigned char *qs, const struct qgroup *ga, const st
 #endif
 }
 
+/* Block b's values of a row (its 144 bytes x, scales sb) into out[256], in order of k. */
+ALWAYS void q4k_block_values(const unsigned char *x, const float *sb, float *out) {
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const struct qgroup ga = group_of(4, sb + 2 * c, sb + 8 + 2 * c);
+        const struct qgroup gb = group_of(4, sb + 2 * c + 1, sb + 9 + 2 * c);
+        qv v[Q4K_CHUNK / QL];
+        q4k_chunk(x + 16 + 32 * c, &ga, &gb, v);
+        _Pragma("GCC unroll 8") for (int u = 0; u < Q4K_CHUNK / QL; u++)
+            qstore(out + Q4K_CHUNK * c + u * QL, v[u]);
+    }
+}
+
 /* Row `row` of Q4_K blocks (k weights) dequantized into out[k], in order of k. */
 static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
     float sb[16];
     for (int b = 0; b < k / Q4K_WEIGHTS; b++) {
         const unsigned char *x = row + (size_t)b * Q4K_BYTES;
         q4k_scales(x, sb);
-        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-            const struct qgroup ga = group_of(4, sb + 2 * c, sb + 8 + 2 * c);
-            const struct qgroup gb = group_of(4, sb + 2 * c + 1, sb + 9 + 2 * c);
-            qv v[Q4K_CHUNK / QL];
-            q4k_chunk(x + 16 + 32 * c, &ga, &gb, v);
-            _Pragma("GCC unroll 8") for (int u = 0; u < Q4K_CHUNK / QL; u++)
-                qstore(out + (size_t)b * Q4K_WEIGHTS + Q4K_CHUNK * c + u * QL, v[u]);
-        }
+        q4k_block_values(x, sb, out + (size_t)b * Q4K_WEIGHTS);
+    }
+}
+
+/* Rows rows[0..3] of Q4_K blocks dequantized into out + r * k, their scales 4 at a time. */
+static void q4k_dequantize_rows4(int k, const unsigned char *const *rows, float *out) {
+    float sb[4][16];
+    for (int b = 0; b < k / Q4K_WEIGHTS; b++) {
+        q4k_scales_of(rows, b, sb);
+        for (int r = 0; r < 4; r++)
+            q4k_block_values(rows[r] + (size_t)b * Q4K_BYTES, sb[r], out + (size_t)r * k + (size_t)b * Q4K_WEIGHTS);
     }
 }
 
@@ -961,6 +989,7 @@ static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
 ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *rows,
                             const float *const *a, float *dot, const char *ahead, int lines) {
     enum { RW = BLOCK_RW, V = Q4K_CHUNK / QL };
+    _Static_assert(RW == 4, "q4k_scales_of makes 4 rows' scales");
     float sb[RW][16];
     qv acc[2 * RW], zero = {0};
     QPIN(zero);
@@ -968,8 +997,7 @@ ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *row
     const int blocks = k / Q4K_WEIGHTS;
     for (int b = 0; b < blocks; b++) {
         fetch_share(ahead, lines, b, blocks);
-        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
-            q4k_scales(rows[r] + (size_t)b * Q4K_BYTES, sb[r]);
+        q4k_scales_of(rows, b, sb);
         for (int c = 0; c < 4; c++) {
             const int t = b * Q4K_WEIGHTS + c * Q4K_CHUNK;
             qv x[2][V];
@@ -1231,7 +1259,14 @@ static const struct block_format *block_format_of(int format) {
 static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
     const struct block_format *f = ctx;
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
-    for (int r = 0; r < nj; r++)
+    int r = 0;
+    if (p->format == W_Q4K) /* the scales of 4 rows at once */
+        for (; r + 4 <= nj; r += 4) {
+            const unsigned char *rows[4];
+            for (int i = 0; i < 4; i++) rows[i] = (const unsigned char *)p->w + (size_t)(j + r + i) * row_bytes;
+            q4k_dequantize_rows4(p->k, rows, w + (size_t)r * p->k);
+        }
+    for (; r < nj; r++)
         f->dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,
                           w + (size_t)r * p->k);
 }
