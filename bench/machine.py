@@ -135,7 +135,10 @@ def dispatch_level(flags: set[str] | None = None, library: object | None = None)
         else:
             level = "generic"
         source = "derived from the CPU's flags"
-    return f"{LEVELS.get(level, level)}; {symbol}() {version}, level {source}"
+    limbs = ""  # decode steps' Q4_K / Q6_K products by 8-bit limbs (docs/DESIGN.md §4.4)
+    if hasattr(library, "runner_limb_products"):
+        limbs = "; decode by limbs" if library.runner_limb_products() else "; decode in float32"
+    return f"{LEVELS.get(level, level)}; {symbol}() {version}, level {source}{limbs}"
 
 
 LLAMA_CPP_INFO = """

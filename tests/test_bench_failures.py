@@ -277,7 +277,8 @@ def test_exit_reasons_and_fault_hints():
 
 def test_the_header_has_the_dispatch_level_and_the_llama_cpp_build():
     """Beside the matmul rates: the runner's dispatch level (what its library says, or
-    derived from what it exports and the CPU's flags) and llama.cpp's system info."""
+    derived from what it exports and the CPU's flags), whether its decode steps take limbs,
+    and llama.cpp's system info."""
 
     class Older:  # exports its version and whether it reads half panels
         def runner_sgemm_dispatch_version(self) -> int:
@@ -306,6 +307,12 @@ def test_the_header_has_the_dispatch_level_and_the_llama_cpp_build():
         f"{LEVELS['avx2']}; runner_native_abi_version() 7, level runner_native_level()"
     )
     assert dispatch_level(avx512, object()).startswith("not loaded")
+
+    class Limbs(Newer):  # says whether decode steps take limbs (AVX512-VNNI)
+        def runner_limb_products(self) -> int:
+            return 1
+
+    assert dispatch_level(avx512, Limbs()).endswith("runner_native_level(); decode by limbs")
     info = {
         "cpu": "CPU",
         "cores": 2,
