@@ -298,6 +298,24 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, int, Any]:
+    """The level's march and functions (skipping where this CPU cannot run it), and
+    `ggml_type`'s quants kind, weight format and quantizer (tests/gguf_models.py)."""
+    from runner.sources.gguf import quants
+    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    kind, form, quantize = {
+        "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
+        "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
+    }[ggml_type]
+    return march, functions, kind, form, quantize
+
+
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
     """runner_weight_product on GGML Q6_K and Q4_K blocks as a GGUF stores them: exactly the
@@ -306,18 +324,8 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     tiles of more), and within 1e-4 of the float64 product of llama.cpp's values
     (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's)."""
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q6_k
 
-    kind, form, quantize = {
-        "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
-        "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
-    }[ggml_type]
-
-    march, library = level_library
-    if library is None:
-        pytest.skip(f"this CPU cannot run {march}")
-    functions = abi.load(library)
-    assert functions is not None
+    march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
     lanes = AFFINE_LANES[LEVELS[march][0]]
     rng = np.random.default_rng(6)
     n, k = 45, 512  # n not a whole number of blocks of rows
@@ -353,17 +361,8 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
     the same bits for any number of rows and each row alone; an A with an infinite value
     takes the float tiles (the limbs hold no infinity)."""
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q6_k
 
-    kind, form, quantize = {
-        "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
-        "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
-    }[ggml_type]
-    march, library = level_library
-    if library is None:
-        pytest.skip(f"this CPU cannot run {march}")
-    functions = abi.load(library)
-    assert functions is not None
+    _, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
     if not functions.limb_products:
         return  # its decode products are the float tiles' (the test above)
     rng = np.random.default_rng(8)

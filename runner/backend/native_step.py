@@ -706,9 +706,10 @@ class NativeStep:
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        """Forwards of one token a row, and the head, inside are decode steps: their GGML
-        block products take A's values as integer limbs where the library has them
-        (runner/native/quantized.c; `limb_products`)."""
+        """Forwards of one token a row inside are decode steps: their GGML block products
+        take A's values as integer limbs where the library has them (runner/native/
+        quantized.c; `limb_products`). The head keeps the float tiles: it streams at the
+        memory's rate either way."""
         outer, self._decoding = self._decoding, True
         try:
             yield

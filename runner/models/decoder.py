@@ -236,7 +236,7 @@ class DecoderModel:
 
     @contextlib.contextmanager
     def decode_steps(self) -> Iterator[None]:
-        """`DecodeSteps`: the native step's forwards and head inside are decode steps. MLX
+        """`DecodeSteps`: the native step's one-token forwards inside are decode steps. MLX
         thread only."""
         if self._native is None:
             yield

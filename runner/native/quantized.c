@@ -1040,11 +1040,12 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
  * sub-block's scale times a / 16384, one FMA; a Q4_K sub-block's bias multiplies the run's
  * float32 sum of x, and Q6_K's codes are read unsigned (q + 32), the 32 taken off with the
  * sub-block's float32 sum of x. So a decode product is the dequantized weights' product up to
- * ~1e-6 of sum |w x| (tests/test_native_limbs.py bounds it against float64), against float32
- * FMAs' ~1e-7, at 1.5-2x fewer instructions a weight than making each weight's float32 value
- * (bench/RESULTS.md, "Decode products by limbs"). Its bits are not the float tiles': a decode
- * step's hidden row is not bit for bit a forward's last row. Every row of A is computed
- * alone, in one order, so the same bits for any number of rows and any share of the columns.
+ * ~1e-6 of sum |w x| (tests/test_native_abi.py bounds each value against float64), against
+ * float32 FMAs' ~1e-7, 1.3-1.5x faster than making each weight's float32 value where the
+ * weights are in cache (bench/RESULTS.md, "Decode products by limbs"). Its bits are not the
+ * float tiles': a decode step's hidden row is not bit for bit a forward's last row. Every
+ * row of A is computed alone, in one order, so the same bits for any number of rows and any
+ * share of the columns.
  * Without AVX512-VNNI (AVX2 has no 8-bit dot product that beats float32 FMAs at three limbs)
  * limb_split declines and decode steps take the float tiles. */
 #if QPATH == 512 && defined(__AVX512VNNI__)
