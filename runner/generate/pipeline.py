@@ -168,10 +168,9 @@ class Generator:
             with steps():
                 hidden = session.decode(token)
                 logits = host.host_logits(hidden) if host is not None else None
-                if logits is None:
-                    unembedded = self.model.unembed(hidden)[0]
-            if logits is not None:
-                return Draw(int(np.argmax(logits[0])))
+                if logits is not None:
+                    return Draw(int(np.argmax(logits[0])))
+                unembedded = model.unembed(hidden)[0]
             draw = sampler.sample(unembedded)
             mx.async_eval(*draw.arrays())
             return draw

@@ -1287,16 +1287,16 @@ int ggml_block(const struct product *p) {
 void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
-    if (p->m > STREAM_ROWS && !p->limbs) {
-        block_columns(p, j0, j1, row_bytes, ggml_rows_fill, f);
-        return;
-    }
 #if LIMB_PRODUCTS
-    if (p->limbs) {
+    if (p->limbs) { /* a decode step's rows, any number of them */
         limb_columns(p, row_bytes, j0, j1);
         return;
     }
 #endif
+    if (p->m > STREAM_ROWS) {
+        block_columns(p, j0, j1, row_bytes, ggml_rows_fill, f);
+        return;
+    }
     const unsigned char *base = p->w;
     float dot[2 * BLOCK_RW];
     for (int j = j0; j < j1; j += BLOCK_RW) {
