@@ -51,6 +51,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
          * the weights at least as fast as OpenBLAS's sgemv (measured here: 10-16 against
          * 9-13 GB/s, both cores). */
         const int incx = ta == NO_TRANS ? 1 : lda;
+        pool_rest();
         if (tb == TRANS) /* b is stored [n, k] */
             next_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
         else /* b is stored [k, n] */
@@ -63,6 +64,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         small_product(&p);
         return;
     }
+    pool_rest();
     next_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 

@@ -170,10 +170,12 @@ enum { PANEL = 16, PANEL_ROWS = 6, ONE_ROW_PANELS = 4 };
 sgemm_fn blas_sgemm(void);
 
 /* pool.c: fn(arg, i, n) for every i in [0, n), n the pool's threads, the caller taking i = 0;
- * one job on the pool at a time. pool_threads: their number, the caller included. */
+ * one job on the pool at a time. pool_threads: their number, the caller included. pool_rest:
+ * idle workers stop spinning (called before the BLAS, which has threads of its own). */
 typedef void (*task_fn)(const void *arg, int index, int count);
 void parallel(task_fn fn, const void *arg);
 int pool_threads(void);
+void pool_rest(void);
 
 /* tiles.c: columns [j0, j1) of a product (W_F32 here, the half formats from panels.c); the
  * dot-product tiles, which attention.c uses too. */

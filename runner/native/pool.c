@@ -1,14 +1,36 @@
 /*
  * A small thread pool: the calling thread takes the first share of a job, the workers the
  * others; workers spin a while for the next job, then sleep. One job at a time.
+ *
+ * Why spin SPIN_NS (0.3 ms): a sleeping worker's wake-up through the condition variable took
+ * 16-64 us on the 2-core VM, while a decode step leaves gaps of 5-25 us between its jobs (the
+ * serial norms, limb splits and merges between a layer's products and attention). Spinning
+ * 20,000 loads (~10 us) slept through ~29 of those gaps a Qwen3-0.6B token, each a late
+ * share the caller waited for; 0.3 ms left ~3 a token (the Python between tokens), and the
+ * token 0.6-0.8 ms faster (bench/RESULTS.md, "The pool's spin"). Past 20 us a spinning
+ * worker yields its core between checks of the clock, so a thread of the runner's own (the
+ * HTTP server's, MLX's) that wants it gets it (the same speed as spinning throughout,
+ * measured); an idle runner's workers sleep after 0.3 ms, and at once when the BLAS is
+ * called (pool_rest): its own threads then need the cores.
  */
 #include "internal.h"
 
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
-enum { SPINS = 20000 };
+enum {
+    SPIN_NS = 300000,       /* then sleep */
+    YIELD_AFTER_NS = 20000, /* then yield the core between checks of the clock */
+    SPIN_CHECK = 1024,      /* loads between checks of the clock */
+};
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 /* --- a small pool: the calling thread takes the first share, workers the others --------- */
 
@@ -18,6 +40,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static atomic_uint generation;
 static atomic_int pending, sleeping;
+static atomic_int resting; /* pool_rest: spinning workers sleep now */
 
 /* The job on the pool: task(task_arg, index, threads) runs once for every index. */
 static task_fn task;
@@ -27,9 +50,16 @@ static void *worker(void *arg) {
     const int index = (int)(size_t)arg;
     unsigned seen = 0;
     for (;;) {
-        int spins = 0;
+        unsigned spins = 0;
+        long long since = 0;
         while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
-            if (++spins < SPINS) continue;
+            if (++spins % SPIN_CHECK) continue;
+            const long long now = now_ns();
+            if (!since) since = now;
+            if (now - since < SPIN_NS && !atomic_load_explicit(&resting, memory_order_relaxed)) {
+                if (now - since >= YIELD_AFTER_NS) sched_yield();
+                continue;
+            }
             pthread_mutex_lock(&lock);
             atomic_fetch_add(&sleeping, 1);
             while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &lock);
@@ -79,6 +109,7 @@ void parallel(task_fn fn, const void *arg) {
     }
     task = fn;
     task_arg = arg;
+    atomic_store_explicit(&resting, 0, memory_order_relaxed);
     atomic_store(&pending, threads - 1);
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     if (atomic_load(&sleeping) > 0) {
@@ -90,6 +121,10 @@ void parallel(task_fn fn, const void *arg) {
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) sched_yield();
     pthread_mutex_unlock(&callers);
 }
+
+/* Spinning workers sleep at once (before a call into the BLAS, whose threads would share the
+ * cores with them); the next job wakes them. */
+void pool_rest(void) { atomic_store_explicit(&resting, 1, memory_order_relaxed); }
 
 /* The pool's threads, including the caller (starting the pool if it has not started). */
 int pool_threads(void) {

@@ -86,6 +86,7 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
              float *c, int ldc, float *reordered, const void *limbs) {
     if (to_blas(m, w)) {
         const float *f32 = w->format == W_F32 ? w->data : w->f32;
+        pool_rest();
         blas_sgemm()(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, f32, k, 0.0f, c, ldc);
         return;
     }
