@@ -89,6 +89,9 @@ class Affine:
         self.values = np.array(
             mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group, bits)
         )
+        # each weight's bias, and its scale times its code (the values less the biases)
+        self.biases = np.repeat(np.array(b.astype(mx.float32)), group, axis=-1)
+        self.scaled_codes = self.values - self.biases
         self.arrays = [
             np.asarray(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x) for x in (q, s, b)
         ]
@@ -99,9 +102,9 @@ class Affine:
             biases=self.arrays[2].ctypes.data,
         )  # fmt: skip
 
-    def times(self, functions: abi.Functions, a: np.ndarray) -> np.ndarray:
-        """a W^T through runner_weight_product."""
-        return weight_times(functions, self.weight, self.shape, a)
+    def times(self, functions: abi.Functions, a: np.ndarray, decode: bool = False) -> np.ndarray:
+        """a W^T through runner_weight_product (`decode`: as a decode step's rows)."""
+        return weight_times(functions, self.weight, self.shape, a, decode)
 
 
 def weight_times(
@@ -112,8 +115,8 @@ def weight_times(
     decode: bool = False,
 ) -> np.ndarray:
     """a W^T through runner_weight_product, W [n, k] = `shape` as the struct step_weight
-    `weight` holds it; `decode`: as a decode step's rows (GGML blocks by limbs where the
-    library has them)."""
+    `weight` holds it; `decode`: as a decode step's rows (GGML blocks and 5-bit codes by
+    limbs where the library has them)."""
     c = np.full((a.shape[0], shape[0]), np.nan, np.float32)
     a = np.ascontiguousarray(a, dtype=np.float32)
     code = functions.weight_product(

@@ -28,6 +28,7 @@ from runner.sources.loader import load_local_dir
 from runner.sources.source import ModelLoadError
 from tests.gguf_models import (
     GGUF_ARCHITECTURES,
+    T,
     checkpoint_of,
     float32,
     fuse_qkv,
@@ -51,7 +52,7 @@ def logits(model, tokens=SEQUENCE) -> np.ndarray:
 @pytest.mark.parametrize("rule", [float32, mixed], ids=["f32", "mixed"])
 def test_a_gguf_computes_what_its_stored_values_compute(tmp_path: Path, arch: str, rule) -> None:
     checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
     source = load_gguf(path)
     if rule is mixed:
         assert source.quantization  # kept quantized (repacked), not dequantized
@@ -147,14 +148,26 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bo
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
-def test_decode_steps_of_k_quant_blocks_are_within_float32_grade(tmp_path: Path) -> None:
+def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """Q5_0 for the layers' matrices (the runner maps them onto MLX's 5-bit affine codes, as
+    most of the default model's "Q4_K_M" file), `mixed` elsewhere."""
+    if name.startswith("blk.") and len(shape) == 2 and shape[-1] % 32 == 0:
+        return T.Q5_0
+    return mixed(name, shape, arch)
+
+
+@pytest.mark.parametrize("rule", [k_mixed, five_bits], ids=["k_quants", "q5_0"])
+def test_decode_steps_of_quantized_files_are_within_float32_grade(
+    tmp_path: Path, rule: Any
+) -> None:
     """A Q4_K_M-like file's decode steps (what the generation pipeline computes inside the
-    model's `decode_steps`, runner/models/base.py): each step's logits are the float64
-    forward's of the blocks' values within 1e-4, as a forward's are; where the library has
-    limb products (AVX512-VNNI) the step's products take them (its hidden row within 1e-5 of
-    a forward's, not its bits), elsewhere the float tiles (a forward's bits). Only one token
-    a row inside `decode_steps` is a decode step: prompts, and forwards outside it, are not.
-    Generation enters it for every decode step and for nothing else."""
+    model's `decode_steps`, runner/models/base.py), and a Q5_0 file's: each step's logits are
+    the float64 forward's of the blocks' values within 1e-4, as a forward's are; where the
+    library has limb products for them (K-quants: AVX512-VNNI; 5-bit codes: and VBMI) the
+    step's products take them (its hidden row within 1e-5 of a forward's, not its bits),
+    elsewhere the float tiles (a forward's bits). Only one token a row inside `decode_steps`
+    is a decode step: prompts, and forwards outside it, are not. Generation enters it for
+    every decode step and for nothing else."""
     from runner.engine import Job
     from runner.generate.pipeline import GenerateOptions, Generator, Stats
     from runner.generate.sampling import SamplerOptions
@@ -163,7 +176,7 @@ def test_decode_steps_of_k_quant_blocks_are_within_float32_grade(tmp_path: Path)
 
     config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
     checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
     weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
     w64 = {k: v.astype(np.float64) for k, v in weights.items()}
     source = load_gguf(path)
@@ -193,7 +206,7 @@ def test_decode_steps_of_k_quant_blocks_are_within_float32_grade(tmp_path: Path)
         step, forward = np.array(hidden[0, -1]), np.array(whole)
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, forward))
-    assert any(differ) == native.limb_products
+    assert any(differ) == (native.limb_products if rule is k_mixed else native.affine_limbs)
     steps = len(SEQUENCE) - prompt
     decode_flags = [d for t, d in flags if t == 1]
     assert [d for t, d in flags if t > 1] == [0] * (steps + 1)  # the prompt and the forwards

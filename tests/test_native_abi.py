@@ -64,10 +64,11 @@ def compile_with(tmp: Path, flags: list[str], edit: dict[str, tuple[str, str]] |
 
 
 def native_flags(march: str = "native") -> list[str]:
-    """The library's flags for `march` (a level with `+vnni`: that level and -mavx512vnni)."""
-    arch, _, extra = march.partition("+")
+    """The library's flags for `march` (a level with `+vnni`: that level and -mavx512vnni;
+    `+vnni+vbmi`: -mavx512vbmi too)."""
+    arch, *extras = march.split("+")
     flags = [f"-march={arch}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
-    return flags + [f"-mavx512{extra}"] * bool(extra)
+    return flags + [f"-mavx512{extra}" for extra in extras]
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -168,10 +169,15 @@ LEVELS = {
     "x86-64-v2": ("sse", {"sse4_2", "popcnt", "ssse3"}),
     "x86-64-v3": ("avx2", {"avx2", "fma", "f16c", "bmi2", "movbe"}),
     "x86-64-v4": ("avx512", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
-    # with VNNI (Zen 4, Ice Lake and later): decode steps' GGML block products by limbs
+    # with VNNI (Cascade Lake and later): decode steps' GGML block products by limbs
     "x86-64-v4+vnni": (
         "avx512",
         {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+    ),
+    # and VBMI (Zen 4, Ice Lake and later): their 5-bit affine products by limbs too
+    "x86-64-v4+vnni+vbmi": (
+        "avx512",
+        {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi"},
     ),
 }
 
@@ -206,7 +212,8 @@ def test_every_level_builds_with_its_path(level_library) -> None:
     functions = abi.load(library)
     assert functions is not None
     assert functions.half_weights == (LEVELS[march][0] in ("avx2", "avx512"))
-    assert functions.limb_products == march.endswith("+vnni")
+    assert functions.limb_products == ("+vnni" in march)
+    assert functions.affine_limbs == march.endswith("+vbmi")
 
 
 @pytest.mark.parametrize("m", [1, 3, 15, 40])
@@ -296,6 +303,8 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
             np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
         want = a.astype(np.float64) @ w.values.astype(np.float64).T
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+        if bits != 5 or not functions.affine_limbs:  # decode rows take the float tiles
+            np.testing.assert_array_equal(w.times(functions, a, decode=True), c)
 
 
 def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, int, Any]:
@@ -396,6 +405,60 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
     infinite = a.copy()
     infinite[5, 100] = np.inf
     np.testing.assert_array_equal(times(infinite), times(infinite, decode=False))
+
+
+@pytest.mark.parametrize(("group", "k"), [(32, 640), (64, 640), (128, 640), (64, 1024)])
+def test_decode_products_of_5_bit_codes_by_limbs_are_within_their_bound(
+    level_library, group: int, k: int
+) -> None:
+    """A decode step's products of MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto
+    them) on a build with their limbs (AVX512-VNNI and VBMI): x (s q + b) as the limbs'
+    integer sums times s, plus b times each run's sum of x; every value within the limbs'
+    bound of the float64 product of mx.dequantize's values (k = 640: a last block of 4 runs),
+    in every scale format; not the float tiles' bits; the same bits for any number of rows
+    and each row alone; an infinite value, or rows of k not whole pairs of runs, take the
+    float tiles."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    if not functions.affine_limbs:
+        return  # decode takes the float tiles (test_every_level_computes_affine_products)
+    rng = np.random.default_rng(group + k)
+    n = 45
+    a = rng.normal(size=(9, k)).astype(np.float32)
+    a[1, k // 3] = 40.0  # an outlier: its run's step is coarse, the others' are not
+    a[2, 32:64] = 0.0  # a run of zeros
+    a[3] *= np.float32(1e-30)  # tiny values
+    a[4, ::7] *= -1000.0  # runs of very different sizes in one row
+    x = a.astype(np.float64)
+    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)
+    step = runs / 127 / 16384  # the last limb's step
+
+    def times(w: Affine, rows: np.ndarray, decode: bool = True) -> np.ndarray:
+        return w.times(functions, rows, decode)
+
+    for scales in SCALE_DTYPES:
+        w = Affine(rng.normal(size=(n, k)).astype(np.float32), 5, group, scales)
+        values = w.values.astype(np.float64)
+        got, tiles = times(w, a), times(w, a, decode=False)
+        want = x @ values.T
+        terms = np.abs(w.scaled_codes) + np.abs(w.biases)  # |s q| + |b| of each weight
+        bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ terms.T)
+        assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+        eight_bits = (runs / 254) @ np.abs(values).T  # llama.cpp's rounding of the activations
+        assert np.abs(got - want).max() < 1e-3 * eight_bits.max()
+        assert not np.array_equal(got, tiles)  # the limbs, not the float tiles
+        for m in (1, 2, 5):
+            np.testing.assert_array_equal(times(w, a[:m]), got[:m])
+        for i in range(len(a)):
+            np.testing.assert_array_equal(times(w, a[i : i + 1]), got[i : i + 1])
+    infinite = a.copy()
+    infinite[5, 100] = np.inf
+    np.testing.assert_array_equal(times(w, infinite), times(w, infinite, decode=False))
+    odd = Affine(rng.normal(size=(n, k - 32)).astype(np.float32), 5, 32)  # k % 64 == 32
+    np.testing.assert_array_equal(times(odd, a[:, 32:]), times(odd, a[:, 32:], decode=False))
 
 
 # (checkpoint dtype, quantization): float32, bfloat16 (half copies where the level has them),

@@ -490,6 +490,7 @@ class NativeStep:
         self._step, self._scratch = functions.step, functions.scratch
         self._weight_product = functions.weight_product
         self._limb_products = functions.limb_products
+        self._affine_limbs = functions.affine_limbs
         self.max_tokens = max_tokens
         inner = module.model
         embed = inner.embed_tokens
@@ -707,9 +708,9 @@ class NativeStep:
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
         """Forwards of one token a row inside are decode steps: their GGML block products
-        take A's values as integer limbs where the library has them (runner/native/
-        quantized.c; `limb_products`). The head keeps the float tiles: it streams at the
-        memory's rate either way."""
+        and 5-bit affine ones take A's values as integer limbs where the library has them
+        (runner/native/quantized.c; `limb_products`, `affine_limbs`). The head keeps the float
+        tiles: it streams at the memory's rate either way."""
         outer, self._decoding = self._decoding, True
         try:
             yield
@@ -718,8 +719,13 @@ class NativeStep:
 
     @property
     def limb_products(self) -> bool:
-        """Whether this library's decode steps take limbs (AVX512-VNNI)."""
+        """Whether this library's decode steps take limbs for GGML blocks (AVX512-VNNI)."""
         return self._limb_products
+
+    @property
+    def affine_limbs(self) -> bool:
+        """Whether they take limbs for 5-bit affine codes too (AVX512-VNNI and VBMI)."""
+        return self._affine_limbs
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:
         """The final hidden states [B, T, H] of `tokens` [B, T] after the caches, appending

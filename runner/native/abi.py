@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 15  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 16  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -119,6 +119,7 @@ class Functions:
     scratch: Any  # runner_step_scratch_floats
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
     limb_products: bool  # whether decode steps' GGML block products take limbs (AVX512-VNNI)
+    affine_limbs: bool  # whether their 5-bit affine products do too (VNNI and VBMI)
     narrow_panels: Any
     panel_halves: Any
     weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c, decode)
@@ -231,7 +232,8 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
         step,
         scratch,
         bool(half()),
-        bool(limbs()),
+        bool(limbs() & 1),
+        bool(limbs() & 2),
         narrow_panels,
         panel_halves,
         weight_product,

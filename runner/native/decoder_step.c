@@ -164,13 +164,15 @@ static long decode_limb_floats(const struct step_args *a) {
     return a->decode ? limb_floats(a->batch * a->tokens, (int)widest_rows(a)) + 16 : 0;
 }
 
-/* Whether any product weight of the layers is in a GGML block format (limbs read those). */
-static int ggml_weights(const struct step_args *a) {
+/* Whether any product of the layers reads limbs in this build (limbs_read). */
+static int limb_weights(const struct step_args *a) {
+    const int H = a->hidden, I = a->intermediate, qd = a->heads * a->head_dim;
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];
         const struct step_weight *ws[7] = {&w->q, &w->k, &w->v, &w->o, &w->gate, &w->up, &w->down};
+        const int ks[7] = {H, H, H, qd, H, H, I};
         for (int i = 0; i < 7; i++)
-            if (ws[i]->format == W_Q4K || ws[i]->format == W_Q6K) return 1;
+            if (limbs_read(ws[i], ks[i])) return 1;
     }
     return 0;
 }
@@ -216,8 +218,8 @@ int runner_decoder_step(const struct step_args *a) {
     float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I;
     float *reordered = up + (size_t)T * I, *limbs = reordered + (size_t)T * widest_rows(a);
     float *scores = limbs + decode_limb_floats(a);
-    /* limb_split's blocks at a 64-byte boundary, where a decode step has GGML blocks to read */
-    float *limb_area = a->decode && ggml_weights(a) ? (float *)(((size_t)limbs + 63) & ~(size_t)63) : NULL;
+    /* limb_split's blocks at a 64-byte boundary, where a decode step has products that read them */
+    float *limb_area = a->decode && limb_weights(a) ? (float *)(((size_t)limbs + 63) & ~(size_t)63) : NULL;
     float *x = a->x;
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];

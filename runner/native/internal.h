@@ -95,7 +95,8 @@ struct product {
     int format;
     int bits, group, scale_format; /* W_AFFINE (struct step_weight) */
     const void *scales, *biases;
-    /* NULL, or A's rows as limbs (limb_split): W_Q4K / W_Q6K products of a decode step */
+    /* NULL, or A's rows as limbs (limb_split): a decode step's products (W_Q4K, W_Q6K and
+     * 5-bit W_AFFINE read them where the build has their tiles: limbs_read) */
     const void *limbs;
 };
 
@@ -205,9 +206,10 @@ int ggml_block(const struct product *p);
 int ggml_supported(const struct step_weight *w, int n, int k);
 /* quantized.c: A's rows as a decode step's limbs (into `out`, limb_floats(m, k) floats),
  * returning 1; 0 where this build has no limb products or A cannot be split (then `out` is
- * not to be read). */
+ * not to be read). limbs_read: whether products of w [., k] read limbs in this build. */
 int limb_split(int m, int k, const float *a, int lda, void *out);
 long limb_floats(int m, int k);
+int limbs_read(const struct step_weight *w, int k);
 
 /* products.c */
 int column_block(const struct product *p);
@@ -219,7 +221,7 @@ struct product tiles_product(int m, int n, int k, const float *a, int lda,
 int to_blas(int m, const struct step_weight *w);
 float *rows_for(const struct step_weight *w, int m, int k, const float *a, int lda,
                 float *reordered);
-/* `limbs`: NULL, or A's rows as limb_split made them (read by W_Q4K / W_Q6K products) */
+/* `limbs`: NULL, or A's rows as limb_split made them (read where limbs_read says) */
 void product(int m, int n, int k, const float *a, int lda, const struct step_weight *w,
              float *c, int ldc, float *reordered, const void *limbs);
 void products_of(int m, int k, const float *a, int n_products, const int *n,

@@ -139,7 +139,8 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 
 
 /* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K);
- * `decode`: A's rows are a decode step's (GGML blocks take limbs where the build has them). */
+ * `decode`: A's rows are a decode step's (GGML blocks and 5-bit codes take limbs where the
+ * build has them: limbs_read). */
 int runner_weight_product(int m, int n, int k, const float *a, const struct step_weight *w,
                           float *c, int decode) {
     if (m < 1 || n < 1 || k < 1 || !w || !runner_weight_supported(w, n, k)) return -1;
@@ -148,7 +149,7 @@ int runner_weight_product(int m, int n, int k, const float *a, const struct step
         reordered = malloc(sizeof(float) * (size_t)m * k);
         if (!reordered) return -1;
     }
-    if (decode && (w->format == W_Q4K || w->format == W_Q6K) && limb_floats(m, k)) {
+    if (decode && limbs_read(w, k) && limb_floats(m, k)) {
         limbs = aligned_alloc(64, (sizeof(float) * (size_t)limb_floats(m, k) + 63) / 64 * 64);
         if (limbs && !limb_split(m, k, a, k, limbs)) {
             free(limbs);

@@ -701,8 +701,43 @@ static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p
 static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
 static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
 
+/* Decode products by limbs (below): W_Q4K and W_Q6K blocks with AVX512-VNNI; MLX's 5-bit
+ * affine codes (GGUF's Q5_0 and Q5_1 map onto them) with AVX512-VBMI too, whose
+ * vpmultishiftqb spreads 5-bit codes into bytes. */
+#if QPATH == 512 && defined(__AVX512VNNI__)
+#define LIMB_PRODUCTS 1
+#else
+#define LIMB_PRODUCTS 0
+#endif
+#if LIMB_PRODUCTS && defined(__AVX512VBMI__)
+#define AFFINE_LIMBS 1
+#else
+#define AFFINE_LIMBS 0
+#endif
+
+/* Whether a W_AFFINE product of A [., k] by limbs can read these codes: 5 bits in groups of
+ * 32, 64 or 128 (whole groups in a block of 256 of A's values), two runs of 32 a step. */
+static int affine_limbs_read(int bits, int group, int k) {
+    return AFFINE_LIMBS && bits == 5 && (group == 32 || group == 64 || group == 128) && k % 64 == 0;
+}
+
+#if AFFINE_LIMBS
+static void affine5_limb_columns(const struct product *p, int j0, int j1);
+#endif
+
 void affine_columns(const struct product *p, int j0, int j1) {
+#if AFFINE_LIMBS
+    if (p->limbs && affine_limbs_read(p->bits, p->group, p->k)) { /* a decode step's rows */
+        affine5_limb_columns(p, j0, j1);
+        return;
+    }
+#endif
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
+}
+
+int limbs_read(const struct step_weight *w, int k) {
+    if (w->format == W_Q4K || w->format == W_Q6K) return LIMB_PRODUCTS;
+    return w->format == W_AFFINE && affine_limbs_read(w->bits, w->group, k);
 }
 
 /* --- GGML's Q6_K blocks (W_Q6K) ----------------------------------------------------------- */
@@ -1025,7 +1060,7 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
     q4k_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- decode products by limbs (W_Q4K, W_Q6K with AVX512-VNNI) ------------------------------ */
+/* --- decode products by limbs (W_Q4K, W_Q6K with AVX512-VNNI; 5-bit W_AFFINE with VBMI) ---- */
 
 /* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
  * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
@@ -1046,13 +1081,13 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
  * float tiles': a decode step's hidden row is not bit for bit a forward's last row. Every
  * row of A is computed alone, in one order, so the same bits for any number of rows and any
  * share of the columns.
+ * MLX's 5-bit affine codes (x (s q + b) over a group: the same S per lane, times s a / 16384,
+ * plus b times the run's sum of x) take limbs too: their float tiles make ~17 G values/s, half
+ * the rate memory delivers them at (the default model's "Q4_K_M" file is 74% Q5_0), where the
+ * 4- and 8-bit ones already keep up (bench/RESULTS.md, "5-bit codes by limbs").
  * Without AVX512-VNNI (AVX2 has no 8-bit dot product that beats float32 FMAs at three limbs)
- * limb_split declines and decode steps take the float tiles. */
-#if QPATH == 512 && defined(__AVX512VNNI__)
-#define LIMB_PRODUCTS 1
-#else
-#define LIMB_PRODUCTS 0
-#endif
+ * limb_split declines and decode steps take the float tiles. A's rows need whole runs of 32
+ * (k % 32); a last block of fewer than 8 runs is zero past them. */
 
 /* A's limbs for 256 of a row's values (limb_split). */
 struct limb_block {
@@ -1063,10 +1098,11 @@ struct limb_block {
     float q6k_s[16]; /* each 16 values' sum of x */
 };
 
-int runner_limb_products(void) { return LIMB_PRODUCTS; }
+int runner_limb_products(void) { return LIMB_PRODUCTS | AFFINE_LIMBS << 1; }
 
 long limb_floats(int m, int k) {
-    return LIMB_PRODUCTS ? (long)m * (k / 256) * (long)(sizeof(struct limb_block) / sizeof(float)) : 0;
+    if (!LIMB_PRODUCTS || k % 32) return 0;
+    return (long)m * ((k + 255) / 256) * (long)(sizeof(struct limb_block) / sizeof(float));
 }
 
 #if LIMB_PRODUCTS
@@ -1081,14 +1117,17 @@ ALWAYS void limb_store(signed char *to, __m512 limb) {
 }
 
 int limb_split(int m, int k, const float *a, int lda, void *out) {
-    if (k % 256) return 0;
+    if (k % 32) return 0;
     struct limb_block *blocks = out;
+    const int nb = (k + 255) / 256;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int i = 0; i < m; i++)
-        for (int b = 0; b < k / 256; b++) {
-            struct limb_block *L = blocks + (size_t)i * (k / 256) + b;
+        for (int b = 0; b < nb; b++) {
+            struct limb_block *L = blocks + (size_t)i * nb + b;
             const float *x = a + (size_t)i * lda + (size_t)b * 256;
-            for (int j = 0; j < 8; j++) {
+            const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
+            if (runs < 8) memset(L, 0, sizeof(*L));
+            for (int j = 0; j < runs; j++) {
                 const __m512 v[2] = {_mm512_loadu_ps(x + 32 * j), _mm512_loadu_ps(x + 32 * j + 16)};
                 const float top = _mm512_reduce_max_ps(
                     _mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
@@ -1230,6 +1269,96 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
         }
     }
 }
+
+#if AFFINE_LIMBS
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in 5-bit affine codes, the
+ * rows' scales and biases as float32 (scale[r], bias[r]: group G), two runs of 32 a step.
+ * A step's 40 bytes of codes hold 8 codes in each 5 bytes: vpermb puts each 5 in a qword and
+ * vpmultishiftqb takes code i from bit 5i of it, one code a byte, in order of k. */
+ALWAYS void affine5_limb_tile(int k, int G, const unsigned char *const *rows,
+                              const float *const *scale, const float *const *bias,
+                              const struct limb_block *L, float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    static const char spread[64] __attribute__((aligned(64))) = {
+        0,  1,  2,  3,  4,  4,  4,  4,  5,  6,  7,  8,  9,  9,  9,  9,
+        10, 11, 12, 13, 14, 14, 14, 14, 15, 16, 17, 18, 19, 19, 19, 19,
+        20, 21, 22, 23, 24, 24, 24, 24, 25, 26, 27, 28, 29, 29, 29, 29,
+        30, 31, 32, 33, 34, 34, 34, 34, 35, 36, 37, 38, 39, 39, 39, 39};
+    const __m512i bytes = _mm512_load_si512((const void *)spread);
+    const __m512i fields = _mm512_set1_epi64(0x231E19140F0A0500LL); /* bits 0, 5, .., 35 */
+    const __m512i low5 = _mm512_set1_epi8(31);
+    /* a run's group in a block of 256 values, for G = 32, 64, 128 */
+    const __m256i run_group = G == 32 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                              : G == 64 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                        : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m512 acc[RW];
+    __m256 rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = _mm512_setzero_ps(), rest[r] = _mm256_setzero_ps();
+    const int blocks = (k + 255) / 256;
+    for (int b = 0; b < blocks; b++, L++) {
+        const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
+        const __mmask8 in = (__mmask8)((1u << ((runs * 32 + G - 1) / G)) - 1);
+        const __m256 units = _mm256_loadu_ps(L->q4k), sums = _mm256_loadu_ps(L->q4k + 8);
+        __m512 f[RW]; /* lanes 0-7: each run's scale times a / 16384 */
+        for (int r = 0; r < RW; r++) {
+            const size_t g0 = (size_t)b * (256 / G);
+            const __m256 s = _mm256_permutexvar_ps(run_group, _mm256_maskz_loadu_ps(in, scale[r] + g0));
+            const __m256 c = _mm256_permutexvar_ps(run_group, _mm256_maskz_loadu_ps(in, bias[r] + g0));
+            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(s, units));
+            rest[r] = _mm256_fmadd_ps(c, sums, rest[r]);
+        }
+        for (int j = 0; j < runs; j += 2) {
+            const int t = 256 * b + 32 * j;
+            fetch_share(ahead, lines, t / 64, k / 64);
+            const __m512i at = _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1,
+                                                 j + 1, j + 1, j + 1);
+            _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+                const __m512i raw = _mm512_maskz_loadu_epi8(0xffffffffffULL, rows[r] + (size_t)t * 5 / 8);
+                const __m512i codes =
+                    _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, _mm512_permutexvar_epi8(bytes, raw)), low5);
+                const __m512i s = limb_dot(codes, L->l[0] + 32 * j);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(rest[r]), _mm256_extractf128_ps(rest[r], 1));
+        dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(h, h), _mm_hadd_ps(h, h)));
+    }
+}
+
+/* Columns [j0, j1) of C from p's limbs and 5-bit affine codes: 4 rows of W at a time against
+ * each row of A, the rows PREFETCH_BLOCKS groups ahead fetched over the first row's steps. */
+static void affine5_limb_columns(const struct product *p, int j0, int j1) {
+    const int k = p->k, G = p->group, groups = k / G, blocks = (k + 255) / 256;
+    const size_t row_bytes = (size_t)k * 5 / 8;
+    const unsigned char *base = p->w;
+    float *widened = thread_buffer(1, (size_t)8 * groups);
+    float dot[4];
+    for (int j = j0; j < j1; j += 4) {
+        const int nj = j1 - j < 4 ? j1 - j : 4;
+        const float *s0 = float_scales(p->scales, p->scale_format, (size_t)j * groups, nj * groups, widened);
+        const float *b0 = float_scales(p->biases, p->scale_format, (size_t)j * groups, nj * groups,
+                                       widened + (size_t)4 * groups);
+        const unsigned char *rows[4];
+        const float *scale[4], *bias[4];
+        for (int r = 0; r < 4; r++) {
+            const int row = r < nj ? r : 0;
+            rows[r] = base + (size_t)(j + row) * row_bytes;
+            scale[r] = s0 + (size_t)row * groups;
+            bias[r] = b0 + (size_t)row * groups;
+        }
+        const int ahead = j + PREFETCH_BLOCKS * 4, fetch = ahead + 4 <= j1;
+        const char *next = fetch ? (const char *)(base + (size_t)ahead * row_bytes) : NULL;
+        const int lines = (int)(4 * row_bytes / 64);
+        for (int i = 0; i < p->m; i++) {
+            const struct limb_block *L = (const struct limb_block *)p->limbs + (size_t)i * blocks;
+            affine5_limb_tile(k, G, rows, scale, bias, L, dot, i ? NULL : next, lines);
+            for (int r = 0; r < nj; r++) store(p, i, j + r, dot[r]);
+        }
+    }
+}
+#endif
 #else
 int limb_split(int m, int k, const float *a, int lda, void *out) {
     (void)m, (void)k, (void)a, (void)lda, (void)out;

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 15
+#define RUNNER_NATIVE_ABI_VERSION 16
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -102,9 +102,10 @@ struct step_args {
     float *x;                       /* [batch, tokens, hidden]: embeddings in, final hidden out */
     float *new_keys, *new_values;   /* [layers, batch, kv_heads, tokens, head_dim] out */
     float *scratch;                 /* runner_step_scratch_floats() floats */
-    /* 1: a decode step (each row a sequence's next token): its W_Q4K / W_Q6K products take
-     * A's values as integer limbs where the build has them (quantized.c: within ~1e-6 of
-     * sum |w x|, not the float tiles' bits); 0: every product in float32 */
+    /* 1: a decode step (each row a sequence's next token): its W_Q4K / W_Q6K products, and
+     * its 5-bit W_AFFINE ones, take A's values as integer limbs where the build has them
+     * (runner_limb_products; quantized.c: within ~1e-6 of sum |w x|, not the float tiles'
+     * bits); 0: every product in float32 */
     int decode;
 };
 
@@ -121,8 +122,9 @@ RUNNER_API int runner_native_field(const char *type, int index, const char **nam
  * "generic" (128-bit vectors, no half panels). */
 RUNNER_API const char *runner_native_level(void);
 
-/* Whether decode steps' W_Q4K / W_Q6K products take limbs here (quantized.c): 1 with
- * AVX512-VNNI, else 0 (they take the float tiles, the same bits as any other product). */
+/* Which decode steps' products take limbs here (quantized.c), as flags: 1, W_Q4K and W_Q6K
+ * (AVX512-VNNI); 2, 5-bit W_AFFINE codes in groups of 32, 64 or 128 (VNNI and VBMI); 0:
+ * none (they take the float tiles, the same bits as any other product). */
 RUNNER_API int runner_limb_products(void);
 /* Which half formats products can read here: 1 when they can (AVX2 + F16C), else 0. */
 RUNNER_API int runner_half_weights(void);
@@ -134,7 +136,7 @@ RUNNER_API int runner_narrow_panels(const float *src, int n, int k, unsigned sho
                                     int format);
 /* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K); 0, or -1
  * for arguments it cannot take (runner_weight_supported). `decode`: A's rows are a decode
- * step's (step_args' `decode`: W_Q4K / W_Q6K by limbs where the build has them). */
+ * step's (step_args' `decode`: by limbs where the build has them, runner_limb_products). */
 RUNNER_API int runner_weight_product(int m, int n, int k, const float *a,
                                      const struct step_weight *w, float *c, int decode);
 /* 1 when products can read `w` as a weight [n, k] (its format, bits, group and scale
