@@ -35,8 +35,9 @@ scoring is dispatched (runner/server/endpoints.py, runner/score/scorer.py):
   row and their `unembed` / `host_logits` are decode steps (each row a sequence's next
   token; runner/generate/pipeline.py enters it around each one). The model may compute them
   another way than a forward of the same rows, within float32 grade of the same values: the
-  native step's GGML blocks multiply A's values as integer limbs (docs/DESIGN.md §4.4), so
-  a decode step's hidden row is not a forward's bit for bit. Scoring never enters it.
+  native step's GGML blocks and 5-bit codes multiply A's values as integer limbs
+  (docs/DESIGN.md §4.4), so a decode step's hidden row is not a forward's bit for bit.
+  Scoring never enters it.
 
 - `KVRestorer` (declared by its user, runner/cache/prefix_cache.py): `restore_kv(cache,
   segments, target, kept)` makes one plain `KVCache` hold [0, target) from the trie's KV
