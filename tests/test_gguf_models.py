@@ -52,7 +52,7 @@ def logits(model, tokens=SEQUENCE) -> np.ndarray:
 @pytest.mark.parametrize("rule", [float32, mixed], ids=["f32", "mixed"])
 def test_a_gguf_computes_what_its_stored_values_compute(tmp_path: Path, arch: str, rule) -> None:
     checkpoint = tiny_checkpoint(arch, tmp_path / "hf")
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
     source = load_gguf(path)
     if rule is mixed:
         assert source.quantization  # kept quantized (repacked), not dequantized
