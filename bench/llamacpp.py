@@ -11,6 +11,9 @@
 - `llama.cpp-q4_0`, `llama.cpp-q8_0`: the same on Q4_0 and Q8_0 files (llama.cpp's
   quantizer's types of those names: every matrix in one type, the head or embedding in Q6_K
   or Q8_0 as llama-quantize chooses).
+- `llama.cpp-q5`: the same on a Q5_K_M file (Q5_K where rows are whole blocks of 256, Q6_K
+  for some, llama-quantize's fallbacks elsewhere): the 5-bit codes the runner's decode steps
+  take as limbs.
 
 Each runs in a process of its own (spawned: no MLX, no torch in it), as a user runs llama.cpp,
 and keeps one `Llama` with n_threads = n_threads_batch = the machine's cores and reuses
@@ -77,9 +80,9 @@ CONVERTER_PATHS = (CONVERTER, "gguf-py/", "conversion/")
 SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
 F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
-Q4_0, Q8_0 = "q4_0.gguf", "q8_0.gguf"
+Q4_0, Q8_0, Q5 = "q4_0.gguf", "q8_0.gguf", "q5_k_m.gguf"
 # llama.cpp's quantizer's file types (LLAMA_FTYPE_MOSTLY_*) of the quantized files
-QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0"}
+QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0", Q5: "Q5_K_M"}
 STAMP = "source.json"
 POLL_S = 0.2  # how often a wait for the llama.cpp process's answer checks that it lives
 REAP_S = 5.0  # how long its pipe's end waits for the process to be reaped
@@ -201,8 +204,8 @@ def convert(model_dir: Path, out: Path, src: Path, log: Path, outtype: str = "f3
 
 
 def quantize(llama_cpp: Any, source: Path, out: Path, kind: str = "Q4_K_M") -> None:
-    """`kind` (Q4_K_M, Q4_0, Q8_0: a LLAMA_FTYPE_MOSTLY_*) from the f32 GGUF with llama.cpp's
-    own quantizer (llama-quantize's code)."""
+    """`kind` (Q4_K_M, Q4_0, Q8_0, Q5_K_M: a LLAMA_FTYPE_MOSTLY_*) from the f32 GGUF with
+    llama.cpp's own quantizer (llama-quantize's code)."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
     params.nthread = os.cpu_count() or 1
@@ -463,3 +466,9 @@ class LlamaCppQ80(LlamaCppQ4):
     name = "llama.cpp-q8_0"
     description = "llama-cpp-python, Q8_0 GGUF, f16 KV cache (llama.cpp's defaults)"
     gguf = Q8_0
+
+
+class LlamaCppQ5(LlamaCppQ4):
+    name = "llama.cpp-q5"
+    description = "llama-cpp-python, Q5_K_M GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q5

@@ -13,7 +13,8 @@
   own quantizer's file, made by bench/llamacpp.py; the runner loads it as it loads a store's
   blob): the two engines on the same quantized bits. Its answers differ from `ours`' by the
   quantization, as llama.cpp-q4's do; needs llama-cpp-python to make the file.
-- `ours-q4_0`, `ours-q8_0`: the same on `llama.cpp-q4_0`'s and `llama.cpp-q8_0`'s files.
+- `ours-q4_0`, `ours-q8_0`, `ours-q5`: the same on `llama.cpp-q4_0`'s, `llama.cpp-q8_0`'s and
+  `llama.cpp-q5`'s files.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from bench.base import (
     mlx_memory_bytes,
 )
 from bench.http import MISSING_ENDPOINT, HTTPStatus, KeptConnection, SpawnedRunner, post_jsonl
-from bench.llamacpp import Q4, Q4_0, Q8_0
+from bench.llamacpp import Q4, Q4_0, Q5, Q8_0
 from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
@@ -274,3 +275,9 @@ class OursQ80(OursQ4):
     name = "ours-q8_0"
     description = "runner spawned on llama.cpp-q8_0's Q8_0 GGUF (the same file)"
     gguf = Q8_0
+
+
+class OursQ5(OursQ4):
+    name = "ours-q5"
+    description = "runner spawned on llama.cpp-q5's Q5_K_M GGUF (the same file)"
+    gguf = Q5

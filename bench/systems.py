@@ -4,8 +4,15 @@ are checked against it)."""
 from __future__ import annotations
 
 from bench.base import System
-from bench.llamacpp import LlamaCpp, LlamaCppF16, LlamaCppQ4, LlamaCppQ40, LlamaCppQ80
-from bench.ours import Ours, OursHTTP, OursQ4, OursQ40, OursQ80, OursRows
+from bench.llamacpp import (
+    LlamaCpp,
+    LlamaCppF16,
+    LlamaCppQ4,
+    LlamaCppQ5,
+    LlamaCppQ40,
+    LlamaCppQ80,
+)
+from bench.ours import Ours, OursHTTP, OursQ4, OursQ5, OursQ40, OursQ80, OursRows
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
@@ -17,6 +24,7 @@ SYSTEMS: dict[str, type[System]] = {
         OursQ4,
         OursQ40,
         OursQ80,
+        OursQ5,
         Baseline,
         MlxLm,
         Transformers,
@@ -25,6 +33,7 @@ SYSTEMS: dict[str, type[System]] = {
         LlamaCppQ4,
         LlamaCppQ40,
         LlamaCppQ80,
+        LlamaCppQ5,
     )
 }
 NAMES = tuple(SYSTEMS)
