@@ -702,7 +702,7 @@ static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p
 static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
 
 /* Decode products by limbs (below): W_Q4K and W_Q6K blocks with AVX512-VNNI; MLX's 5-bit
- * affine codes (GGUF's Q5_0 and Q5_1 map onto them) with AVX512-VBMI too, whose
+ * affine codes (GGUF's Q5_0, Q5_1 and Q5_K map onto them) with AVX512-VBMI too, whose
  * vpmultishiftqb spreads 5-bit codes into bytes. */
 #if QPATH == 512 && defined(__AVX512VNNI__)
 #define LIMB_PRODUCTS 1
@@ -1083,8 +1083,8 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
  * share of the columns.
  * MLX's 5-bit affine codes (x (s q + b) over a group: the same S per lane, times s a / 16384,
  * plus b times the run's sum of x) take limbs too: their float tiles make ~17 G values/s, half
- * the rate memory delivers them at (the default model's "Q4_K_M" file is 74% Q5_0), where the
- * 4- and 8-bit ones already keep up (bench/RESULTS.md, "5-bit codes by limbs").
+ * the rate memory delivers them at (the default model's "Q4_K_M" file is 74% Q5_0); the 4-
+ * and 8-bit ones measured no faster by limbs (bench/RESULTS.md, "5-bit codes by limbs").
  * Without AVX512-VNNI (AVX2 has no 8-bit dot product that beats float32 FMAs at three limbs)
  * limb_split declines and decode steps take the float tiles. A's rows need whole runs of 32
  * (k % 32); a last block of fewer than 8 runs is zero past them. */
