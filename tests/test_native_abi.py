@@ -411,8 +411,8 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
 def test_decode_products_of_5_bit_codes_by_limbs_are_within_their_bound(
     level_library, group: int, k: int
 ) -> None:
-    """A decode step's products of MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto
-    them) on a build with their limbs (AVX512-VNNI and VBMI): x (s q + b) as the limbs'
+    """A decode step's products of MLX's 5-bit affine codes (GGUF's Q5_0, Q5_1 and Q5_K map
+    onto them) on a build with their limbs (AVX512-VNNI and VBMI): x (s q + b) as the limbs'
     integer sums times s, plus b times each run's sum of x; every value within the limbs'
     bound of the float64 product of mx.dequantize's values (k = 640: a last block of 4 runs),
     in every scale format; not the float tiles' bits; the same bits for any number of rows

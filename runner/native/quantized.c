@@ -1300,8 +1300,8 @@ ALWAYS void affine5_limb_tile(int k, int G, const unsigned char *const *rows,
         const __mmask8 in = (__mmask8)((1u << ((runs * 32 + G - 1) / G)) - 1);
         const __m256 units = _mm256_loadu_ps(L->q4k), sums = _mm256_loadu_ps(L->q4k + 8);
         __m512 f[RW]; /* lanes 0-7: each run's scale times a / 16384 */
+        const size_t g0 = (size_t)b * (256 / G);
         for (int r = 0; r < RW; r++) {
-            const size_t g0 = (size_t)b * (256 / G);
             const __m256 s = _mm256_permutexvar_ps(run_group, _mm256_maskz_loadu_ps(in, scale[r] + g0));
             const __m256 c = _mm256_permutexvar_ps(run_group, _mm256_maskz_loadu_ps(in, bias[r] + g0));
             f[r] = _mm512_castps256_ps512(_mm256_mul_ps(s, units));
@@ -1321,10 +1321,8 @@ ALWAYS void affine5_limb_tile(int k, int G, const unsigned char *const *rows,
             }
         }
     }
-    for (int r = 0; r < RW; r++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(rest[r]), _mm256_extractf128_ps(rest[r], 1));
-        dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(h, h), _mm_hadd_ps(h, h)));
-    }
+    for (int r = 0; r < RW; r++)
+        dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rest[r]));
 }
 
 /* Columns [j0, j1) of C from p's limbs and 5-bit affine codes: 4 rows of W at a time against
