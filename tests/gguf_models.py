@@ -341,6 +341,12 @@ def k_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return mixed(name, shape, arch)
 
 
+def k5_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """llama.cpp's Q5_K_M the same way: k_mixed with Q5_K for Q4_K."""
+    chosen = k_mixed(name, shape, arch)
+    return T.Q5_K if chosen == T.Q4_K else chosen
+
+
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     """Q4_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 144],
     laid out as llama.cpp's block_q4_K (float16 d and dmin, 12 bytes of 6-bit scales and
@@ -375,6 +381,42 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 144)
 
 
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """Q5_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 176],
+    laid out as llama.cpp's block_q5_K: Q4_K's d, dmin and 6-bit scales and mins, then qh[32]
+    (bit 2c of qh[l]: the fifth bit of weight 64c + l, bit 2c + 1: of weight 64c + 32 + l),
+    then Q4_K's nibbles; x = (d * sc_j) * q - (dmin * m_j), q < 32, by the same plain
+    round-to-nearest quantizer as quantize_q4_k."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / 31
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.ceil(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
+    scale = (d32 * sc.astype(np.float32))[..., None]
+    offset = (dmin32 * m.astype(np.float32))[..., None]
+    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, 31).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            m[:, :4] | (m[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4,
+        ],
+        axis=1,
+    ).astype(np.uint8)
+    qh = sum(((q[:, j] >> 4) & 1).astype(np.uint8) << j for j in range(8)).astype(np.uint8)
+    q = (q & 15).reshape(-1, 4, 2, 32)  # [blocks, chunk c, half, l]
+    qs = (q[:, :, 0] | q[:, :, 1] << 4).astype(np.uint8).reshape(-1, 128)
+    out = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qh, qs],
+        axis=1,
+    )
+    return out.reshape(*lead, k // 256 * 176)
+
+
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     """Q6_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 210],
     laid out as llama.cpp's block_q6_K (ql, qh, int8 scales, float16 d): a plain
@@ -405,7 +447,7 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 210)
 
 
-QUANTIZERS = {T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k}
+QUANTIZERS = {T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k}
 
 
 def gguf_metadata(model_dir: Path) -> tuple[str, dict[str, Any]]:

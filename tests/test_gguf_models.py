@@ -33,6 +33,7 @@ from tests.gguf_models import (
     float32,
     fuse_qkv,
     gguf_names,
+    k5_mixed,
     k_mixed,
     mixed,
     tiny_checkpoint,
@@ -91,15 +92,18 @@ K_QUANT_LLAMA = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("rule", [k_mixed, k5_mixed], ids=["q4_k_m", "q5_k_m"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
-def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+def test_k_quant_blocks_are_kept_and_computed_as_stored(
+    tmp_path: Path, tied: bool, rule: Any
+) -> None:
     """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) and Q4_K
-    ones (the other matrices) stay in their blocks: resident at the file's bytes, not
-    float32's (Q6_K) or the affine repack's (Q4_K), and read by the native step
-    (runner/native/quantized.c) on the CPU; what the model computes is the float64 forward of
-    their values (llama.cpp's dequantization) within 1e-4, on the native step, on MLX's own
-    path over the blocks, and from what a backend without the native step keeps (Q6_K as
-    float32 weights, Q4_K as MLX's affine 4-bit)."""
+    ones (the other matrices), and a Q5_K_M-like file's (Q5_K for Q4_K), stay in their
+    blocks: resident at the file's bytes, not float32's (Q6_K) or the affine repack's (Q4_K,
+    Q5_K), and read by the native step (runner/native/quantized.c) on the CPU; what the model
+    computes is the float64 forward of their values (llama.cpp's dequantization) within 1e-4,
+    on the native step, on MLX's own path over the blocks, and from what a backend without
+    the native step keeps (Q6_K as float32 weights, Q4_K / Q5_K as MLX's affine 4 / 5 bits)."""
     import mlx.nn as nn
 
     from runner.backend import Backend
@@ -110,20 +114,21 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bo
     checkpoint = write_tiny_model(
         "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
     )
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
     weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
     source = load_gguf(path)
     kept = {k for k in source.weights if k.endswith(".blocks")}
+    other, other_bytes, bits = ("Q4_K", 144, 4) if rule is k_mixed else ("Q5_K", 176, 5)
     head = "model.embed_tokens.blocks" if tied else "lm_head.blocks"
     heads = 1 if tied else 2  # the embedding, and the head where it has its own
     # every matrix: q, k, v, o, gate, up, down
     assert head in kept and len(kept) == heads + 7 * config["num_hidden_layers"], kept
-    for name in kept:  # 210 (Q6_K) or 144 (Q4_K) bytes a 256 weights, as in the file
+    for name in kept:  # 210 (Q6_K), 144 (Q4_K) or 176 (Q5_K) bytes a 256 weights, as stored
         rows, width = weights[name.replace(".blocks", ".weight")].shape
         q6_k = any(key in name for key in ("embed_tokens", "lm_head", "v_proj", "down_proj"))
-        assert source.weights[name].shape == (rows, width // 256 * (210 if q6_k else 144))
+        assert source.weights[name].shape == (rows, width // 256 * (210 if q6_k else other_bytes))
         assert source.quantization[name.removesuffix(".blocks")]["ggml_type"] == (
-            "Q6_K" if q6_k else "Q4_K"
+            "Q6_K" if q6_k else other
         )
     want = llama_forward(
         {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
@@ -143,8 +148,8 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bo
     modules = [m for _, m in floats.module.named_modules()]
     assert not any(isinstance(m, GGMLLinear | GGMLEmbedding) for m in modules)
     affine = [m for m in modules if isinstance(m, nn.QuantizedLinear)]
-    assert len(affine) == 5 * config["num_hidden_layers"]  # Q4_K: q, k, o, gate, up
-    assert all((m.bits, m.group_size, m.mode) == (4, 32, "affine") for m in affine)
+    assert len(affine) == 5 * config["num_hidden_layers"]  # Q4_K / Q5_K: q, k, o, gate, up
+    assert all((m.bits, m.group_size, m.mode) == (bits, 32, "affine") for m in affine)
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
@@ -156,13 +161,14 @@ def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
     return mixed(name, shape, arch)
 
 
-@pytest.mark.parametrize("rule", [k_mixed, five_bits], ids=["k_quants", "q5_0"])
+@pytest.mark.parametrize("rule", [k_mixed, k5_mixed, five_bits], ids=["k_quants", "q5_k_m", "q5_0"])
 def test_decode_steps_of_quantized_files_are_within_float32_grade(
     tmp_path: Path, rule: Any
 ) -> None:
     """A Q4_K_M-like file's decode steps (what the generation pipeline computes inside the
-    model's `decode_steps`, runner/models/base.py), and a Q5_0 file's: each step's logits are
-    the float64 forward's of the blocks' values within 1e-4, as a forward's are; where the
+    model's `decode_steps`, runner/models/base.py), a Q5_K_M-like and a Q5_0 file's: each
+    step's logits are the float64 forward's of the blocks' values within 1e-4, as a forward's
+    are; where the
     library has limb products for them (K-quants: AVX512-VNNI; 5-bit codes: and VBMI) the
     step's products take them (its hidden row within 1e-5 of a forward's, not its bits),
     elsewhere the float tiles (a forward's bits). Only one token a row inside `decode_steps`
@@ -206,7 +212,7 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         step, forward = np.array(hidden[0, -1]), np.array(whole)
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, forward))
-    assert any(differ) == (native.limb_products if rule is k_mixed else native.affine_limbs)
+    assert any(differ) == (native.affine_limbs if rule is five_bits else native.limb_products)
     steps = len(SEQUENCE) - prompt
     decode_flags = [d for t, d in flags if t == 1]
     assert [d for t, d in flags if t > 1] == [0] * (steps + 1)  # the prompt and the forwards
@@ -467,22 +473,24 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
         load_gguf(cut)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
 def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
     """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
     for bit (runner/sources/gguf/quants.py's, checked against gguf-py's); where no native
-    step reads them, `release_blocks` makes Q4_K MLX's affine 4-bit and Q6_K float32 layers of
-    the very same values, and `adopt_blocks` without `keep` does the same before the load."""
+    step reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit) and Q6_K
+    float32 layers of the very same values, and `adopt_blocks` without `keep` does the same
+    before the load."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from runner.models import quantized
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+    from tests.gguf_models import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
-    kind, quantize = {
-        "Q6_K": (quants.Q6_K, quantize_q6_k),
-        "Q4_K": (quants.Q4_K, quantize_q4_k),
+    kind, quantize, bits = {
+        "Q6_K": (quants.Q6_K, quantize_q6_k, 0),
+        "Q4_K": (quants.Q4_K, quantize_q4_k, 4),
+        "Q5_K": (quants.Q5_K, quantize_q5_k, 5),
     }[ggml_type]
     rng = np.random.default_rng(3)
     rows, width = 24, 512
@@ -499,9 +507,10 @@ def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_t
     np.testing.assert_array_equal(np.array(module.embed(ids)), want[np.array(ids)])
     before = np.array(module.proj(x))
     assert quantized.release_blocks(module)
-    if ggml_type == "Q4_K":
+    if bits:
         assert type(module.proj) is nn.QuantizedLinear and module.proj.group_size == 32
-        assert isinstance(module.embed, nn.QuantizedEmbedding) and module.embed.bits == 4
+        assert module.proj.bits == bits
+        assert isinstance(module.embed, nn.QuantizedEmbedding) and module.embed.bits == bits
     else:
         assert type(module.proj) is nn.Linear and type(module.embed) is nn.Embedding
     np.testing.assert_array_equal(np.array(module.embed(ids)), want[np.array(ids)])
@@ -514,10 +523,10 @@ def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_t
     weights = {"proj.blocks": mx.array(blocks)}
     config = {"proj": {"ggml_type": ggml_type}}
     rest = quantized.adopt_blocks(fresh, weights, config, ["proj"], keep=False)
-    if ggml_type == "Q4_K":
-        assert rest is not None and rest["proj"] == quantized.Q4_K_AFFINE
+    if bits:
+        assert rest is not None and rest["proj"] == {**quantized.Q4_K_AFFINE, "bits": bits}
         values = mx.dequantize(
-            weights["proj.weight"], weights["proj.scales"], weights["proj.biases"], 32, 4
+            weights["proj.weight"], weights["proj.scales"], weights["proj.biases"], 32, bits
         )
     else:
         assert rest is None and set(weights) == {"proj.weight"}

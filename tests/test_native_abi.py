@@ -311,7 +311,7 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
     """The level's march and functions (skipping where this CPU cannot run it), and
     `ggml_type`'s quants kind, weight format and quantizer (tests/gguf_models.py)."""
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q6_k
+    from tests.gguf_models import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
     march, library = level_library
     if library is None:
@@ -321,13 +321,14 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
     kind, form, quantize = {
         "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
         "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
+        "Q5_K": (13, abi.Q5K, quantize_q5_k),
     }[ggml_type]
     return march, functions, kind, form, quantize
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
-    """runner_weight_product on GGML Q6_K and Q4_K blocks as a GGUF stores them: exactly the
+    """runner_weight_product on GGML Q6_K, Q4_K and Q5_K blocks as a GGUF stores them: exactly the
     sums the level's block tiles define (the values in order of k, its lanes, fused or not),
     the same bits for any number of rows (the stream tiles of one and two rows, the block
     tiles of more), and within 1e-4 of the float64 product of llama.cpp's values
@@ -359,7 +360,7 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
         np.testing.assert_array_equal(decode, c)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
 def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_type: str) -> None:
     """A decode step's GGML block products on a build with limbs (runner/native/quantized.c:
     A's values as three 8-bit limbs a run of 32, the codes' products summed in integers):

@@ -221,8 +221,9 @@ GLOBAL_SCALE = "global_scale"
 # runner/models/quantized.py's layers of GGML blocks: their parameter, and per `ggml_type` the
 # library's format and the bytes a block of 256 weights (repeated here for the same reason)
 GGML_BLOCKS = "blocks"
-GGML_FORMATS = {"Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144)}
-GGML_TYPE_IDS = {abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K}  # `_Matrix.values`' dequantizing
+GGML_FORMATS = {"Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144), "Q5_K": (abi.Q5K, 176)}
+# `_Matrix.values`' dequantizing
+GGML_TYPE_IDS = {abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K}
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
@@ -244,7 +245,7 @@ class _Matrix:
     bits: int = 0
     group: int = 0
     scale_format: int = 0
-    block_format: int = 0  # `codes` are GGML blocks in this format (abi.Q6K, abi.Q4K): no
+    block_format: int = 0  # `codes` are GGML blocks in this format (abi.Q6K, abi.Q4K, abi.Q5K): no
     # scales, biases
 
     def weight(self, half: np.ndarray | None = None, half_format: int = 0) -> abi.Weight:

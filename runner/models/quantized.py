@@ -12,20 +12,22 @@ names; a global scale becomes the layer's `global_scale`), before the weights ar
 
 GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding)
 have a scale per 16 weights, which MLX's affine format cannot group, and their exact float32
-values take 4.9x the file's bytes. Q4_K repacks exactly onto MLX's affine 4-bit groups of 32,
-but only with float32 scales and biases (6 bits a weight, against the file's 4.5), which a
-decode step, bound by the bytes it reads, pays for. A GGUF source names such layers in its
-quantization config (`{"ggml_type": "Q6_K"}` or `"Q4_K"`, runner/sources/gguf/model.py) with
-their blocks as `P.blocks`; `adopt_blocks` keeps them as `GGMLLinear` / `GGMLEmbedding`
-layers where a native step will read them (runner/backend/native_step.py,
-runner/native/quantized.c), and otherwise makes Q6_K float32 weights and Q4_K the affine
-repack, as before. The layers' own forward (MLX's path) dequantizes the blocks with MLX
-operations, to the values llama.cpp's dequantization gives, bit for bit.
+values take 4.9x the file's bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and
+5-bit groups of 32, but only with float32 scales and biases (6 and 7 bits a weight, against
+the file's 4.5 and 5.5), which a decode step, bound by the bytes it reads, pays for. A GGUF
+source names such layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"` or
+`"Q5_K"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps
+them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
+(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q6_K float32
+weights and Q4_K / Q5_K the affine repack, as before. The layers' own forward (MLX's path)
+dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization gives, bit
+for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -167,9 +169,9 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
 # A GGUF source's quantization entry for a layer kept in GGML blocks, and their parameter.
 GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
-Q6_K, Q4_K = "Q6_K", "Q4_K"
-BLOCK_WEIGHTS = 256  # weights a block, of either type
-Q6_K_BYTES, Q4_K_BYTES = 210, 144  # bytes a block
+Q6_K, Q4_K, Q5_K = "Q6_K", "Q4_K", "Q5_K"
+BLOCK_WEIGHTS = 256  # weights a block, of any of these types
+Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES = 210, 144, 176  # bytes a block
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -193,53 +195,65 @@ def dequantize_q6_k(blocks: mx.array) -> mx.array:
     return (scale * codes.reshape(*lead, n, 16, 16)).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
-def _q4_k_parts(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Q4_K blocks [..., n * 144] as (codes [..., n, 8, 32] uint8, scales d * sc_j and biases
-    -(dmin * m_j) [..., n, 8, 1] float32): each block d, dmin (float16), 12 bytes of 6-bit
-    sc_j, m_j (llama.cpp's get_scale_min_k4), qs[128]: in chunk c, weight 64c + l is the low
-    nibble of qs[32c + l], weight 64c + 32 + l its high one."""
+def _k_quant_parts(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
+    """Q4_K blocks [..., n * 144] (or Q5_K [..., n * 176]) as (codes [..., n, 8, 32] uint8,
+    scales d * sc_j and biases -(dmin * m_j) [..., n, 8, 1] float32): each block d, dmin
+    (float16), 12 bytes of 6-bit sc_j, m_j (llama.cpp's get_scale_min_k4), Q5_K's qh[32],
+    qs[128]: in chunk c, weight 64c + l is the low nibble of qs[32c + l], weight 64c + 32 + l
+    its high one; Q5_K adds 16 times bit 2c (2c + 1) of qh[l]."""
+    size = BLOCK_BYTES[ggml_type]
     *lead, width = blocks.shape
-    n = width // Q4_K_BYTES
-    x = blocks.reshape(*lead, n, Q4_K_BYTES)
+    n = width // size
+    x = blocks.reshape(*lead, n, size)
     d = mx.contiguous(x[..., 0:2]).view(mx.float16).astype(mx.float32)
     dmin = mx.contiguous(x[..., 2:4]).view(mx.float16).astype(mx.float32)
     lo, mid, top = x[..., 4:8], x[..., 8:12], x[..., 12:16]
     sc = mx.concatenate([lo & 63, (top & 15) | ((lo >> 2) & 48)], axis=-1).astype(mx.float32)
     m = mx.concatenate([mid & 63, (top >> 4) | ((mid >> 2) & 48)], axis=-1).astype(mx.float32)
-    qs = x[..., 16:144].reshape(*lead, n, 4, 1, 32)
+    qs = x[..., size - 128 : size].reshape(*lead, n, 4, 1, 32)
     codes = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*lead, n, 8, 32)
+    if ggml_type == Q5_K:
+        qh = x[..., 16:48].reshape(*lead, n, 1, 32)
+        codes = codes | (((qh >> mx.arange(8, dtype=mx.uint8).reshape(8, 1)) & 1) << 4)
     return codes, (d * sc)[..., None], (-(dmin * m))[..., None]
 
 
-def dequantize_q4_k(blocks: mx.array) -> mx.array:
-    """float32 [..., k] from Q4_K blocks [..., k / 256 * 144] (uint8): llama.cpp's values,
-    (d * sc_j) * q - (dmin * m_j), the product rounded, then the difference."""
-    codes, scales, biases = _q4_k_parts(blocks)
+def dequantize_k_quant(blocks: mx.array, ggml_type: str) -> mx.array:
+    """float32 [..., k] from Q4_K or Q5_K blocks [..., k / 256 * bytes a block] (uint8):
+    llama.cpp's values, (d * sc_j) * q - (dmin * m_j), the product rounded, then the
+    difference."""
+    codes, scales, biases = _k_quant_parts(blocks, ggml_type)
     *lead, n, _, _ = codes.shape
     return (scales * codes.astype(mx.float32) + biases).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
-def q4_k_affine(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Q4_K blocks [rows, k / 256 * 144] as MLX's affine quantization (group 32, 4 bits,
-    float32 scales d * sc_j and biases -(dmin * m_j)): the same values exactly, by GGUF
-    loading's own repack (numpy: MLX's element-wise CPU operations take seconds a 1B)."""
+def k_quant_affine(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
+    """Q4_K (Q5_K) blocks [rows, k / 256 * bytes a block] as MLX's affine quantization (group
+    32, 4 (5) bits, float32 scales d * sc_j and biases -(dmin * m_j)): the same values
+    exactly, by GGUF loading's own repack (numpy: MLX's element-wise CPU operations take
+    seconds a 1B)."""
     import numpy as np
 
     from runner.sources.gguf import quants
 
     raw = np.asarray(blocks)
-    rows, k = raw.shape[0], raw.shape[1] // Q4_K_BYTES * BLOCK_WEIGHTS
-    repacked = quants.repack(raw.reshape(-1), quants.Q4_K, (rows, k))
+    rows, k = raw.shape[0], raw.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS
+    kind = quants.Q4_K if ggml_type == Q4_K else quants.Q5_K
+    repacked = quants.repack(raw.reshape(-1), kind, (rows, k))
     assert repacked.biases is not None
     return mx.array(repacked.weight), mx.array(repacked.scales), mx.array(repacked.biases)
 
 
-DEQUANTIZE = {Q6_K: dequantize_q6_k, Q4_K: dequantize_q4_k}
-BLOCK_BYTES = {Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES}
+DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
+    Q6_K: dequantize_q6_k,
+    Q4_K: partial(dequantize_k_quant, ggml_type=Q4_K),
+    Q5_K: partial(dequantize_k_quant, ggml_type=Q5_K),
+}
+BLOCK_BYTES = {Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES}
 
 
 class _GGMLBlocks(nn.Module):
-    """A weight of GGML blocks of `ggml_type` (Q6_K, Q4_K), [rows, columns / 256 * bytes a
+    """A weight of GGML blocks of `ggml_type` (Q6_K, Q4_K, Q5_K), [rows, columns / 256 * bytes a
     block] as a GGUF stores them."""
 
     def __init__(self, rows: int, columns: int, ggml_type: str):
@@ -295,8 +309,9 @@ def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | 
     return (rest or None), paths
 
 
-# How a Q4_K layer whose blocks are not kept is quantized instead (q4_k_affine)
+# How a Q4_K (Q5_K) layer whose blocks are not kept is quantized instead (k_quant_affine)
 Q4_K_AFFINE: dict[str, Any] = {"group_size": 32, "bits": 4, "mode": "affine"}
+K_QUANT_AFFINE: dict[str, dict[str, Any]] = {Q4_K: Q4_K_AFFINE, Q5_K: {**Q4_K_AFFINE, "bits": 5}}
 
 
 def adopt_blocks(
@@ -309,8 +324,8 @@ def adopt_blocks(
     """The layers at `paths`, whose weights are GGML blocks (`P.blocks` in `weights`, their
     type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
     GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
-    ...) Q4_K becomes MLX's affine quantization of the same values (`P.weight`, `P.scales`,
-    `P.biases`, quantized as Q4_K_AFFINE says) and Q6_K float32 `P.weight`, as a
+    ...) Q4_K and Q5_K become MLX's affine quantization of the same values (`P.weight`,
+    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and Q6_K float32 `P.weight`, as a
     dequantized tensor's were. Before the module's sanitize and load. Returns the
     source's quantization config without the block entries and with the affine layers'
     entries added (None if it is empty)."""
@@ -329,11 +344,11 @@ def adopt_blocks(
             kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
         elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
             kept.append((path, GGMLEmbedding(rows, width, ggml_type)))
-        elif ggml_type == Q4_K and blocks.ndim == 2:
-            packed, scales, biases = q4_k_affine(weights.pop(name))
+        elif ggml_type in K_QUANT_AFFINE and blocks.ndim == 2:
+            packed, scales, biases = k_quant_affine(weights.pop(name), ggml_type)
             weights[f"{path}.weight"], weights[f"{path}.scales"] = packed, scales
             weights[f"{path}.biases"] = biases
-            affine[path] = dict(Q4_K_AFFINE)
+            affine[path] = dict(K_QUANT_AFFINE[ggml_type])
         else:
             weights[f"{path}.weight"] = DEQUANTIZE[ggml_type](weights.pop(name))
     if kept:
@@ -347,7 +362,8 @@ def adopt_blocks(
 def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
     native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
-    an affine QuantizedLinear / QuantizedEmbedding of the same values, Q6_K an nn.Linear /
+    and Q5_K an affine QuantizedLinear / QuantizedEmbedding of the same values (4 and 5
+    bits), Q6_K an nn.Linear /
     nn.Embedding of its float32 values; whether there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
@@ -358,12 +374,13 @@ def release_blocks(module: nn.Module) -> bool:
         width = blocks.shape[1] // BLOCK_BYTES[layer.ggml_type] * BLOCK_WEIGHTS
         bias = "bias" in layer
         new: nn.Module
-        if layer.ggml_type == Q4_K:
-            packed, scales, biases = q4_k_affine(blocks)
+        if layer.ggml_type in K_QUANT_AFFINE:
+            packed, scales, biases = k_quant_affine(blocks, layer.ggml_type)
+            bits = K_QUANT_AFFINE[layer.ggml_type]["bits"]
             if isinstance(layer, GGMLLinear):
-                new = nn.QuantizedLinear(width, rows, bias, group_size=32, bits=4)
+                new = nn.QuantizedLinear(width, rows, bias, group_size=32, bits=bits)
             else:
-                new = ScaledQuantizedEmbedding(rows, width, group_size=32, bits=4)
+                new = ScaledQuantizedEmbedding(rows, width, group_size=32, bits=bits)
                 new.dtype = mx.float32
             new.weight, new.scales, new.biases = packed, scales, biases
         else:

@@ -95,7 +95,7 @@ struct product {
     int format;
     int bits, group, scale_format; /* W_AFFINE (struct step_weight) */
     const void *scales, *biases;
-    /* NULL, or A's rows as limbs (limb_split): a decode step's products (W_Q4K, W_Q6K and
+    /* NULL, or A's rows as limbs (limb_split): a decode step's products (W_Q4K, W_Q5K, W_Q6K and
      * 5-bit W_AFFINE read them where the build has their tiles: limbs_read) */
     const void *limbs;
 };
@@ -200,7 +200,7 @@ int affine_block(const struct product *p);
 int affine_reordered(int bits);
 void affine_rows(int bits, int m, int k, const float *a, int lda, float *into);
 int affine_supported(const struct step_weight *w, int n, int k);
-/* quantized.c: the same for the GGML block formats, W_Q6K and W_Q4K (A in order of k). */
+/* quantized.c: the same for the GGML block formats, W_Q6K, W_Q4K and W_Q5K (A in order of k). */
 void ggml_columns(const struct product *p, int j0, int j1);
 int ggml_block(const struct product *p);
 int ggml_supported(const struct step_weight *w, int n, int k);

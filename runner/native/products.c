@@ -9,7 +9,7 @@
  * in whole blocks. */
 int column_block(const struct product *p) {
     if (p->format == W_AFFINE) return affine_block(p);
-    if (p->format == W_Q6K || p->format == W_Q4K) return ggml_block(p);
+    if (p->format == W_Q6K || p->format == W_Q4K || p->format == W_Q5K) return ggml_block(p);
 #if HALF_WEIGHTS
     if (p->format != W_F32) return panel_block(p);
 #endif
@@ -138,7 +138,7 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 }
 
 
-/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K);
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE or a GGML block format);
  * `decode`: A's rows are a decode step's (GGML blocks and 5-bit codes take limbs where the
  * build has them: limbs_read). */
 int runner_weight_product(int m, int n, int k, const float *a, const struct step_weight *w,
@@ -171,7 +171,8 @@ int runner_weight_supported(const struct step_weight *w, int n, int k) {
     case W_F16: case W_BF16: return HALF_WEIGHTS;
     case W_AFFINE: return affine_supported(w, n, k);
     case W_Q6K:
-    case W_Q4K: return ggml_supported(w, n, k);
+    case W_Q4K:
+    case W_Q5K: return ggml_supported(w, n, k);
     default: return 0;
     }
 }

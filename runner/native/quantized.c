@@ -701,8 +701,8 @@ static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p
 static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
 static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
 
-/* Decode products by limbs (below): W_Q4K and W_Q6K blocks with AVX512-VNNI; MLX's 5-bit
- * affine codes (GGUF's Q5_0, Q5_1 and Q5_K map onto them) with AVX512-VBMI too, whose
+/* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI; MLX's
+ * 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with AVX512-VBMI too, whose
  * vpmultishiftqb spreads 5-bit codes into bytes. */
 #if QPATH == 512 && defined(__AVX512VNNI__)
 #define LIMB_PRODUCTS 1
@@ -736,7 +736,7 @@ void affine_columns(const struct product *p, int j0, int j1) {
 }
 
 int limbs_read(const struct step_weight *w, int k) {
-    if (w->format == W_Q4K || w->format == W_Q6K) return LIMB_PRODUCTS;
+    if (w->format == W_Q4K || w->format == W_Q5K || w->format == W_Q6K) return LIMB_PRODUCTS;
     return w->format == W_AFFINE && affine_limbs_read(w->bits, w->group, k);
 }
 
@@ -866,7 +866,7 @@ static void q6k_stream_2(int k, const unsigned char *const *rows, const float *c
     q6k_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- GGML's Q4_K blocks (W_Q4K) ----------------------------------------------------------- */
+/* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
 /* A block: 256 weights in 144 bytes: d and dmin (float16), scales[12] (eight 6-bit scales sc_j
  * and eight 6-bit mins m_j, packed as llama.cpp's get_scale_min_k4 reads them), qs[128] (4-bit
@@ -879,8 +879,18 @@ static void q6k_stream_2(int k, const unsigned char *const *rows, const float *c
  * from the sub-block's table (AVX-512: one vpermps for 16 weights) or by the two roundings
  * (q4k_chunk); the stream tile multiplies them in registers, the block tile's fill stores
  * them: the block tile's lanes and order either way, so the same bits for any number of rows.
- * 4.5 bits a weight read, where the affine repack's float32 scales and biases make it 6. */
-enum { Q4K_WEIGHTS = 256, Q4K_BYTES = 144, Q4K_CHUNK = 64 };
+ * 4.5 bits a weight read, where the affine repack's float32 scales and biases make it 6.
+ *
+ * GGML's Q5_K blocks (W_Q5K) are Q4_K's with a fifth bit a weight: 176 bytes, d, dmin and
+ * scales[12] as Q4_K's, then qh[32], then qs[128] as Q4_K's; weight 64c + l's code is the low
+ * nibble of qs[32c + l] plus 16 times bit 2c of qh[l], weight 64c + 32 + l's the high nibble
+ * plus 16 times bit 2c + 1 (llama.cpp's dequantize_row_q5_K), its value (d * sc_j) * q -
+ * (dmin * m_j) as Q4_K's. The same tiles read them (`bits` 5: a sub-block's table of 32
+ * values), 5.5 bits a weight where the affine 5-bit repack's float32 scales make it 7. */
+enum { Q4K_WEIGHTS = 256, Q4K_BYTES = 144, Q5K_BYTES = 176, Q4K_CHUNK = 64 };
+
+/* Bytes a block of Q4_K (bits 4) or Q5_K (bits 5). */
+#define KQ_BYTES(bits) ((bits) == 4 ? Q4K_BYTES : Q5K_BYTES)
 
 /* sb[j] = d * sc_j (the scales) and sb[8 + j] = -(dmin * m_j) (the biases) for the 8
  * sub-blocks of block x. */
@@ -949,10 +959,11 @@ ALWAYS void q4k_scales4(const unsigned char *const *x, __m512 *sb) {
 }
 #endif
 
-/* sb[r] = q4k_scales of block b of rows[r], r < 4 (4 at once where there is AVX-512). */
-ALWAYS void q4k_scales_of(const unsigned char *const *rows, int b, float (*sb)[16]) {
+/* sb[r] = q4k_scales of block b of rows[r], r < 4, blocks of `bytes` (Q4_K's or Q5_K's: the
+ * same first 16 bytes); 4 at once where there is AVX-512. */
+ALWAYS void q4k_scales_of(const unsigned char *const *rows, int b, size_t bytes, float (*sb)[16]) {
     const unsigned char *x[4];
-    for (int r = 0; r < 4; r++) x[r] = rows[r] + (size_t)b * Q4K_BYTES;
+    for (int r = 0; r < 4; r++) x[r] = rows[r] + (size_t)b * bytes;
 #if QPATH == 512
     __m512 v[4];
     q4k_scales4(x, v);
@@ -986,43 +997,116 @@ ALWAYS void q4k_chunk(const unsigned char *qs, const struct qgroup *ga, const st
 #endif
 }
 
-/* Block b's values of a row (its 144 bytes x, scales sb) into out[256], in order of k. */
-ALWAYS void q4k_block_values(const unsigned char *x, const float *sb, float *out) {
+/* The values of chunk c of a Q5_K block x (its sub-blocks' constants ga and gb, tables of 32
+ * values), in order of k: Q4K_CHUNK / QL vectors, each code (nibble | fifth bit << 4) looked
+ * up in the table (AVX-512: two vpermps, the second masked by the fifth bits) or made by the
+ * two roundings. */
+ALWAYS void q5k_chunk(const unsigned char *x, int c, const struct qgroup *ga, const struct qgroup *gb,
+                      qv *out) {
+    enum { V = Q4K_CHUNK / QL, HALF = Q4K_CHUNK / QL / 2 };
+    const unsigned char *qs = x + 48 + 32 * c, *qh = x + 16;
+#if QPATH == 512
+    /* the fifth bits as masks (bit l: weight l of the sub-block): vpermps looks a code's low
+     * 4 bits up in t0 (codes 0-15), then in t1 (16-31) where the fifth bit is set */
+    const __m512i h = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)qh));
+    const __mmask64 fa = _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << 2 * c)));
+    const __mmask64 fb = _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(2 << 2 * c)));
+    _Pragma("GCC unroll 2") for (int u = 0; u < HALF; u++) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + QL * u)));
+        const __m512i high = _mm512_srli_epi32(q, 4);
+        const __m512 a = _mm512_permutexvar_ps(q, (__m512)ga->t0);
+        const __m512 b = _mm512_permutexvar_ps(high, (__m512)gb->t0);
+        out[u] = (qv)_mm512_mask_permutexvar_ps(a, (__mmask16)(fa >> (QL * u)), q, (__m512)ga->t1);
+        out[HALF + u] = (qv)_mm512_mask_permutexvar_ps(b, (__mmask16)(fb >> (QL * u)), high, (__m512)gb->t1);
+    }
+#elif QPATH == 256
+    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    _Pragma("GCC unroll 4") for (int u = 0; u < HALF; u++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + QL * u)));
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + QL * u)));
+        const __m256i fa = _mm256_and_si256(_mm256_srli_epi32(h, 2 * c), one);
+        const __m256i fb = _mm256_and_si256(_mm256_srli_epi32(h, 2 * c + 1), one);
+        const __m256i ca = _mm256_or_si256(_mm256_and_si256(q, low), _mm256_slli_epi32(fa, 4));
+        const __m256i cb = _mm256_or_si256(_mm256_srli_epi32(q, 4), _mm256_slli_epi32(fb, 4));
+        qv pa = (qv)_mm256_cvtepi32_ps(ca) * ga->t0, pb = (qv)_mm256_cvtepi32_ps(cb) * gb->t0;
+        QPIN(pa);
+        QPIN(pb);
+        out[u] = pa + ga->t1;
+        out[HALF + u] = pb + gb->t1;
+    }
+#else
+    for (int v = 0; v < V; v++) {
+        const struct qgroup *g = v < HALF ? ga : gb;
+        float w[QL];
+        for (int l = 0; l < QL; l++) {
+            const int at = (v % HALF) * QL + l, high = v >= HALF;
+            const unsigned code = (high ? qs[at] >> 4 : qs[at] & 15) | ((qh[at] >> (2 * c + high)) & 1u) << 4;
+            w[l] = dequantized(g->t0[0], code, g->t1[0]);
+        }
+        out[v] = qload(w);
+    }
+#endif
+}
+
+/* Chunk c's values of a Q4_K (bits 4) or Q5_K (bits 5) block x. */
+ALWAYS void kq_chunk(const int bits, const unsigned char *x, int c, const struct qgroup *ga,
+                     const struct qgroup *gb, qv *out) {
+    if (bits == 4)
+        q4k_chunk(x + 16 + 32 * c, ga, gb, out);
+    else
+        q5k_chunk(x, c, ga, gb, out);
+}
+
+/* Block b's values of a row (its bytes x, scales sb) into out[256], in order of k. */
+ALWAYS void kq_block_values(const int bits, const unsigned char *x, const float *sb, float *out) {
     _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-        const struct qgroup ga = group_of(4, sb + 2 * c, sb + 8 + 2 * c);
-        const struct qgroup gb = group_of(4, sb + 2 * c + 1, sb + 9 + 2 * c);
+        const struct qgroup ga = group_of(bits, sb + 2 * c, sb + 8 + 2 * c);
+        const struct qgroup gb = group_of(bits, sb + 2 * c + 1, sb + 9 + 2 * c);
         qv v[Q4K_CHUNK / QL];
-        q4k_chunk(x + 16 + 32 * c, &ga, &gb, v);
+        kq_chunk(bits, x, c, &ga, &gb, v);
         _Pragma("GCC unroll 8") for (int u = 0; u < Q4K_CHUNK / QL; u++)
             qstore(out + Q4K_CHUNK * c + u * QL, v[u]);
     }
 }
 
-/* Row `row` of Q4_K blocks (k weights) dequantized into out[k], in order of k. */
-static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
+/* Row `row` of Q4_K / Q5_K blocks (k weights) dequantized into out[k], in order of k. */
+ALWAYS void kq_dequantize_row(const int bits, int k, const unsigned char *row, float *out) {
     float sb[16];
     for (int b = 0; b < k / Q4K_WEIGHTS; b++) {
-        const unsigned char *x = row + (size_t)b * Q4K_BYTES;
+        const unsigned char *x = row + (size_t)b * KQ_BYTES(bits);
         q4k_scales(x, sb);
-        q4k_block_values(x, sb, out + (size_t)b * Q4K_WEIGHTS);
+        kq_block_values(bits, x, sb, out + (size_t)b * Q4K_WEIGHTS);
     }
 }
+static void q4k_dequantize_row(int k, const unsigned char *row, float *out) {
+    kq_dequantize_row(4, k, row, out);
+}
+static void q5k_dequantize_row(int k, const unsigned char *row, float *out) {
+    kq_dequantize_row(5, k, row, out);
+}
 
-/* Rows rows[0..3] of Q4_K blocks dequantized into out + r * k, their scales 4 at a time. */
-static void q4k_dequantize_rows4(int k, const unsigned char *const *rows, float *out) {
+/* Rows rows[0..3] of Q4_K / Q5_K blocks dequantized into out + r * k, their scales 4 at a
+ * time. */
+static void kq_dequantize_rows4(int bits, int k, const unsigned char *const *rows, float *out) {
     float sb[4][16];
+    const size_t bytes = KQ_BYTES(bits);
     for (int b = 0; b < k / Q4K_WEIGHTS; b++) {
-        q4k_scales_of(rows, b, sb);
-        for (int r = 0; r < 4; r++)
-            q4k_block_values(rows[r] + (size_t)b * Q4K_BYTES, sb[r], out + (size_t)r * k + (size_t)b * Q4K_WEIGHTS);
+        q4k_scales_of(rows, b, bytes, sb);
+        for (int r = 0; r < 4; r++) {
+            float *to = out + (size_t)r * k + (size_t)b * Q4K_WEIGHTS;
+            if (bits == 4)
+                kq_block_values(4, rows[r] + (size_t)b * bytes, sb[r], to);
+            else
+                kq_block_values(5, rows[r] + (size_t)b * bytes, sb[r], to);
+        }
     }
 }
 
 /* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
  * the values made in registers a chunk at a time. `lines` cache lines from `ahead` prefetched,
  * spread over the blocks. */
-ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *rows,
-                            const float *const *a, float *dot, const char *ahead, int lines) {
+ALWAYS void kq_stream_tile(const int bits, const int RA, int k, const unsigned char *const *rows,
+                           const float *const *a, float *dot, const char *ahead, int lines) {
     enum { RW = BLOCK_RW, V = Q4K_CHUNK / QL };
     _Static_assert(RW == 4, "q4k_scales_of makes 4 rows' scales");
     float sb[RW][16];
@@ -1032,17 +1116,17 @@ ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *row
     const int blocks = k / Q4K_WEIGHTS;
     for (int b = 0; b < blocks; b++) {
         fetch_share(ahead, lines, b, blocks);
-        q4k_scales_of(rows, b, sb);
+        q4k_scales_of(rows, b, KQ_BYTES(bits), sb);
         for (int c = 0; c < 4; c++) {
             const int t = b * Q4K_WEIGHTS + c * Q4K_CHUNK;
             qv x[2][V];
             _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++)
                 _Pragma("GCC unroll 8") for (int u = 0; u < V; u++) x[i][u] = qload(a[i] + t + u * QL);
             _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-                const struct qgroup ga = group_of(4, sb[r] + 2 * c, sb[r] + 8 + 2 * c);
-                const struct qgroup gb = group_of(4, sb[r] + 2 * c + 1, sb[r] + 9 + 2 * c);
+                const struct qgroup ga = group_of(bits, sb[r] + 2 * c, sb[r] + 8 + 2 * c);
+                const struct qgroup gb = group_of(bits, sb[r] + 2 * c + 1, sb[r] + 9 + 2 * c);
                 qv w[V];
-                q4k_chunk(rows[r] + (size_t)b * Q4K_BYTES + 16 + 32 * c, &ga, &gb, w);
+                kq_chunk(bits, rows[r] + (size_t)b * KQ_BYTES(bits), c, &ga, &gb, w);
                 _Pragma("GCC unroll 8") for (int u = 0; u < V; u++)
                     _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += x[i][u] * w[u];
             }
@@ -1053,14 +1137,22 @@ ALWAYS void q4k_stream_tile(const int RA, int k, const unsigned char *const *row
 
 static void q4k_stream_1(int k, const unsigned char *const *rows, const float *const *a,
                          float *dot, const char *ahead, int lines) {
-    q4k_stream_tile(1, k, rows, a, dot, ahead, lines);
+    kq_stream_tile(4, 1, k, rows, a, dot, ahead, lines);
 }
 static void q4k_stream_2(int k, const unsigned char *const *rows, const float *const *a,
                          float *dot, const char *ahead, int lines) {
-    q4k_stream_tile(2, k, rows, a, dot, ahead, lines);
+    kq_stream_tile(4, 2, k, rows, a, dot, ahead, lines);
+}
+static void q5k_stream_1(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    kq_stream_tile(5, 1, k, rows, a, dot, ahead, lines);
+}
+static void q5k_stream_2(int k, const unsigned char *const *rows, const float *const *a,
+                         float *dot, const char *ahead, int lines) {
+    kq_stream_tile(5, 2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- decode products by limbs (W_Q4K, W_Q6K with AVX512-VNNI; 5-bit W_AFFINE with VBMI) ---- */
+/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K with AVX512-VNNI; 5-bit W_AFFINE: VBMI) -- */
 
 /* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
  * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
@@ -1072,7 +1164,7 @@ static void q4k_stream_2(int k, const unsigned char *const *rows, const float *c
  * run's largest value), and each 4 codes' products with a limb summed exactly by vpdpbusd
  * (64 products an instruction, in int32): S = ((q.l0) 128 + q.l1) 128 + q.l2 per lane of 4
  * weights, < 2^30 for 6-bit codes. A lane's S is converted once and multiplied by its
- * sub-block's scale times a / 16384, one FMA; a Q4_K sub-block's bias multiplies the run's
+ * sub-block's scale times a / 16384, one FMA; a Q4_K (Q5_K) sub-block's bias multiplies the run's
  * float32 sum of x, and Q6_K's codes are read unsigned (q + 32), the 32 taken off with the
  * sub-block's float32 sum of x. So a decode product is the dequantized weights' product up to
  * ~1e-6 of sum |w x| (tests/test_native_abi.py bounds each value against float64), against
@@ -1164,18 +1256,23 @@ ALWAYS __m512i limb_dot(__m512i codes, const signed char *l) {
     return _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), codes, _mm512_loadu_si512((const void *)(l + 512)));
 }
 
-/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q4_K blocks. */
-ALWAYS void q4k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
-                          float *dot, const char *ahead, int lines) {
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q4_K (bits 4) or Q5_K
+ * (bits 5) blocks. A half h of a block's qs (64 bytes) holds runs 4h and 4h + 2 in its low
+ * nibbles, 4h + 1 and 4h + 3 in its high ones (the order of L's l4); Q5_K's fifth bits of
+ * run j are bit j of qh[32], read with qh in both 256-bit halves. Codes below 32 keep S
+ * below 2^31 (4 x 31 x 2.09e6). */
+ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const *rows,
+                         const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
     __m512 acc[RW], rest[RW];
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    const size_t bytes = KQ_BYTES(bits), qs = bits == 4 ? 16 : 48;
     for (int b = 0; b < blocks; b++, L++) {
         fetch_share(ahead, lines, b, blocks);
         const __m512 units = _mm512_loadu_ps(L->q4k);
         const unsigned char *x4[RW];
-        for (int r = 0; r < RW; r++) x4[r] = rows[r] + (size_t)b * Q4K_BYTES;
+        for (int r = 0; r < RW; r++) x4[r] = rows[r] + (size_t)b * bytes;
         __m512 sb[RW];
         q4k_scales4(x4, sb);
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
@@ -1183,9 +1280,20 @@ ALWAYS void q4k_limb_tile(int blocks, const unsigned char *const *rows, const st
             /* lanes 0-7: each sub-block's scale times a / 16384; 8-15: its bias times its sum */
             const __m512 f = _mm512_mul_ps(sb[r], units);
             rest[r] = _mm512_mask_add_ps(rest[r], 0xff00, rest[r], f);
+            const __m256i fifths = bits == 5 ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
+            const __m512i qh = _mm512_broadcast_i64x4(fifths);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                const __m512i z = _mm512_loadu_si512((const void *)(x + 16 + 64 * h));
-                const __m512i codes[2] = {_mm512_and_si512(z, low), _mm512_and_si512(_mm512_srli_epi16(z, 4), low)};
+                const __m512i z = _mm512_loadu_si512((const void *)(x + qs + 64 * h));
+                __m512i codes[2] = {_mm512_and_si512(z, low), _mm512_and_si512(_mm512_srli_epi16(z, 4), low)};
+                if (bits == 5)
+                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                        /* run 4h + v in the low half, 4h + 2 + v in the high one: bit 0 of each
+                         * byte after the 16-bit lanes' shift, moved to bit 4 */
+                        const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h + v)),
+                                                              _mm256_set1_epi16((short)(4 * h + 2 + v)), 1);
+                        const __m512i fifth = _mm512_and_si512(_mm512_srlv_epi16(qh, by), one);
+                        codes[v] = _mm512_or_si512(codes[v], _mm512_slli_epi16(fifth, 4));
+                    }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const int s0 = 4 * h + v;
                     const __m512i s = limb_dot(codes[v], L->l4[0] + 128 * h + 64 * v);
@@ -1263,8 +1371,10 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
             const struct limb_block *L = (const struct limb_block *)p->limbs + (size_t)i * blocks;
             if (p->format == W_Q6K)
                 q6k_limb_tile(blocks, rows, L, dot, i ? NULL : next, lines);
+            else if (p->format == W_Q4K)
+                kq_limb_tile(4, blocks, rows, L, dot, i ? NULL : next, lines);
             else
-                q4k_limb_tile(blocks, rows, L, dot, i ? NULL : next, lines);
+                kq_limb_tile(5, blocks, rows, L, dot, i ? NULL : next, lines);
             for (int r = 0; r < nj; r++) store(p, i, j + r, dot[r]);
         }
     }
@@ -1380,7 +1490,8 @@ struct block_format {
 static const struct block_format *block_format_of(int format) {
     static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_dequantize_row};
     static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_dequantize_row};
-    return format == W_Q6K ? &q6k : format == W_Q4K ? &q4k : NULL;
+    static const struct block_format q5k = {Q5K_BYTES, q5k_stream_1, q5k_stream_2, q5k_dequantize_row};
+    return format == W_Q6K ? &q6k : format == W_Q4K ? &q4k : format == W_Q5K ? &q5k : NULL;
 }
 
 /* The block tiles' fill (fill_fn) for a GGML format (ctx: its block_format). */
@@ -1388,11 +1499,11 @@ static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, con
     const struct block_format *f = ctx;
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
     int r = 0;
-    if (p->format == W_Q4K) /* the scales of 4 rows at once */
+    if (p->format == W_Q4K || p->format == W_Q5K) /* the scales of 4 rows at once */
         for (; r + 4 <= nj; r += 4) {
             const unsigned char *rows[4];
             for (int i = 0; i < 4; i++) rows[i] = (const unsigned char *)p->w + (size_t)(j + r + i) * row_bytes;
-            q4k_dequantize_rows4(p->k, rows, w + (size_t)r * p->k);
+            kq_dequantize_rows4(p->format == W_Q4K ? 4 : 5, p->k, rows, w + (size_t)r * p->k);
         }
     for (; r < nj; r++)
         f->dequantize_row(p->k, (const unsigned char *)p->w + (size_t)(j + r) * row_bytes,

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 16
+#define RUNNER_NATIVE_ABI_VERSION 17
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -32,12 +32,13 @@
  * - W_Q6K: GGML's Q6_K blocks as a GGUF file stores them ([n, k / 256] blocks of 210 bytes,
  *   k a multiple of 256): the weight is llama.cpp's dequantized value in float32 (quantized.c
  *   says how it is computed); products compute float32 sums of those values.
- * - W_Q4K: GGML's Q4_K blocks, the same way ([n, k / 256] blocks of 144 bytes). */
-enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5 };
+ * - W_Q4K: GGML's Q4_K blocks, the same way ([n, k / 256] blocks of 144 bytes).
+ * - W_Q5K: GGML's Q5_K blocks, the same way ([n, k / 256] blocks of 176 bytes). */
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5, W_Q5K = 6 };
 
 /* One product's W [n, k]. */
 struct step_weight {
-    int format; /* W_F32, W_F16, W_BF16, W_AFFINE, W_Q6K or W_Q4K */
+    int format; /* W_F32, W_F16, W_BF16, W_AFFINE, W_Q6K, W_Q4K or W_Q5K */
     int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16 */
     const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
     const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` */
@@ -102,7 +103,7 @@ struct step_args {
     float *x;                       /* [batch, tokens, hidden]: embeddings in, final hidden out */
     float *new_keys, *new_values;   /* [layers, batch, kv_heads, tokens, head_dim] out */
     float *scratch;                 /* runner_step_scratch_floats() floats */
-    /* 1: a decode step (each row a sequence's next token): its W_Q4K / W_Q6K products, and
+    /* 1: a decode step (each row a sequence's next token): its W_Q4K / W_Q5K / W_Q6K products, and
      * its 5-bit W_AFFINE ones, take A's values as integer limbs where the build has them
      * (runner_limb_products; quantized.c: within ~1e-6 of sum |w x|, not the float tiles'
      * bits); 0: every product in float32 */
@@ -122,7 +123,7 @@ RUNNER_API int runner_native_field(const char *type, int index, const char **nam
  * "generic" (128-bit vectors, no half panels). */
 RUNNER_API const char *runner_native_level(void);
 
-/* Which decode steps' products take limbs here (quantized.c), as flags: 1, W_Q4K and W_Q6K
+/* Which decode steps' products take limbs here (quantized.c), as flags: 1, W_Q4K, W_Q5K and W_Q6K
  * (AVX512-VNNI); 2, 5-bit W_AFFINE codes in groups of 32, 64 or 128 (VNNI and VBMI); 0:
  * none (they take the float tiles, the same bits as any other product). */
 RUNNER_API int runner_limb_products(void);
@@ -134,7 +135,7 @@ RUNNER_API long runner_panel_halves(int n, int k);
  * its values exactly (bit for bit back in float32): returns 1; else 0, dst undefined. */
 RUNNER_API int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst,
                                     int format);
-/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE, W_Q6K or W_Q4K); 0, or -1
+/* C[m, n] = A[m, k] W[n, k]^T (a head: W_F32, an exact half copy, W_AFFINE or a GGML block format); 0, or -1
  * for arguments it cannot take (runner_weight_supported). `decode`: A's rows are a decode
  * step's (step_args' `decode`: by limbs where the build has them, runner_limb_products). */
 RUNNER_API int runner_weight_product(int m, int n, int k, const float *a,

@@ -54,8 +54,9 @@ class GGMLType(NamedTuple):
 # GGML_QUANT_SIZES agrees on all but Q8_1, which it gives 40 bytes where ggml's struct has 36
 # (two float16s and 32 int8s); Q8_1 and Q8_K are ggml's types for activations in dot
 # products, which no file stores. Ids 4, 5 and 31-33, 36-38 were removed from ggml.
-Q4_K, Q6_K = 12, 14  # the types a loaded model may keep as stored (runner/sources/gguf/model.py)
-KEPT_TYPES = (Q4_K, Q6_K)
+# the types a loaded model may keep as stored (runner/sources/gguf/model.py)
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+KEPT_TYPES = (Q4_K, Q5_K, Q6_K)
 TYPES: dict[int, GGMLType] = {
     t.id: t
     for t in (
