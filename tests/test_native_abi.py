@@ -351,6 +351,8 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order
     for m in (1, 2, 3, 7):
         np.testing.assert_array_equal(times(a[:m]), c[:m])
+    many = np.concatenate([a] * 16)  # 656 rows: chunks of rows (quantized.c: chunk_bytes)
+    np.testing.assert_array_equal(times(many), np.concatenate([c] * 16))
     want = a.astype(np.float64) @ values.astype(np.float64).T
     assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
     short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused

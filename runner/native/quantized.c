@@ -32,6 +32,8 @@
  */
 #include "internal.h"
 
+#include <unistd.h>
+
 /* The tiles' vectors: 512-bit with AVX-512 (F and BW), 256-bit with AVX2 and FMA, else the
  * library's (128-bit, or 256-bit with AVX alone). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -435,9 +437,24 @@ typedef void (*stream_fn)(const struct product *, const unsigned char *const *,
 #endif
 #endif
 enum { BLOCK_RW = 4, BLOCK_RA = BLOCK_RA_ };
-/* Rows of A in a chunk: the chunk's reordered rows stay in L2 while every block of W's rows
- * passes (each block dequantized once a chunk). */
-enum { CHUNK_BYTES = 256 << 10 };
+/* Bytes of A's rows in a chunk: the chunk's rows stay in L2 while every block of W's rows
+ * passes, each block dequantized once a chunk, so the more rows a chunk the less the
+ * dequantizing costs: half the core's L2 where the C library says its size, never below 256
+ * KB (Zen 4's 1 MB L2: 512 KB chunks prefill the Qwen3-0.6B shape's Q4_K_M and Q5_K_M files
+ * 3-6% faster than 256 KB ones, 768 KB no faster; bench/RESULTS.md, "Q5_K in its blocks"). */
+static long chunk_bytes(void) {
+    static atomic_long bytes;
+    long b = atomic_load_explicit(&bytes, memory_order_relaxed);
+    if (!b) {
+        b = 256L << 10;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 / 2 > b && l2 <= (64L << 20)) b = l2 / 2;
+#endif
+        atomic_store_explicit(&bytes, b, memory_order_relaxed);
+    }
+    return b;
+}
 
 /* Row `row` of W dequantized into out[k], in the tiles' order (units in order of k, each's
  * vectors in order). */
@@ -541,7 +558,8 @@ static void block_columns(const struct product *p, int j0, int j1, size_t row_by
     const float *wr[BLOCK_RW];
     for (int r = 0; r < BLOCK_RW; r++) wr[r] = w + (size_t)r * k;
     /* rows of A a chunk, as even as they divide */
-    const int most = CHUNK_BYTES / (k * 4) > BLOCK_RA ? CHUNK_BYTES / (k * 4) : BLOCK_RA;
+    const long per = chunk_bytes() / ((long)k * 4);
+    const int most = per > BLOCK_RA ? (int)per : BLOCK_RA;
     const int chunks = ceil_div(p->m, most);
     for (int ch = 0; ch < chunks; ch++) {
         const int i0 = (int)((long)p->m * ch / chunks), i1 = (int)((long)p->m * (ch + 1) / chunks);
