@@ -19,7 +19,7 @@ and `panels-1t` (the native step's products on exact float16 copies stored as pa
 their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
-biases), `q4k`, `q6k` and their `-1t` (GGML's Q4_K and Q6_K blocks as a GGUF stores
+biases), `q4k`, `q5k`, `q6k` and their `-1t` (GGML's Q4_K, Q5_K and Q6_K blocks as a GGUF stores
 them, read by the same library; random blocks, rows of whole blocks only: the Qwen3 shape),
 and `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
@@ -49,12 +49,15 @@ SHAPES = {
     "tiny-blocks": ([(24, 256), (8, 256), (8, 256), (16, 256), (40, 256), (40, 256), (16, 512)], 2),
 }  # fmt: skip
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
-EXTRA_SETTINGS = ("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q6k", "q6k-1t", "mlx-q4", "mlx-q8")
+EXTRA_SETTINGS = (
+    *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
+    *("mlx-q4", "mlx-q8"),
+)
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
 # GGML blocks: bytes a block of 256 weights
-GGML_BLOCK_BYTES = {"q4k": 144, "q6k": 210}
+GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210}
 
 
 def setting_kind(setting: str) -> str:
@@ -140,7 +143,7 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
 
 
 def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
-    """Random GGML Q4_K or Q6_K blocks of `shape` (their float16 d, dmin set to 0.01, the rest
+    """Random GGML Q4_K, Q5_K or Q6_K blocks of `shape` (their float16 d, dmin set to 0.01, the rest
     random bytes: any codes and scales take the tiles' time), as a step_weight with its
     array."""
     import numpy as np
@@ -153,9 +156,9 @@ def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
     size = GGML_BLOCK_BYTES[kind]
     blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
     half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    for at in (0, 2) if kind == "q4k" else (208,):  # Q4_K: d, dmin first; Q6_K: d last
+    for at in (208,) if kind == "q6k" else (0, 2):  # Q4_K, Q5_K: d, dmin first; Q6_K: d last
         blocks[:, :, at : at + 2] = half
-    form = abi.Q4K if kind == "q4k" else abi.Q6K
+    form = {"q4k": abi.Q4K, "q5k": abi.Q5K, "q6k": abi.Q6K}[kind]
     return abi.Weight(format=form, data=blocks.ctypes.data), blocks
 
 
