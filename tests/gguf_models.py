@@ -347,16 +347,14 @@ def k5_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return T.Q5_K if chosen == T.Q4_K else chosen
 
 
-def quantize_q4_k(values: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 144],
-    laid out as llama.cpp's block_q4_K (float16 d and dmin, 12 bytes of 6-bit scales and
-    mins as get_scale_min_k4 reads them, 128 bytes of nibbles: in chunk c, weight 64c + l in
-    the low nibble of byte 32c + l, 64c + 32 + l in its high one): a plain round-to-nearest
-    quantizer of x = (d * sc_j) * q - (dmin * m_j), which is all a test needs."""
-    lead, k = values.shape[:-1], values.shape[-1]
+def _k_quant(values: np.ndarray, top: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q4_K's (top 15) or Q5_K's (top 31) plain round-to-nearest quantizer of `values` [..., k]
+    (k a multiple of 256) as x = (d * sc_j) * q - (dmin * m_j): the codes q [blocks, 8
+    sub-blocks, 32] (uint8), and each block's bytes before them: float16 d and dmin, then 12
+    bytes of 6-bit scales and mins as llama.cpp's get_scale_min_k4 reads them."""
     x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
     low = np.minimum(x.min(-1), 0)
-    step = (x.max(-1) - low) / 15
+    step = (x.max(-1) - low) / top
     d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
     dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
     d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
@@ -364,7 +362,7 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
     scale = (d32 * sc.astype(np.float32))[..., None]
     offset = (dmin32 * m.astype(np.float32))[..., None]
-    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, top).astype(np.uint8)
     packed = np.concatenate(
         [
             sc[:, :4] | (sc[:, 4:] >> 4) << 6,
@@ -373,47 +371,36 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
         ],
         axis=1,
     ).astype(np.uint8)
+    head = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
+    return q, head
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """qs[128] of each block from codes [blocks, 8, 32] below 16: in chunk c, weight 64c + l
+    in the low nibble of byte 32c + l, 64c + 32 + l in its high one."""
     q = q.reshape(-1, 4, 2, 32)  # [blocks, chunk c, half, l]
-    qs = (q[:, :, 0] | q[:, :, 1] << 4).astype(np.uint8).reshape(-1, 128)
-    out = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1
-    )
-    return out.reshape(*lead, k // 256 * 144)
+    return (q[:, :, 0] | q[:, :, 1] << 4).astype(np.uint8).reshape(-1, 128)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 144],
+    laid out as llama.cpp's block_q4_K (float16 d and dmin, 12 bytes of 6-bit scales and
+    mins, 128 bytes of nibbles): a plain round-to-nearest quantizer (`_k_quant`), which is all
+    a test needs."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    q, head = _k_quant(values, 15)
+    return np.concatenate([*head, _nibbles(q)], axis=1).reshape(*lead, k // 256 * 144)
 
 
 def quantize_q5_k(values: np.ndarray) -> np.ndarray:
     """Q5_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 176],
     laid out as llama.cpp's block_q5_K: Q4_K's d, dmin and 6-bit scales and mins, then qh[32]
     (bit 2c of qh[l]: the fifth bit of weight 64c + l, bit 2c + 1: of weight 64c + 32 + l),
-    then Q4_K's nibbles; x = (d * sc_j) * q - (dmin * m_j), q < 32, by the same plain
-    round-to-nearest quantizer as quantize_q4_k."""
+    then Q4_K's nibbles of the codes' low 4 bits; codes below 32, the same quantizer."""
     lead, k = values.shape[:-1], values.shape[-1]
-    x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
-    low = np.minimum(x.min(-1), 0)
-    step = (x.max(-1) - low) / 31
-    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
-    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
-    sc = np.clip(np.ceil(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
-    scale = (d32 * sc.astype(np.float32))[..., None]
-    offset = (dmin32 * m.astype(np.float32))[..., None]
-    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, 31).astype(np.uint8)
-    packed = np.concatenate(
-        [
-            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
-            m[:, :4] | (m[:, 4:] >> 4) << 6,
-            (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4,
-        ],
-        axis=1,
-    ).astype(np.uint8)
+    q, head = _k_quant(values, 31)
     qh = sum(((q[:, j] >> 4) & 1).astype(np.uint8) << j for j in range(8)).astype(np.uint8)
-    q = (q & 15).reshape(-1, 4, 2, 32)  # [blocks, chunk c, half, l]
-    qs = (q[:, :, 0] | q[:, :, 1] << 4).astype(np.uint8).reshape(-1, 128)
-    out = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qh, qs],
-        axis=1,
-    )
+    out = np.concatenate([*head, qh, _nibbles(q & 15)], axis=1)
     return out.reshape(*lead, k // 256 * 176)
 
 
