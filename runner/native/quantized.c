@@ -1051,17 +1051,25 @@ ALWAYS void q5k_chunk(const unsigned char *x, int c, const struct qgroup *ga, co
         out[HALF + u] = (qv)_mm512_mask_permutexvar_ps(b, (__mmask16)(fb >> (QL * u)), high, (__m512)gb->t1);
     }
 #elif QPATH == 256
-    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    /* the chunk's 64 codes made in bytes at once (nibble | fifth bit << 4: qh's bit 2c or
+     * 2c + 1 brought to bit 0 of its byte, then to bit 4; the 16-bit lanes' shifts carry no
+     * bit of one byte onto another's bit 4), then widened 8 at a time, one exact FMA each */
+    unsigned char codes[64] __attribute__((aligned(32)));
+    const __m256i q = _mm256_loadu_si256((const __m256i *)qs), h = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+    const __m256i fa = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, 2 * c), 4), fifth);
+    const __m256i fb = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, 2 * c + 1), 4), fifth);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    _mm256_store_si256((__m256i *)codes, _mm256_or_si256(_mm256_and_si256(q, low), fa));
+    _mm256_store_si256((__m256i *)(codes + 32), _mm256_or_si256(high, fb));
     _Pragma("GCC unroll 4") for (int u = 0; u < HALF; u++) {
-        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + QL * u)));
-        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + QL * u)));
-        const __m256i fa = _mm256_and_si256(_mm256_srli_epi32(h, 2 * c), one);
-        const __m256i fb = _mm256_and_si256(_mm256_srli_epi32(h, 2 * c + 1), one);
-        const __m256i ca = _mm256_or_si256(_mm256_and_si256(q, low), _mm256_slli_epi32(fa, 4));
-        const __m256i cb = _mm256_or_si256(_mm256_srli_epi32(q, 4), _mm256_slli_epi32(fb, 4));
+        const __m128i a8 = _mm_loadl_epi64((const __m128i *)(codes + QL * u));
+        const __m128i b8 = _mm_loadl_epi64((const __m128i *)(codes + 32 + QL * u));
+        const __m256 ca = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a8));
+        const __m256 cb = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b8));
         /* one FMA each (exact: q4k_chunk) */
-        out[u] = (qv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(ca), (__m256)ga->t0, (__m256)ga->t1);
-        out[HALF + u] = (qv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), (__m256)gb->t0, (__m256)gb->t1);
+        out[u] = (qv)_mm256_fmadd_ps(ca, (__m256)ga->t0, (__m256)ga->t1);
+        out[HALF + u] = (qv)_mm256_fmadd_ps(cb, (__m256)gb->t0, (__m256)gb->t1);
     }
 #else
     for (int v = 0; v < V; v++) {
