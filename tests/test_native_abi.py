@@ -370,8 +370,9 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
     rounding each run's values to a / 16384, a = max |x| / 127, leaves: 1 / 32768 of a step
     at most, times sum |w|, plus float32 rounding of sum |w x|), far closer than 8-bit
     activations (llama.cpp's: 1 / 254 of the run's largest value); not the float tiles' bits;
-    the same bits for any number of rows and each row alone; an A with an infinite value
-    takes the float tiles (the limbs hold no infinity)."""
+    the same bits for any number of rows and each row alone; an A with an infinite or NaN
+    value takes the float tiles (the limbs hold neither; a NaN once slipped through the
+    run's max on AVX-512 and came out a finite value)."""
     from runner.sources.gguf import quants
 
     _, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
@@ -405,9 +406,10 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
         np.testing.assert_array_equal(times(a[:m]), got[:m])
     for i in range(len(a)):
         np.testing.assert_array_equal(times(a[i : i + 1]), got[i : i + 1])
-    infinite = a.copy()
-    infinite[5, 100] = np.inf
-    np.testing.assert_array_equal(times(infinite), times(infinite, decode=False))
+    for bad in (np.inf, -np.inf, np.nan):
+        nonfinite = a.copy()
+        nonfinite[5, 100] = bad
+        np.testing.assert_array_equal(times(nonfinite), times(nonfinite, decode=False))
 
 
 @pytest.mark.parametrize(("group", "k"), [(32, 640), (64, 640), (128, 640), (64, 1024)])
@@ -419,8 +421,8 @@ def test_decode_products_of_5_bit_codes_by_limbs_are_within_their_bound(
     integer sums times s, plus b times each run's sum of x; every value within the limbs'
     bound of the float64 product of mx.dequantize's values (k = 640: a last block of 4 runs),
     in every scale format; not the float tiles' bits; the same bits for any number of rows
-    and each row alone; an infinite value, or rows of k not whole pairs of runs, take the
-    float tiles."""
+    and each row alone; an infinite or NaN value, or rows of k not whole pairs of runs, take
+    the float tiles."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
@@ -457,9 +459,10 @@ def test_decode_products_of_5_bit_codes_by_limbs_are_within_their_bound(
             np.testing.assert_array_equal(times(w, a[:m]), got[:m])
         for i in range(len(a)):
             np.testing.assert_array_equal(times(w, a[i : i + 1]), got[i : i + 1])
-    infinite = a.copy()
-    infinite[5, 100] = np.inf
-    np.testing.assert_array_equal(times(w, infinite), times(w, infinite, decode=False))
+    for bad in (np.inf, np.nan):
+        nonfinite = a.copy()
+        nonfinite[5, 100] = bad
+        np.testing.assert_array_equal(times(w, nonfinite), times(w, nonfinite, decode=False))
     odd = Affine(rng.normal(size=(n, k - 32)).astype(np.float32), 5, 32)  # k % 64 == 32
     np.testing.assert_array_equal(times(odd, a[:, 32:]), times(odd, a[:, 32:], decode=False))
 

@@ -1250,6 +1250,7 @@ int limb_split(int m, int k, const float *a, int lda, void *out) {
     struct limb_block *blocks = out;
     const int nb = (k + 255) / 256;
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i finite = _mm512_set1_epi32(0x7f7fffff); /* the largest finite |x|'s bits */
     for (int i = 0; i < m; i++)
         for (int b = 0; b < nb; b++) {
             struct limb_block *L = blocks + (size_t)i * nb + b;
@@ -1258,9 +1259,12 @@ int limb_split(int m, int k, const float *a, int lda, void *out) {
             if (runs < 8) memset(L, 0, sizeof(*L));
             for (int j = 0; j < runs; j++) {
                 const __m512 v[2] = {_mm512_loadu_ps(x + 32 * j), _mm512_loadu_ps(x + 32 * j + 16)};
-                const float top = _mm512_reduce_max_ps(
-                    _mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
-                if (!(top <= 3.4e38f)) return 0; /* inf or NaN: the float tiles say what follows */
+                const __m512 size[2] = {_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])};
+                /* inf or NaN (a NaN can drop out of a max): the float tiles say what follows */
+                if (_mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[0]), finite) |
+                    _mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[1]), finite))
+                    return 0;
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(size[0], size[1]));
                 const float step = top / 127.0f, inv = top > 0 ? 127.0f / top : 0.0f;
                 for (int h = 0; h < 2; h++) {
                     const __m512 l0 = limb_of(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)), 127.0f);
