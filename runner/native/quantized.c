@@ -933,6 +933,11 @@ ALWAYS void q4k_scales(const unsigned char *x, float *sb) {
                                            (int)0x80000000u, (int)0x80000000u, (int)0x80000000u,
                                            (int)0x80000000u, (int)0x80000000u, (int)0x80000000u);
     _mm512_storeu_ps(sb, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign)));
+#elif QPATH == 256 /* the same products: -(dmin * m) is (-dmin) * m */
+    const __m128i q = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(sb, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_set1_ps(d)));
+    _mm256_storeu_ps(sb + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
+                                           _mm256_set1_ps(-dmin)));
 #else
     unsigned char q[16];
     memcpy(q, u, 16);
