@@ -21,11 +21,14 @@ step's products on MLX's affine quantization, group 64, float16 scales and biase
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
 biases), `q4k`, `q5k`, `q6k` and their `-1t` (GGML's Q4_K, Q5_K and Q6_K blocks as a GGUF stores
 them, read by the same library; random blocks, rows of whole blocks only: the Qwen3 shape),
-and `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
+`q4k-decode`, `q5k-decode`, `q6k-decode` and their `-1t` (the same products as a decode
+step's rows: by integer limbs where the library has them, runner_limb_products), and
+`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
     python -m bench.sgemm --shape qwen3-0.6b --rows 1,2,18 --settings q4k-1t,q6k-1t,q4-1t
+    python -m bench.sgemm --shape qwen3-0.6b --rows 1,2 --settings q4k-1t,q4k-decode-1t
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SHAPES = {
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
+    *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("mlx-q4", "mlx-q8"),
 )
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
@@ -62,14 +66,17 @@ GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210}
 
 def setting_kind(setting: str) -> str:
     """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
-    products) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
+    products), q4k/q5k/q6k (GGML blocks; `-decode`: as a decode step's rows, by limbs where
+    the build has them) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
     base = setting.removesuffix("-1t")
-    known = ("panels", *WEIGHT_BYTES, *GGML_BLOCK_BYTES, "mlx-q4", "mlx-q8")
+    if base.removesuffix("-decode") in GGML_BLOCK_BYTES:
+        return base
+    known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8")
     return base if base in known else "sgemm"
 
 
 def weight_bytes(setting: str) -> float:
-    kind = setting_kind(setting).removeprefix("mlx-")
+    kind = setting_kind(setting).removeprefix("mlx-").removesuffix("-decode")
     if kind in ("q4", "q5", "q8"):
         return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
     if kind in GGML_BLOCK_BYTES:
@@ -89,6 +96,8 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
     sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, p, ctypes.c_int, p, ctypes.c_int]
     sgemm.argtypes += [ctypes.c_float, p, ctypes.c_int]
     products, layers = SHAPES[shape]
+    decode = int(kind.endswith("-decode"))
+    kind = kind.removesuffix("-decode")
     rng = np.random.default_rng(0)
     # each layer's operands: float32 weights [n, k], or the panels of float16 values (exact),
     # or MLX's affine quantization of them
@@ -116,7 +125,13 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
             )
         elif kind != "sgemm":
             functions.weight_product(
-                m, n, k, a.ctypes.data_as(abi.F32), ctypes.byref(w[0]), c.ctypes.data_as(abi.F32), 0
+                m,
+                n,
+                k,
+                a.ctypes.data_as(abi.F32),
+                ctypes.byref(w[0]),
+                c.ctypes.data_as(abi.F32),
+                decode,
             )
         else:
             sgemm(101, 111, 112, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k,

@@ -308,7 +308,7 @@ def test_the_header_has_the_dispatch_level_and_the_llama_cpp_build():
     )
     assert dispatch_level(avx512, object()).startswith("not loaded")
 
-    class Limbs(Newer):  # says whether decode steps take limbs (AVX512-VNNI)
+    class Limbs(Newer):  # says whether decode steps take limbs (AVX512-VNNI or AVX2)
         def runner_limb_products(self) -> int:
             return 1
 

@@ -384,8 +384,8 @@ def test_requests_over_several_system_prompts(model_dir):
 
 def test_sgemm_bench_times_the_dispatch_and_the_panels():
     """`python -m bench.sgemm`'s measurement, in this process (the tests run with the dispatch
-    preloaded): cblas_sgemm, the panel products and the GGML block products time every row
-    count."""
+    preloaded): cblas_sgemm, the panel products and the GGML block products (a forward's, and
+    a decode step's: by limbs where the library has them) time every row count."""
     from bench import sgemm
     from runner.native import preload
 
@@ -395,7 +395,7 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         rates = sgemm.child("tiny", [1, 3, 15], kind)
         assert set(rates) == {"1", "3", "15"}
         assert all(rate > 0 for rate in rates.values())
-    for kind in ("q4k", "q5k", "q6k"):  # GGML blocks: rows of whole blocks
+    for kind in ("q4k", "q5k", "q6k", "q4k-decode", "q6k-decode"):  # rows of whole blocks
         rates = sgemm.child("tiny-blocks", [1, 2, 15], kind)
         assert set(rates) == {"1", "2", "15"}
         assert all(rate > 0 for rate in rates.values())

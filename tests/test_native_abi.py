@@ -65,10 +65,10 @@ def compile_with(tmp: Path, flags: list[str], edit: dict[str, tuple[str, str]] |
 
 def native_flags(march: str = "native") -> list[str]:
     """The library's flags for `march` (a level with `+vnni`: that level and -mavx512vnni;
-    `+vnni+vbmi`: -mavx512vbmi too)."""
+    `+vnni+vbmi`: -mavx512vbmi too; `+avxvnni`: -mavxvnni)."""
     arch, *extras = march.split("+")
     flags = [f"-march={arch}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
-    return flags + [f"-mavx512{extra}" for extra in extras]
+    return flags + [f"-m{e}" if e.startswith("avx") else f"-mavx512{e}" for e in extras]
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -168,6 +168,8 @@ LEVELS = {
     "x86-64": ("sse", set()),
     "x86-64-v2": ("sse", {"sse4_2", "popcnt", "ssse3"}),
     "x86-64-v3": ("avx2", {"avx2", "fma", "f16c", "bmi2", "movbe"}),
+    # with AVX-VNNI (Alder Lake and later Intel cores, Zen 5): its limbs by vpdpbusd
+    "x86-64-v3+avxvnni": ("avx2", {"avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"}),
     "x86-64-v4": ("avx512", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     # with VNNI (Cascade Lake and later): decode steps' GGML block products by limbs
     "x86-64-v4+vnni": (
@@ -212,7 +214,8 @@ def test_every_level_builds_with_its_path(level_library) -> None:
     functions = abi.load(library)
     assert functions is not None
     assert functions.half_weights == (LEVELS[march][0] in ("avx2", "avx512"))
-    assert functions.limb_products == ("+vnni" in march)
+    # limbs: AVX2 (vpmaddubsw, or AVX-VNNI's vpdpbusd) and AVX512-VNNI; not AVX-512 without it
+    assert functions.limb_products == (LEVELS[march][0] == "avx2" or "+vnni" in march)
     assert functions.affine_limbs == march.endswith("+vbmi")
 
 

@@ -720,7 +720,7 @@ class NativeStep:
 
     @property
     def limb_products(self) -> bool:
-        """Whether this library's decode steps take limbs for GGML blocks (AVX512-VNNI)."""
+        """Whether this library's decode steps take limbs for GGML blocks (AVX512-VNNI or AVX2)."""
         return self._limb_products
 
     @property

@@ -118,7 +118,7 @@ class Functions:
     step: Any  # runner_decoder_step
     scratch: Any  # runner_step_scratch_floats
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
-    limb_products: bool  # whether decode steps' GGML block products take limbs (AVX512-VNNI)
+    limb_products: bool  # whether decode steps' GGML block products take limbs (AVX2, VNNI)
     affine_limbs: bool  # whether their 5-bit affine products do too (VNNI and VBMI)
     narrow_panels: Any
     panel_halves: Any

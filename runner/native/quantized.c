@@ -719,15 +719,22 @@ static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p
 static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
 static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
 
-/* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI; MLX's
- * 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with AVX512-VBMI too, whose
- * vpmultishiftqb spreads 5-bit codes into bytes. */
+/* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI, or with
+ * AVX2 (256-bit tiles); MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with
+ * AVX512-VBMI too, whose vpmultishiftqb spreads 5-bit codes into bytes. AVX-512 without VNNI
+ * keeps the float tiles: there the 256-bit limbs measured no faster than its tables
+ * (bench/RESULTS.md, "Decode by limbs on AVX2"). */
 #if QPATH == 512 && defined(__AVX512VNNI__)
 #define LIMB_PRODUCTS 1
+#define LIMB_PATH 512
+#elif QPATH == 256
+#define LIMB_PRODUCTS 1
+#define LIMB_PATH 256
 #else
 #define LIMB_PRODUCTS 0
+#define LIMB_PATH 0
 #endif
-#if LIMB_PRODUCTS && defined(__AVX512VBMI__)
+#if LIMB_PATH == 512 && defined(__AVX512VBMI__)
 #define AFFINE_LIMBS 1
 #else
 #define AFFINE_LIMBS 0
@@ -1194,7 +1201,7 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
     kq_stream_tile(5, 2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K with AVX512-VNNI; 5-bit W_AFFINE: VBMI) -- */
+/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K: AVX512-VNNI or AVX2; 5-bit W_AFFINE: VBMI) */
 
 /* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
  * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
@@ -1219,9 +1226,10 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * plus b times the run's sum of x) take limbs too: their float tiles make ~17 G values/s, half
  * the rate memory delivers them at (the default model's "Q4_K_M" file is 74% Q5_0); the 4-
  * and 8-bit ones measured no faster by limbs (bench/RESULTS.md, "5-bit codes by limbs").
- * Without AVX512-VNNI (AVX2 has no 8-bit dot product that beats float32 FMAs at three limbs)
- * limb_split declines and decode steps take the float tiles. A's rows need whole runs of 32
- * (k % 32); a last block of fewer than 8 runs is zero past them. */
+ * AVX2 builds take the same limbs with 256-bit tiles (below: vpmaddubsw and vpmaddwd make the
+ * same S); AVX-512 without VNNI, and builds without AVX2, have no limb_split (it declines)
+ * and decode steps take the float tiles. A's rows need whole runs of 32 (k % 32); a last block
+ * of fewer than 8 runs is zero past them. */
 
 /* A's limbs for 256 of a row's values (limb_split). */
 struct limb_block {
@@ -1239,7 +1247,7 @@ long limb_floats(int m, int k) {
     return (long)m * ((k + 255) / 256) * (long)(sizeof(struct limb_block) / sizeof(float));
 }
 
-#if LIMB_PRODUCTS
+#if LIMB_PATH == 512
 /* v rounded to an integer (ties to even) and clamped to [-most, most]. */
 ALWAYS __m512 limb_of(__m512 v, float most) {
     const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -1400,6 +1408,196 @@ ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const st
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(rest[r]);
 }
 
+#elif LIMB_PATH == 256
+/* The same limbs with 256-bit vectors (AVX2, no 8-bit dot product instruction): vpmaddubsw
+ * multiplies two codes (unsigned) by two limbs (signed) and adds them in int16, exact
+ * (|sum| <= 2 x 63 x 127 < 2^15), and vpmaddwd adds two of those into int32 times 16384, 128
+ * or 1, so S per lane of 4 codes is the AVX-512 tiles' to the bit: for 32 products, six
+ * instructions and two adds, one conversion and one FMA, where the float tiles spend a
+ * conversion and an FMA making each 8 values and another FMA multiplying them
+ * (bench/RESULTS.md, "Decode by limbs on AVX2": a decode step's products 1.3-2x the float
+ * tiles' rate on one row; on several rows each row is its own pass, about the float stream
+ * tiles' rate). A's runs are read in order of k (l; l4 is not made); each run of 32 codes is
+ * one register, whose 8 lanes share a sub-block's scale (Q4_K, Q5_K) or two (Q6_K). */
+
+/* v rounded to an integer (ties to even) and clamped to [-most, most]. */
+ALWAYS __m256 limb_of(__m256 v, float most) {
+    const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_max_ps(_mm256_min_ps(r, _mm256_set1_ps(most)), _mm256_set1_ps(-most));
+}
+
+/* The sum (the largest) of v's 8 lanes. */
+ALWAYS float limb_sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+ALWAYS float limb_max8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 32 limbs (4 vectors of 8 integers in float) as bytes, in order. */
+ALWAYS void limb_store(signed char *to, const __m256 *v) {
+    const __m256i a = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
+    const __m256i b = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
+    /* 4-byte groups v0[0:4] v1[0:4] v2[0:4] v3[0:4] v0[4:8] .. v3[4:8], put in order */
+    const __m256i bytes = _mm256_packs_epi16(a, b);
+    _mm256_storeu_si256((__m256i *)to, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+int limb_split(int m, int k, const float *a, int lda, void *out) {
+    if (k % 32) return 0;
+    struct limb_block *blocks = out;
+    const int nb = (k + 255) / 256;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i finite = _mm256_set1_epi32(0x7f7fffff); /* the largest finite |x|'s bits */
+    for (int i = 0; i < m; i++)
+        for (int b = 0; b < nb; b++) {
+            struct limb_block *L = blocks + (size_t)i * nb + b;
+            const float *x = a + (size_t)i * lda + (size_t)b * 256;
+            const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
+            if (runs < 8) memset(L, 0, sizeof(*L));
+            for (int j = 0; j < runs; j++) {
+                __m256 v[4], l0[4], l1[4], l2[4], top = _mm256_setzero_ps();
+                __m256i over = _mm256_setzero_si256();
+                for (int u = 0; u < 4; u++) {
+                    v[u] = _mm256_loadu_ps(x + 32 * j + 8 * u);
+                    const __m256 size = _mm256_andnot_ps(sign, v[u]);
+                    top = _mm256_max_ps(top, size);
+                    over = _mm256_or_si256(over, _mm256_cmpgt_epi32(_mm256_castps_si256(size), finite));
+                }
+                /* inf or NaN (a NaN can drop out of a max): the float tiles say what follows */
+                if (!_mm256_testz_si256(over, over)) return 0;
+                const float most = limb_max8(top);
+                const float step = most / 127.0f, inv = most > 0 ? 127.0f / most : 0.0f;
+                for (int u = 0; u < 4; u++) {
+                    l0[u] = limb_of(_mm256_mul_ps(v[u], _mm256_set1_ps(inv)), 127.0f);
+                    const __m256 e1 = _mm256_fnmadd_ps(l0[u], _mm256_set1_ps(step), v[u]);
+                    l1[u] = limb_of(_mm256_mul_ps(e1, _mm256_set1_ps(inv * 128.0f)), 64.0f);
+                    const __m256 e2 = _mm256_fnmadd_ps(l1[u], _mm256_set1_ps(step / 128.0f), e1);
+                    l2[u] = limb_of(_mm256_mul_ps(e2, _mm256_set1_ps(inv * 16384.0f)), 64.0f);
+                }
+                limb_store(L->l[0] + 32 * j, l0);
+                limb_store(L->l[1] + 32 * j, l1);
+                limb_store(L->l[2] + 32 * j, l2);
+                L->q6k_s[2 * j] = limb_sum8(_mm256_add_ps(v[0], v[1]));
+                L->q6k_s[2 * j + 1] = limb_sum8(_mm256_add_ps(v[2], v[3]));
+                const float unit = step / 16384.0f;
+                L->q4k[j] = unit;
+                L->q4k[8 + j] = L->q6k_s[2 * j] + L->q6k_s[2 * j + 1];
+                L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
+            }
+        }
+    return 1;
+}
+
+/* Each lane's 4 codes (unsigned bytes) times the limbs at l (3 runs of 256 apart): S. With
+ * AVX-VNNI (Alder Lake and later Intel cores) vpdpbusd makes it as the AVX-512 tiles do. */
+ALWAYS __m256i limb_dot(__m256i codes, const signed char *l) {
+#if defined(__AVXVNNI__)
+    __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, _mm256_loadu_si256((const __m256i *)l));
+    s = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 7), codes, _mm256_loadu_si256((const __m256i *)(l + 256)));
+    return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 7), codes, _mm256_loadu_si256((const __m256i *)(l + 512)));
+#else
+    const __m256i p0 = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)l));
+    const __m256i p1 = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(l + 256)));
+    const __m256i p2 = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(l + 512)));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_set1_epi16(16384)),
+                                             _mm256_madd_epi16(p1, _mm256_set1_epi16(128))),
+                            _mm256_madd_epi16(p2, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Bit j of each byte of h at bit 4 (16-bit shifts: no byte's bit reaches another's bit 4). */
+ALWAYS __m256i bit_at_4(__m256i h, int j) {
+    const __m256i t = j < 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+    return _mm256_and_si256(t, _mm256_set1_epi8(16));
+}
+
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q4_K (bits 4) or Q5_K
+ * (bits 5) blocks: chunk c's 32 bytes of qs hold run 2c in their low nibbles, 2c + 1 in
+ * their high ones; Q5_K's fifth bit of run j is bit j of qh[32]. */
+ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const *rows,
+                         const struct limb_block *L, float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    __m256 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    const size_t bytes = KQ_BYTES(bits), qs = bits == 4 ? 16 : 48;
+    for (int b = 0; b < blocks; b++, L++) {
+        fetch_share(ahead, lines, b, blocks);
+        const __m256 units = _mm256_loadu_ps(L->q4k), sums = _mm256_loadu_ps(L->q4k + 8);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            const unsigned char *x = rows[r] + (size_t)b * bytes;
+            float sb[16], f[8]; /* f[j]: sub-block j's scale times a / 16384 */
+            q4k_scales(x, sb);
+            _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_loadu_ps(sb), units));
+            rest[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sb + 8), sums, rest[r]);
+            const __m256i h = bits == 5 ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                const __m256i z = _mm256_loadu_si256((const __m256i *)(x + qs + 32 * c));
+                __m256i codes[2] = {_mm256_and_si256(z, low), _mm256_and_si256(_mm256_srli_epi16(z, 4), low)};
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const int j = 2 * c + v;
+                    if (bits == 5) codes[v] = _mm256_or_si256(codes[v], bit_at_4(h, j));
+                    const __m256i s = limb_dot(codes[v], L->l[0] + 32 * j);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(f + j), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_add_ps(acc[r], rest[r]));
+}
+
+/* The same for Q6_K blocks: quarter s of half h (values 128h + 32s ..) has its low 4 bits in
+ * ql[64h + 32 (s & 1) ..] (s < 2: low nibbles, else high), its high 2 in bits 2s of
+ * qh[32h ..]; a run's lanes 0-3 are its first sub-block of 16, 4-7 its second. */
+ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
+                          float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    __m256 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
+    for (int b = 0; b < blocks; b++, L++) {
+        fetch_share(ahead, lines, b, blocks);
+        const __m256 units[2] = {_mm256_loadu_ps(L->q6k_u), _mm256_loadu_ps(L->q6k_u + 8)};
+        const __m256 sums[2] = {_mm256_loadu_ps(L->q6k_s), _mm256_loadu_ps(L->q6k_s + 8)};
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            const unsigned char *x = rows[r] + (size_t)b * Q6K_BYTES;
+            unsigned short half;
+            memcpy(&half, x + 208, 2);
+            const __m256 d = _mm256_set1_ps(half_to_float(half));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(x + 192));
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                const __m256 scale = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)), d);
+                rest[r] = _mm256_fmadd_ps(scale, sums[h], rest[r]);
+                const __m256 f = _mm256_mul_ps(scale, units[h]); /* sub-blocks 8h .. 8h + 7 */
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
+                const __m256i codes[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, high2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
+                };
+                _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
+                    const __m256i at = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
+                    const __m256i dots = limb_dot(codes[s], L->l[0] + 128 * h + 32 * s);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(f, at), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_fnmadd_ps(_mm256_set1_ps(32.0f), rest[r], acc[r]));
+}
+#endif
+
+#if LIMB_PRODUCTS
 /* Columns [j0, j1) of C from p's limbs: 4 rows of W at a time against each row of A, the
  * rows PREFETCH_BLOCKS groups ahead fetched over the first row's blocks. */
 static void limb_columns(const struct product *p, size_t row_bytes, int j0, int j1) {
