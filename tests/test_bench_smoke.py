@@ -403,6 +403,31 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         sgemm.child("tiny", [1], "q4k")
 
 
+def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
+    """`python -m bench.decode_builds`' measurement: a runner spawned per build of the native
+    library (this CPU's, and an x86-64-v3 one: what AVX2-only CPUs build) on a tiny
+    Q4_K_M-like GGUF, each timing its decode tokens, and all generating the same greedy text
+    (measure raises otherwise)."""
+    import platform
+
+    from bench import decode_builds
+    from runner.native import build, preload
+    from tests.gguf_models import k_mixed, write_gguf
+    from tests.test_gguf_models import K_QUANT_LLAMA
+    from tests.tiny import edit_text_config, tiny_config, write_tiny_model
+
+    if not preload.dispatch_active() or build.compiler() is None:
+        pytest.skip("needs the runner's dispatch library preloaded and a C compiler")
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
+    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
+    model = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    builds = ["native", "x86-64-v3"] if platform.machine() == "x86_64" else ["native"]
+    libraries = [decode_builds.library_for(b, tmp_path) for b in builds]
+    times = decode_builds.measure(model, libraries, 1, 4, decode_builds.prompt(20))
+    assert set(times) == set(libraries)
+    assert all(len(t) == 1 and t[0] > 0 for t in times.values())
+
+
 def test_families_bench_says_which_families_take_the_native_step():
     """`python -m bench.families`' measurement, in this process: a Llama and a Phi3 (fused
     projections) take the native step where the dispatch is preloaded, a Qwen3-MoE (experts)

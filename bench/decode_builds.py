@@ -1,0 +1,132 @@
+"""`python -m bench.decode_builds`: whole generations alternating between builds of the native
+library on one model, ms a decode token each: one instruction-set path (an x86-64 level's
+build) against another on the same machine, in the same minutes.
+
+A build is the library compiled from this checkout's sources for a `-march` (`x86-64-v3`:
+what an AVX2-only CPU builds; `native`: this CPU's, as the runner builds it), or a library
+file given by its path (another checkout's build). One runner is spawned per build with that
+library preloaded (runner/native/preload.py leaves a preset LD_PRELOAD as it is), and each
+round asks every runner in turn for the same greedy completion, after one untimed. The model:
+`--model` (a directory or a GGUF file), by default a Qwen3-0.6B-shaped Q4_K_M-like GGUF
+(random weights, bench/models.py; Q4_K and Q6_K blocks in llama.cpp's layout from
+tests/gguf_models.py's quantizers) written once into the cache.
+
+    python -m bench.decode_builds --builds x86-64-v3,native --rounds 4 --tokens 64
+    python -m bench.decode_builds --builds /tmp/head-v3.so,x86-64-v3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+PROMPT_WORDS = 300
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+def prompt(words: int = PROMPT_WORDS) -> str:
+    return " ".join(f"{WORDS[i % len(WORDS)]}{i % 7}" for i in range(words))
+
+
+def library_for(build: str, into: Path) -> str:
+    """The library file of `build`: a path as it is, `native` as the runner builds it, else
+    this checkout's sources compiled with -march=`build`."""
+    from runner.native import build as native
+
+    if "/" in build:
+        if not Path(build).is_file():
+            raise SystemExit(f"no library at {build}")
+        return build
+    if build == "native":
+        built = native.library()
+        if built is None:
+            raise SystemExit("the native library did not build (no C compiler?)")
+        return built
+    flags = [f"-march={build}" if f == native.MARCH else f for f in native.DISPATCH_FLAGS]
+    target = into / f"runner_native-{build}.so"
+    native.compile_library(target, flags)
+    return str(target)
+
+
+def default_model() -> Path:
+    """The Qwen3-0.6B-shaped Q4_K_M-like GGUF, written on first use (~30 s, 409 MB)."""
+    from bench.models import SHAPES, write_model_dir
+    from runner.sources.default_model import cache_root
+    from tests.gguf_models import k_mixed, write_gguf
+
+    path = cache_root() / "bench-models" / "qwen3-0.6b-q4_k_m-like.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            model_dir = write_model_dir(SHAPES["default"], Path(tmp) / "model")
+            written = write_gguf(model_dir, Path(tmp) / path.name, k_mixed)
+            written.replace(path)
+    return path
+
+
+def measure(
+    model: Path, libraries: list[str], rounds: int, tokens: int, text: str
+) -> dict[str, list[float]]:
+    """ms a decode token of each library's runner, one completion a round each; SystemExit
+    when the runners' texts differ (the same greedy tokens are expected of every build)."""
+    from bench.ours import completion_body, completion_lines
+    from runner.native import preload
+    from tools.spawned import SpawnedRunner
+
+    blas = preload.optimised_blas()
+    if blas is None:
+        raise SystemExit("needs Linux with Debian's libopenblas0-pthread")
+    runners = []
+    try:
+        for library in libraries:
+            env = {"LD_PRELOAD": f"{library}:{blas}", preload.MARKER: blas}
+            runner = SpawnedRunner(
+                "--model", str(model), env={**env, "OPENBLAS_THREAD_TIMEOUT": "4"}
+            )
+            runners.append(runner)
+            runner.wait_ready()
+        for runner in runners:  # untimed: the first generation maps the weights in
+            completion_lines(runner.url, completion_body(text, tokens))
+        times: dict[str, list[float]] = {library: [] for library in libraries}
+        texts = set()
+        for _ in range(rounds):
+            for library, runner in zip(libraries, runners, strict=True):
+                lines = completion_lines(runner.url, completion_body(text, tokens))
+                done = lines[-1]
+                times[library].append(done["EvalDuration"] / 1e6 / max(1, done["EvalCount"]))
+                texts.add("".join(line.get("Content", "") for line in lines))
+    finally:
+        for runner in runners:
+            runner.stop()
+    if len(texts) != 1:
+        raise SystemExit(f"the builds generated {len(texts)} different texts")
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_builds", description=__doc__)
+    p.add_argument("--builds", default="x86-64-v3,native", help="-march names or library paths")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=PROMPT_WORDS)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="decode-builds-") as tmp:
+        builds = args.builds.split(",")
+        libraries = [library_for(build, Path(tmp)) for build in builds]
+        model = args.model or default_model()
+        times = measure(model, libraries, args.rounds, args.tokens, prompt(args.prompt_words))
+    first = statistics.median(times[libraries[0]])
+    print(f"model {model}; {args.rounds} rounds of {args.tokens} greedy tokens; the same text")
+    for build, library in zip(builds, libraries, strict=True):
+        median = statistics.median(times[library])
+        each = " ".join(f"{t:.2f}" for t in times[library])
+        print(f"{build:>24}  {median:7.2f} ms a token  ({first / median:.2f}x the first)  [{each}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
