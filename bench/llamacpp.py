@@ -129,9 +129,10 @@ def converter_source(given: Path | None, version: str) -> Path:
             if not (path / CONVERTER).is_file():
                 raise ValueError(f"{source} {path} holds no {CONVERTER}")
             return path
-    target = sdist_cache(version)
-    if (target / CONVERTER).is_file():
+    target = unpacked_sdist(version)
+    if target is not None and (target / CONVERTER).is_file():
         return target
+    target = sdist_cache(version)
     with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         done = subprocess.run(
@@ -149,6 +150,50 @@ def converter_source(given: Path | None, version: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, target)  # a complete tree or none
     return target
+
+
+def unpacked_sdist(version: str) -> Path | None:
+    """The sdist cache's tree for llama-cpp-python `version` (sdist_cache: the converter's
+    files and llama.cpp's ggml-vocab-* test vocabularies), unpacked where need be from the
+    tarball scripts/setup downloads beside it (no network); None when neither is there."""
+    target = sdist_cache(version)
+    tarball = target.parent / f"llama_cpp_python-{version}.tar.gz"
+    if tarball.is_file() and not ((target / CONVERTER).is_file() and (target / "models").is_dir()):
+        _unpack_sdist(tarball, target)
+    return target if target.is_dir() else None
+
+
+def _unpack_sdist(tarball: Path, target: Path) -> None:
+    """The converter's files and the vocabularies of the sdist `tarball` into `target`
+    (vendor/llama.cpp/ stripped; written by us, so no member lands outside it). Each tree
+    `target` lacks is moved in whole, the converter itself last: what the checks above look
+    for is there only once its tree is."""
+    vocabularies = SDIST_ROOT + "models/ggml-vocab-"
+    converter = [SDIST_ROOT + p for p in CONVERTER_PATHS]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-", dir=target.parent) as tmp:
+        staging = Path(tmp) / "src"
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                _, _, inner = member.name.partition("/")
+                if not member.isfile() or ".." in Path(inner).parts:
+                    continue
+                if not inner.startswith(vocabularies) and not any(
+                    inner == p or (p.endswith("/") and inner.startswith(p)) for p in converter
+                ):
+                    continue
+                out = staging / inner[len(SDIST_ROOT) :]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                assert source is not None
+                out.write_bytes(source.read())
+        target.mkdir(exist_ok=True)
+        for tree in sorted(staging.iterdir(), key=lambda tree: tree.name == CONVERTER):
+            try:
+                os.replace(tree, target / tree.name)
+            except OSError:
+                if not (target / tree.name).exists():  # else another process moved it first
+                    raise
 
 
 def _extract_converter(archive: Path, into: Path) -> None:

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench.llamacpp import CONVERTER, sdist_cache
+from bench.llamacpp import CONVERTER, sdist_cache, unpacked_sdist
 from runner.models import build_model
 from runner.sources.gguf.model import load_gguf
 from runner.sources.loader import load_local_dir
@@ -78,11 +78,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def converter() -> Path:
     given = os.environ.get("LLAMA_CPP_SRC", "").strip()
-    src = Path(given) if given else sdist_cache(LLAMA_CPP_PYTHON)
+    # the converter unpacked from the sdist scripts/setup downloads, or the bench fetched
+    cached = unpacked_sdist(LLAMA_CPP_PYTHON) or sdist_cache(LLAMA_CPP_PYTHON)
+    src = Path(given) if given else cached
     if not (src / CONVERTER).is_file():
         pytest.skip(
-            f"no llama.cpp converter: set $LLAMA_CPP_SRC, or let the bench fetch llama-cpp-python "
-            f"{LLAMA_CPP_PYTHON}'s into {src} (python -m bench with llama.cpp)"
+            f"no llama.cpp converter: set $LLAMA_CPP_SRC, or let scripts/setup download the "
+            f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist (or the bench fetch it) into {src.parent}"
         )
     return src
 

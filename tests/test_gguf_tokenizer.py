@@ -22,8 +22,6 @@ import json
 import os
 import random
 import re
-import tarfile
-import tempfile
 import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from bench.llamacpp import CONVERTER_PATHS, SDIST_ROOT, sdist_cache
+from bench.llamacpp import SDIST_ROOT, sdist_cache, unpacked_sdist
 from runner.sources.gguf.tokenizer import (
     _PRE_TOKENIZERS,
     CONTROL,
@@ -506,38 +504,6 @@ def test_sentencepiece_defaults_without_ids(tmp_path):
 # ---- llama.cpp's vocabularies and test vectors, from the llama-cpp-python sdist ----
 
 
-def _unpack(tarball: Path, target: Path) -> None:
-    """The sdist's vocabularies into `target`/models, beside the converter files the bench
-    keeps there (the same layout: vendor/llama.cpp/ stripped), each tree complete or absent."""
-    vocabularies = SDIST_ROOT + "models/ggml-vocab-"
-    converter = [SDIST_ROOT + p for p in CONVERTER_PATHS]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-", dir=target.parent) as tmp:
-        staging = Path(tmp) / "src"
-        with tarfile.open(tarball) as tar:
-            for member in tar.getmembers():
-                _, _, inner = member.name.partition("/")
-                if not member.isfile() or ".." in Path(inner).parts:
-                    continue
-                if not inner.startswith(vocabularies) and not any(
-                    inner == p or (p.endswith("/") and inner.startswith(p)) for p in converter
-                ):
-                    continue
-                out = staging / inner[len(SDIST_ROOT) :]
-                out.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                assert source is not None
-                out.write_bytes(source.read())
-        try:
-            if target.exists():
-                os.replace(staging / "models", target / "models")
-            else:
-                os.replace(staging, target)
-        except OSError:
-            if not (target / "models").is_dir():  # else another process unpacked it first
-                raise
-
-
 def vocab_dir() -> Path | None:
     """Where the sdist's ggml-vocab-* files are, unpacking the cached tarball if need be."""
     given = os.environ.get(SDIST_ENV, "").strip()
@@ -547,12 +513,9 @@ def vocab_dir() -> Path | None:
             if any(found.glob("ggml-vocab-*.gguf")):
                 return found
         pytest.fail(f"${SDIST_ENV}={given} holds no vendor/llama.cpp/models/ggml-vocab-*.gguf")
-    target = sdist_cache(LLAMA_CPP_PYTHON)
-    if not any((target / "models").glob("ggml-vocab-*.gguf.inp")):
-        tarball = target.parent / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-        if not tarball.is_file():
-            return None
-        _unpack(tarball, target)
+    target = unpacked_sdist(LLAMA_CPP_PYTHON)
+    if target is None or not any((target / "models").glob("ggml-vocab-*.gguf.inp")):
+        return None
     return target / "models"
 
 
