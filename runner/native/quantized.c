@@ -1258,48 +1258,37 @@ ALWAYS void limb_store(signed char *to, __m512 limb) {
     _mm_storeu_si128((__m128i *)to, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb)));
 }
 
-int limb_split(int m, int k, const float *a, int lda, void *out) {
-    if (k % 32) return 0;
-    struct limb_block *blocks = out;
-    const int nb = (k + 255) / 256;
+/* Run j (its 32 values at x) of a block's limbs into L; 0 where a value is inf or NaN (a NaN
+ * can drop out of a max: each value's bits are checked), and the float tiles say what follows. */
+ALWAYS int limb_run(const float *x, int j, struct limb_block *L) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i finite = _mm512_set1_epi32(0x7f7fffff); /* the largest finite |x|'s bits */
-    for (int i = 0; i < m; i++)
-        for (int b = 0; b < nb; b++) {
-            struct limb_block *L = blocks + (size_t)i * nb + b;
-            const float *x = a + (size_t)i * lda + (size_t)b * 256;
-            const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
-            if (runs < 8) memset(L, 0, sizeof(*L));
-            for (int j = 0; j < runs; j++) {
-                const __m512 v[2] = {_mm512_loadu_ps(x + 32 * j), _mm512_loadu_ps(x + 32 * j + 16)};
-                const __m512 size[2] = {_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])};
-                /* inf or NaN (a NaN can drop out of a max): the float tiles say what follows */
-                if (_mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[0]), finite) |
-                    _mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[1]), finite))
-                    return 0;
-                const float top = _mm512_reduce_max_ps(_mm512_max_ps(size[0], size[1]));
-                const float step = top / 127.0f, inv = top > 0 ? 127.0f / top : 0.0f;
-                for (int h = 0; h < 2; h++) {
-                    const __m512 l0 = limb_of(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)), 127.0f);
-                    const __m512 e1 = _mm512_fnmadd_ps(l0, _mm512_set1_ps(step), v[h]);
-                    const __m512 l1 = limb_of(_mm512_mul_ps(e1, _mm512_set1_ps(inv * 128.0f)), 64.0f);
-                    const __m512 e2 = _mm512_fnmadd_ps(l1, _mm512_set1_ps(step / 128.0f), e1);
-                    const __m512 l2 = limb_of(_mm512_mul_ps(e2, _mm512_set1_ps(inv * 16384.0f)), 64.0f);
-                    limb_store(L->l[0] + 32 * j + 16 * h, l0);
-                    limb_store(L->l[1] + 32 * j + 16 * h, l1);
-                    limb_store(L->l[2] + 32 * j + 16 * h, l2);
-                    const int at = 32 * ((j & 4) | (j & 1) << 1 | (j & 2) >> 1) + 16 * h;
-                    limb_store(L->l4[0] + at, l0);
-                    limb_store(L->l4[1] + at, l1);
-                    limb_store(L->l4[2] + at, l2);
-                    L->q6k_s[2 * j + h] = _mm512_reduce_add_ps(v[h]);
-                }
-                const float unit = step / 16384.0f;
-                L->q4k[j] = unit;
-                L->q4k[8 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-                L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
-            }
-        }
+    const __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+    const __m512 size[2] = {_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])};
+    if (_mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[0]), finite) |
+        _mm512_cmpgt_epi32_mask(_mm512_castps_si512(size[1]), finite))
+        return 0;
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(size[0], size[1]));
+    const float step = top / 127.0f, inv = top > 0 ? 127.0f / top : 0.0f;
+    for (int h = 0; h < 2; h++) {
+        const __m512 l0 = limb_of(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)), 127.0f);
+        const __m512 e1 = _mm512_fnmadd_ps(l0, _mm512_set1_ps(step), v[h]);
+        const __m512 l1 = limb_of(_mm512_mul_ps(e1, _mm512_set1_ps(inv * 128.0f)), 64.0f);
+        const __m512 e2 = _mm512_fnmadd_ps(l1, _mm512_set1_ps(step / 128.0f), e1);
+        const __m512 l2 = limb_of(_mm512_mul_ps(e2, _mm512_set1_ps(inv * 16384.0f)), 64.0f);
+        limb_store(L->l[0] + 32 * j + 16 * h, l0);
+        limb_store(L->l[1] + 32 * j + 16 * h, l1);
+        limb_store(L->l[2] + 32 * j + 16 * h, l2);
+        const int at = 32 * ((j & 4) | (j & 1) << 1 | (j & 2) >> 1) + 16 * h;
+        limb_store(L->l4[0] + at, l0);
+        limb_store(L->l4[1] + at, l1);
+        limb_store(L->l4[2] + at, l2);
+        L->q6k_s[2 * j + h] = _mm512_reduce_add_ps(v[h]);
+    }
+    const float unit = step / 16384.0f;
+    L->q4k[j] = unit;
+    L->q4k[8 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
     return 1;
 }
 
@@ -1447,49 +1436,37 @@ ALWAYS void limb_store(signed char *to, const __m256 *v) {
     _mm256_storeu_si256((__m256i *)to, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-int limb_split(int m, int k, const float *a, int lda, void *out) {
-    if (k % 32) return 0;
-    struct limb_block *blocks = out;
-    const int nb = (k + 255) / 256;
+/* Run j (its 32 values at x) of a block's limbs into L, as the AVX-512 limb_run. */
+ALWAYS int limb_run(const float *x, int j, struct limb_block *L) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i finite = _mm256_set1_epi32(0x7f7fffff); /* the largest finite |x|'s bits */
-    for (int i = 0; i < m; i++)
-        for (int b = 0; b < nb; b++) {
-            struct limb_block *L = blocks + (size_t)i * nb + b;
-            const float *x = a + (size_t)i * lda + (size_t)b * 256;
-            const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
-            if (runs < 8) memset(L, 0, sizeof(*L));
-            for (int j = 0; j < runs; j++) {
-                __m256 v[4], l0[4], l1[4], l2[4], top = _mm256_setzero_ps();
-                __m256i over = _mm256_setzero_si256();
-                for (int u = 0; u < 4; u++) {
-                    v[u] = _mm256_loadu_ps(x + 32 * j + 8 * u);
-                    const __m256 size = _mm256_andnot_ps(sign, v[u]);
-                    top = _mm256_max_ps(top, size);
-                    over = _mm256_or_si256(over, _mm256_cmpgt_epi32(_mm256_castps_si256(size), finite));
-                }
-                /* inf or NaN (a NaN can drop out of a max): the float tiles say what follows */
-                if (!_mm256_testz_si256(over, over)) return 0;
-                const float most = limb_max8(top);
-                const float step = most / 127.0f, inv = most > 0 ? 127.0f / most : 0.0f;
-                for (int u = 0; u < 4; u++) {
-                    l0[u] = limb_of(_mm256_mul_ps(v[u], _mm256_set1_ps(inv)), 127.0f);
-                    const __m256 e1 = _mm256_fnmadd_ps(l0[u], _mm256_set1_ps(step), v[u]);
-                    l1[u] = limb_of(_mm256_mul_ps(e1, _mm256_set1_ps(inv * 128.0f)), 64.0f);
-                    const __m256 e2 = _mm256_fnmadd_ps(l1[u], _mm256_set1_ps(step / 128.0f), e1);
-                    l2[u] = limb_of(_mm256_mul_ps(e2, _mm256_set1_ps(inv * 16384.0f)), 64.0f);
-                }
-                limb_store(L->l[0] + 32 * j, l0);
-                limb_store(L->l[1] + 32 * j, l1);
-                limb_store(L->l[2] + 32 * j, l2);
-                L->q6k_s[2 * j] = limb_sum8(_mm256_add_ps(v[0], v[1]));
-                L->q6k_s[2 * j + 1] = limb_sum8(_mm256_add_ps(v[2], v[3]));
-                const float unit = step / 16384.0f;
-                L->q4k[j] = unit;
-                L->q4k[8 + j] = L->q6k_s[2 * j] + L->q6k_s[2 * j + 1];
-                L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
-            }
-        }
+    __m256 v[4], l0[4], l1[4], l2[4], top = _mm256_setzero_ps();
+    __m256i over = _mm256_setzero_si256();
+    for (int u = 0; u < 4; u++) {
+        v[u] = _mm256_loadu_ps(x + 8 * u);
+        const __m256 size = _mm256_andnot_ps(sign, v[u]);
+        top = _mm256_max_ps(top, size);
+        over = _mm256_or_si256(over, _mm256_cmpgt_epi32(_mm256_castps_si256(size), finite));
+    }
+    if (!_mm256_testz_si256(over, over)) return 0;
+    const float most = limb_max8(top);
+    const float step = most / 127.0f, inv = most > 0 ? 127.0f / most : 0.0f;
+    for (int u = 0; u < 4; u++) {
+        l0[u] = limb_of(_mm256_mul_ps(v[u], _mm256_set1_ps(inv)), 127.0f);
+        const __m256 e1 = _mm256_fnmadd_ps(l0[u], _mm256_set1_ps(step), v[u]);
+        l1[u] = limb_of(_mm256_mul_ps(e1, _mm256_set1_ps(inv * 128.0f)), 64.0f);
+        const __m256 e2 = _mm256_fnmadd_ps(l1[u], _mm256_set1_ps(step / 128.0f), e1);
+        l2[u] = limb_of(_mm256_mul_ps(e2, _mm256_set1_ps(inv * 16384.0f)), 64.0f);
+    }
+    limb_store(L->l[0] + 32 * j, l0);
+    limb_store(L->l[1] + 32 * j, l1);
+    limb_store(L->l[2] + 32 * j, l2);
+    L->q6k_s[2 * j] = limb_sum8(_mm256_add_ps(v[0], v[1]));
+    L->q6k_s[2 * j + 1] = limb_sum8(_mm256_add_ps(v[2], v[3]));
+    const float unit = step / 16384.0f;
+    L->q4k[j] = unit;
+    L->q4k[8 + j] = L->q6k_s[2 * j] + L->q6k_s[2 * j + 1];
+    L->q6k_u[2 * j] = L->q6k_u[2 * j + 1] = unit;
     return 1;
 }
 
@@ -1598,6 +1575,22 @@ ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const st
 #endif
 
 #if LIMB_PRODUCTS
+int limb_split(int m, int k, const float *a, int lda, void *out) {
+    if (k % 32) return 0;
+    struct limb_block *blocks = out;
+    const int nb = (k + 255) / 256;
+    for (int i = 0; i < m; i++)
+        for (int b = 0; b < nb; b++) {
+            struct limb_block *L = blocks + (size_t)i * nb + b;
+            const float *x = a + (size_t)i * lda + (size_t)b * 256;
+            const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
+            if (runs < 8) memset(L, 0, sizeof(*L));
+            for (int j = 0; j < runs; j++)
+                if (!limb_run(x + 32 * j, j, L)) return 0;
+        }
+    return 1;
+}
+
 /* Columns [j0, j1) of C from p's limbs: 4 rows of W at a time against each row of A, the
  * rows PREFETCH_BLOCKS groups ahead fetched over the first row's blocks. */
 static void limb_columns(const struct product *p, size_t row_bytes, int j0, int j1) {
