@@ -21,8 +21,8 @@ step's products on MLX's affine quantization, group 64, float16 scales and biase
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
 biases), `q4k`, `q5k`, `q6k` and their `-1t` (GGML's Q4_K, Q5_K and Q6_K blocks as a GGUF stores
 them, read by the same library; random blocks, rows of whole blocks only: the Qwen3 shape),
-`q4k-decode`, `q5k-decode`, `q6k-decode` and their `-1t` (the same products as a decode
-step's rows: by integer limbs where the library has them, runner_limb_products), and
+`q4k-decode`, `q5k-decode`, `q6k-decode`, `q5-decode` and their `-1t` (the same products as
+a decode step's rows: by integer limbs where the library has them, runner_limb_products), and
 `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
@@ -55,6 +55,7 @@ SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
+    *("q5-decode", "q5-decode-1t"),
     *("mlx-q4", "mlx-q8"),
 )
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
@@ -66,10 +67,10 @@ GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210}
 
 def setting_kind(setting: str) -> str:
     """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
-    products), q4k/q5k/q6k (GGML blocks; `-decode`: as a decode step's rows, by limbs where
-    the build has them) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
+    products), q4k/q5k/q6k (GGML blocks; `-decode` on these and the affine ones: as a decode
+    step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
     base = setting.removesuffix("-1t")
-    if base.removesuffix("-decode") in GGML_BLOCK_BYTES:
+    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8"):
         return base
     known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8")
     return base if base in known else "sgemm"

@@ -395,7 +395,7 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         rates = sgemm.child("tiny", [1, 3, 15], kind)
         assert set(rates) == {"1", "3", "15"}
         assert all(rate > 0 for rate in rates.values())
-    for kind in ("q4k", "q5k", "q6k", "q4k-decode", "q6k-decode"):  # rows of whole blocks
+    for kind in ("q4k", "q5k", "q6k", "q4k-decode", "q6k-decode", "q5", "q5-decode"):  # k % 256
         rates = sgemm.child("tiny-blocks", [1, 2, 15], kind)
         assert set(rates) == {"1", "2", "15"}
         assert all(rate > 0 for rate in rates.values())

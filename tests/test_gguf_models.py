@@ -169,11 +169,11 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     model's `decode_steps`, runner/models/base.py), a Q5_K_M-like and a Q5_0 file's: each
     step's logits are the float64 forward's of the blocks' values within 1e-4, as a forward's
     are, its hidden row within 1e-5 of a whole forward's last; where the library has limb
-    products for them (K-quants: AVX512-VNNI or AVX2; 5-bit codes: VNNI and VBMI) the step's
-    products take them (not the bits of the same steps outside `decode_steps`), elsewhere the
-    float tiles (those bits exactly). Only one token a row inside `decode_steps` is a decode
-    step: prompts, and forwards outside it, are not. Generation enters it for every decode
-    step and for nothing else."""
+    products for them (K-quants: AVX512-VNNI or AVX2; 5-bit codes: VNNI and VBMI, or AVX2)
+    the step's products take them (not the bits of the same steps outside `decode_steps`),
+    elsewhere the float tiles (those bits exactly). Only one token a row inside
+    `decode_steps` is a decode step: prompts, and forwards outside it, are not. Generation
+    enters it for every decode step and for nothing else."""
     from runner.engine import Job
     from runner.generate.pipeline import GenerateOptions, Generator, Stats
     from runner.generate.sampling import SamplerOptions

@@ -725,7 +725,7 @@ class NativeStep:
 
     @property
     def affine_limbs(self) -> bool:
-        """Whether they take limbs for 5-bit affine codes too (AVX512-VNNI and VBMI)."""
+        """Whether they take limbs for 5-bit affine codes too (AVX512-VNNI and VBMI, AVX2)."""
         return self._affine_limbs
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array | None:

@@ -119,7 +119,7 @@ class Functions:
     scratch: Any  # runner_step_scratch_floats
     half_weights: bool  # whether its products read half-precision copies (AVX2 + F16C)
     limb_products: bool  # whether decode steps' GGML block products take limbs (AVX2, VNNI)
-    affine_limbs: bool  # whether their 5-bit affine products do too (VNNI and VBMI)
+    affine_limbs: bool  # whether their 5-bit affine products do too (VNNI and VBMI, AVX2)
     narrow_panels: Any
     panel_halves: Any
     weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c, decode)

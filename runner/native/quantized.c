@@ -721,9 +721,9 @@ static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p
 
 /* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI, or with
  * AVX2 (256-bit tiles); MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with
- * AVX512-VBMI too, whose vpmultishiftqb spreads 5-bit codes into bytes. AVX-512 without VNNI
- * keeps the float tiles: there the 256-bit limbs measured no faster than its tables
- * (bench/RESULTS.md, "Decode by limbs on AVX2"). */
+ * AVX512-VBMI too, whose vpmultishiftqb spreads 5-bit codes into bytes, or with AVX2 (vpshufb
+ * and a multiply do). AVX-512 without VNNI keeps the float tiles: there the 256-bit limbs
+ * measured no faster than its tables (bench/RESULTS.md, "Decode by limbs on AVX2"). */
 #if QPATH == 512 && defined(__AVX512VNNI__)
 #define LIMB_PRODUCTS 1
 #define LIMB_PATH 512
@@ -734,7 +734,7 @@ static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p
 #define LIMB_PRODUCTS 0
 #define LIMB_PATH 0
 #endif
-#if LIMB_PATH == 512 && defined(__AVX512VBMI__)
+#if (LIMB_PATH == 512 && defined(__AVX512VBMI__)) || LIMB_PATH == 256
 #define AFFINE_LIMBS 1
 #else
 #define AFFINE_LIMBS 0
@@ -1201,7 +1201,7 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
     kq_stream_tile(5, 2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K: AVX512-VNNI or AVX2; 5-bit W_AFFINE: VBMI) */
+/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K, 5-bit W_AFFINE: AVX512-VNNI, AVX2) ---- */
 
 /* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
  * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
@@ -1226,8 +1226,9 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * plus b times the run's sum of x) take limbs too: their float tiles make ~17 G values/s, half
  * the rate memory delivers them at (the default model's "Q4_K_M" file is 74% Q5_0); the 4-
  * and 8-bit ones measured no faster by limbs (bench/RESULTS.md, "5-bit codes by limbs").
- * AVX2 builds take the same limbs with 256-bit tiles (below: vpmaddubsw and vpmaddwd make the
- * same S); AVX-512 without VNNI, and builds without AVX2, have no limb_split (it declines)
+ * AVX2 builds take the same limbs with 256-bit tiles, 5-bit codes' too (below: vpmaddubsw and
+ * vpmaddwd make the same S); AVX-512 without VNNI, and builds without AVX2, have no limb_split
+ * (it declines)
  * and decode steps take the float tiles. A's rows need whole runs of 32 (k % 32); a last block
  * of fewer than 8 runs is zero past them. */
 
@@ -1618,6 +1619,7 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
 }
 
 #if AFFINE_LIMBS
+#if LIMB_PATH == 512
 /* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in 5-bit affine codes, the
  * rows' scales and biases as float32 (scale[r], bias[r]: group G), two runs of 32 a step.
  * A step's 40 bytes of codes hold 8 codes in each 5 bytes: vpermb puts each 5 in a qword and
@@ -1671,6 +1673,63 @@ ALWAYS void affine5_limb_tile(int k, int G, const unsigned char *const *rows,
     for (int r = 0; r < RW; r++)
         dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rest[r]));
 }
+
+#else
+/* The same with 256-bit vectors (AVX2), a run of 32 codes (20 bytes) a step: each half of a
+ * register takes 16 codes from 10 bytes (the high half's bytes loaded from 8 on, masked so
+ * nothing past the run is read), vpshufb puts each code's two bytes in a 16-bit lane, a
+ * multiply by 2^(11 - s) brings the code (bits s.. of them) to the lane's top and a shift to
+ * its bottom, and vpackuswb makes them bytes in order of k: 10 instructions for 32 codes. */
+ALWAYS void affine5_limb_tile(int k, int G, const unsigned char *const *rows,
+                              const float *const *scale, const float *const *bias,
+                              const struct limb_block *L, float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    /* code i of 8 (bit 5i) in bytes 5i / 8 and the next: codes 0-7 (pick_a) and 8-15 (pick_b)
+     * of each half; the high half's bytes start 2 on (loaded from byte 8 of the run) */
+    const __m256i pick_a = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 2, 3, 3, 4, 3, 4, 4, 5,
+                                            2, 3, 2, 3, 3, 4, 3, 4, 4, 5, 5, 6, 5, 6, 6, 7);
+    const __m256i pick_b = _mm256_setr_epi8(5, 6, 5, 6, 6, 7, 6, 7, 7, 8, 8, 9, 8, 9, 9, 10,
+                                            7, 8, 7, 8, 8, 9, 8, 9, 9, 10, 10, 11, 10, 11, 11, 12);
+    const __m256i up = _mm256_setr_epi16(1 << 11, 1 << 6, 1 << 9, 1 << 4, 1 << 7, 1 << 10, 1 << 5, 1 << 8,
+                                         1 << 11, 1 << 6, 1 << 9, 1 << 4, 1 << 7, 1 << 10, 1 << 5, 1 << 8);
+    const __m128i upper = _mm_setr_epi32(-1, -1, -1, 0); /* bytes 8-19 of a run */
+    /* a run's group in a block of 256 values, for G = 32, 64, 128 */
+    const __m256i run_group = G == 32 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                              : G == 64 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                        : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm256_setzero_ps();
+    const int blocks = (k + 255) / 256;
+    for (int b = 0; b < blocks; b++, L++) {
+        const int runs = k - 256 * b >= 256 ? 8 : (k - 256 * b) / 32;
+        const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((runs * 32 + G - 1) / G),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 units = _mm256_loadu_ps(L->q4k), sums = _mm256_loadu_ps(L->q4k + 8);
+        float f[RW][8]; /* each run's scale times a / 16384 */
+        const size_t g0 = (size_t)b * (256 / G);
+        for (int r = 0; r < RW; r++) {
+            const __m256 s = _mm256_permutevar8x32_ps(_mm256_maskload_ps(scale[r] + g0, in), run_group);
+            const __m256 c = _mm256_permutevar8x32_ps(_mm256_maskload_ps(bias[r] + g0, in), run_group);
+            _mm256_storeu_ps(f[r], _mm256_mul_ps(s, units));
+            rest[r] = _mm256_fmadd_ps(c, sums, rest[r]);
+        }
+        for (int j = 0; j < runs; j++) {
+            const int t = 256 * b + 32 * j;
+            fetch_share(ahead, lines, t / 32, k / 32);
+            _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+                const unsigned char *x = rows[r] + (size_t)t * 5 / 8;
+                const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x)),
+                                                            _mm_maskload_epi32((const int *)(x + 8), upper), 1);
+                const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(raw, pick_a), up), 11);
+                const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(raw, pick_b), up), 11);
+                const __m256i s = limb_dot(_mm256_packus_epi16(lo, hi), L->l[0] + 32 * j);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(f[r] + j), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_add_ps(acc[r], rest[r]));
+}
+#endif
 
 /* Columns [j0, j1) of C from p's limbs and 5-bit affine codes: 4 rows of W at a time against
  * each row of A, the rows PREFETCH_BLOCKS groups ahead fetched over the first row's steps. */
