@@ -145,10 +145,7 @@ def converter_source(given: Path | None, version: str) -> Path:
                 f"could not download the llama-cpp-python {version} sdist for {CONVERTER} "
                 f"(give --llama-cpp-src DIR): {' '.join(tail)}"
             )
-        staging = Path(tmp) / "src"
-        _extract_converter(archives[0], staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, target)  # a complete tree or none
+        _unpack_sdist(archives[0], target)
     return target
 
 
@@ -194,27 +191,6 @@ def _unpack_sdist(tarball: Path, target: Path) -> None:
             except OSError:
                 if not (target / tree.name).exists():  # else another process moved it first
                     raise
-
-
-def _extract_converter(archive: Path, into: Path) -> None:
-    """Only the converter's files from the sdist (its top directory and vendor/llama.cpp/
-    stripped), written by us so no member can land outside `into`."""
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            _, _, inner = member.name.partition("/")
-            if not member.isfile() or not inner.startswith(SDIST_ROOT):
-                continue
-            relative = inner[len(SDIST_ROOT) :]
-            if ".." in Path(relative).parts or not any(
-                relative == p or (p.endswith("/") and relative.startswith(p))
-                for p in CONVERTER_PATHS
-            ):
-                continue
-            out = into / relative
-            out.parent.mkdir(parents=True, exist_ok=True)
-            source = tar.extractfile(member)
-            assert source is not None
-            out.write_bytes(source.read())
 
 
 def source_stamp(model_dir: Path, version: str) -> dict[str, Any]:

@@ -363,8 +363,7 @@ def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
     native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
     and Q5_K an affine QuantizedLinear / QuantizedEmbedding of the same values (4 and 5
-    bits), Q6_K an nn.Linear /
-    nn.Embedding of its float32 values; whether there was one."""
+    bits), Q6_K an nn.Linear / nn.Embedding of its float32 values; whether there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
         if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):

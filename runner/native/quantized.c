@@ -902,8 +902,9 @@ static void q6k_stream_2(int k, const unsigned char *const *rows, const float *c
  * affine value with scale d * sc_j and bias -(dmin * m_j) (`dequantized`), which GGUF loading
  * repacks Q4_K into where the blocks are not kept. Both tiles make the values in order of k
  * from the sub-block's table (AVX-512: one vpermps for 16 weights), by one exact FMA (AVX2)
- * or by the two roundings (q4k_chunk); the stream tile multiplies them in registers, the block tile's fill stores
- * them: the block tile's lanes and order either way, so the same bits for any number of rows.
+ * or by the two roundings (q4k_chunk); the stream tile multiplies them in registers, the
+ * block tile's fill stores them: the block tile's lanes and order either way, so the same
+ * bits for any number of rows.
  * 4.5 bits a weight read, where the affine repack's float32 scales and biases make it 6.
  *
  * GGML's Q5_K blocks (W_Q5K) are Q4_K's with a fifth bit a weight: 176 bytes, d, dmin and
@@ -1143,6 +1144,7 @@ static void kq_dequantize_rows4(int bits, int k, const unsigned char *const *row
         q4k_scales_of(rows, b, bytes, sb);
         for (int r = 0; r < 4; r++) {
             float *to = out + (size_t)r * k + (size_t)b * Q4K_WEIGHTS;
+            /* `bits` a constant in each call: one inlined block_values per width */
             if (bits == 4)
                 kq_block_values(4, rows[r] + (size_t)b * bytes, sb[r], to);
             else
@@ -1228,9 +1230,8 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * and 8-bit ones measured no faster by limbs (bench/RESULTS.md, "5-bit codes by limbs").
  * AVX2 builds take the same limbs with 256-bit tiles, 5-bit codes' too (below: vpmaddubsw and
  * vpmaddwd make the same S); AVX-512 without VNNI, and builds without AVX2, have no limb_split
- * (it declines)
- * and decode steps take the float tiles. A's rows need whole runs of 32 (k % 32); a last block
- * of fewer than 8 runs is zero past them. */
+ * (it declines) and decode steps take the float tiles. A's rows need whole runs of 32
+ * (k % 32); a last block of fewer than 8 runs is zero past them. */
 
 /* A's limbs for 256 of a row's values (limb_split). */
 struct limb_block {
