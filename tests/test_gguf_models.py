@@ -171,9 +171,9 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     are, its hidden row within 1e-5 of a whole forward's last; where the library has limb
     products for them (K-quants: AVX512-VNNI or AVX2; 5-bit codes: VNNI and VBMI, or AVX2)
     the step's products take them (not the bits of the same steps outside `decode_steps`),
-    elsewhere the float tiles (those bits exactly). Only one token a row inside
-    `decode_steps` is a decode step: prompts, and forwards outside it, are not. Generation
-    enters it for every decode step and for nothing else."""
+    elsewhere the float tiles (those bits exactly); so does the step's head. Only one token
+    a row inside `decode_steps` is a decode step: prompts, and forwards outside it, are not.
+    Generation enters it for every decode step and for nothing else."""
     from runner.engine import Job
     from runner.generate.pipeline import GenerateOptions, Generator, Stats
     from runner.generate.sampling import SamplerOptions
@@ -197,6 +197,14 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         return real_step(args)
 
     native._step = step
+    heads: list[int] = []  # each head product's `decode`
+    real_product = native._weight_product
+
+    def product(*args: Any) -> int:
+        heads.append(args[-1])
+        return real_product(*args)
+
+    native._weight_product = product
 
     prompt = 4
     # the same steps outside decode_steps, on caches of their own: a cached one-token step's
@@ -205,11 +213,12 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:prompt]]), caches)
     model.hidden(mx.array([SEQUENCE[:prompt]]), plain_caches)
-    differ = []
+    differ, head_differs = [], []
     for i in range(prompt, len(SEQUENCE)):
         with model.decode_steps():
             hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
             got = np.array(model.unembed(hidden)[0, -1])
+        head_differs.append(not np.array_equal(got, np.array(model.unembed(hidden)[0, -1])))
         plain = np.array(model.hidden(mx.array([[SEQUENCE[i]]]), plain_caches)[0, -1])
         whole = model.hidden(mx.array([SEQUENCE[: i + 1]]), model.make_caches())[0, -1]
         want = llama_forward(w64, source.config, SEQUENCE[: i + 1])
@@ -218,7 +227,11 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, plain))
     assert any(differ) == (native.affine_limbs if rule is five_bits else native.limb_products)
+    # the head of a decode step takes limbs too where they read its format: the K-quant
+    # files' head is Q6_K, the Q5_0 file's Q8_0 or F16 (`mixed`), which no limbs read
+    assert any(head_differs) == (native.limb_products and rule is not five_bits)
     steps = len(SEQUENCE) - prompt
+    assert heads == [1, 0] * steps  # each step's head in decode_steps, then the same outside
     assert [d for t, d in flags if t > 1] == [0] * (steps + 2)  # the prompts and the forwards
     assert [d for t, d in flags if t == 1] == [1, 0] * steps  # each step in, then outside
 
@@ -227,9 +240,11 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     generator = Generator(model, tokenizer, prefix_cache(model, name="generate"))
     stats = Stats()
     options = GenerateOptions(num_predict=5, sampler=SamplerOptions(temperature=0))
+    heads.clear()
     list(generator.steps(SEQUENCE, options, Job(lambda _: None, None), stats))
     assert [d for t, d in flags if t > 1] == [0] * sum(t > 1 for t, _ in flags)
     assert [d for t, d in flags if t == 1] == [1] * stats.generated
+    assert heads == [1] * stats.generated  # a greedy step's head on the host, each a decode step
 
 
 def llama_forward(w: dict[str, np.ndarray], c: dict, tokens: list[int]) -> np.ndarray:
