@@ -247,6 +247,62 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     assert heads == [1] * stats.generated  # a greedy step's head on the host, each a decode step
 
 
+# A Llama wide enough that a decode step's products are handed out over the pool (small ones
+# run on the caller alone: runner/native/products.c, `small_product`)
+WIDE_LLAMA = {
+    "hidden_size": 512, "intermediate_size": 1536, "head_dim": 64, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+}  # fmt: skip
+
+THREADS_SCRIPT = """
+import hashlib, sys
+import mlx.core as mx, numpy as np
+from runner.models import build_model
+from runner.sources.gguf.model import load_gguf
+model = build_model(load_gguf(sys.argv[1]))
+assert model._native is not None, "no native step"
+seq = [int(t) for t in sys.argv[2].split(",")]
+caches = model.make_caches()
+parts = [np.array(model.hidden(mx.array([seq[:7]]), caches))]
+for t in seq[7:]:
+    with model.decode_steps():
+        hidden = model.hidden(mx.array([[t]]), caches)
+        parts.append(np.array(model.unembed(hidden)))
+parts.append(np.array(model.unembed(model.hidden(mx.array([seq]), model.make_caches()))))
+print(hashlib.sha256(b"".join(p.tobytes() for p in parts)).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("rule", [k_mixed, five_bits], ids=["k_quants", "q5_0"])
+def test_forwards_are_the_same_bits_on_any_number_of_threads(tmp_path: Path, rule: Any) -> None:
+    """How many threads the pool has must not change a bit: not which thread computes a
+    product's column or an attention item, nor which way attention goes (row items or split
+    items: runner/native/attention.c, ROW_ITEMS_ENOUGH). A prompt's forward, decode steps
+    with their logits, and a whole forward's logits of a K-quant and a Q5_0 file, in
+    processes whose pools have 1, 2 and 3 threads."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.tiny import edit_text_config, tiny_config
+
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), WIDE_LLAMA)
+    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
+    digests = {}
+    for threads in (1, 2, 3):
+        result = subprocess.run(
+            [sys.executable, "-c", THREADS_SCRIPT, str(path), ",".join(map(str, SEQUENCE))],
+            env={**os.environ, "RUNNER_BLAS_THREADS": str(threads)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        digests[threads] = result.stdout.split()[-1]
+    assert len(set(digests.values())) == 1, digests
+
+
 def llama_forward(w: dict[str, np.ndarray], c: dict, tokens: list[int]) -> np.ndarray:
     """transformers' LlamaForCausalLM in float64: RMSNorm, rotate-half RoPE (llama3
     scaling), grouped-query causal attention, SwiGLU; the last position's logits."""

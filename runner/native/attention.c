@@ -147,6 +147,12 @@ static void rows_times(const float *const *w, long ws, int rows, int n, const fl
  * cached 6.1-6.8 -> 5.6-5.8 ms, at 2000 19.9-20.4 -> 19.2-19.6, SmolLM2's 0.65-0.68 ->
  * 0.64-0.65, Gemma3-1B's 2.1-2.3 -> 2.0-2.1. */
 enum { KEY_CHUNK = 128, ROW_BLOCK = 48, TRANSPOSED_ROWS = 4, MIN_SPLIT_KEYS = 32, TARGET_ITEMS = 8, MAX_SPLITS = 16 };
+/* ROW_ITEMS_ENOUGH: row items a layer must make to take them rather than split items (two
+ * for each of a 2-core machine's threads). A constant for the same reason as TARGET_ITEMS:
+ * it was twice the pool's threads, so a prompt's attention took split items (the merge's
+ * roundings) on a pool of 3 or more threads where 2 took row items, and the same prompt's
+ * numbers differed with the machine's cores (tests/test_gguf_models.py, 1, 2 and 3 threads). */
+enum { ROW_ITEMS_ENOUGH = 4 };
 
 struct attention_job {
     const struct step_args *a;
@@ -677,7 +683,7 @@ long attention_scratch_floats(const struct step_args *a) {
 }
 
 /* softmax(q k^T * scale, causal) v for every query row of this layer, into `out`: row items
- * where they are enough for the pool (SmolLM2, 15 tokens over 483 cached, attention alone:
+ * where a layer makes ROW_ITEMS_ENOUGH (SmolLM2, 15 tokens over 483 cached, attention alone:
  * 6.5-6.7 ms against 9.5-11 for split items; the whole step 0.91x), else split items. */
 void attention(const struct step_args *a, const struct step_cache *cache, const float *q,
                       const float *nk, const float *nv, float *out, float *scratch) {
@@ -690,9 +696,9 @@ void attention(const struct step_args *a, const struct step_cache *cache, const 
     j.part = scratch;
     j.scores = scratch + (long)(j.splits + 1) * a->batch * a->tokens * a->heads * (a->head_dim + 2);
     atomic_init(&j.next, 0);
-    const int own_rows = a->tokens * (a->heads / a->kv_heads), enough = 2 * pool_threads();
+    const int own_rows = a->tokens * (a->heads / a->kv_heads), enough = ROW_ITEMS_ENOUGH;
     struct row_items ri = {.j = &j, .blocks = ceil_div(own_rows, ROW_ITEM_ROWS)};
-    /* smaller blocks (down to a vector of rows) where they make items enough for the pool */
+    /* smaller blocks (down to a vector of rows) where they make ROW_ITEMS_ENOUGH items */
     const int wanted = ceil_div(enough, (long)a->kv_heads * a->batch);
     if (ri.blocks < wanted) ri.blocks = wanted < own_rows / VL ? wanted : own_rows / VL;
     /* a block of fewer rows than a vector wastes its lanes (a decode step of Qwen3-0.6B: 8
