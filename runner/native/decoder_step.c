@@ -86,15 +86,20 @@ struct gate_up_job {
     float *gate;
     const float *up;
     int activation;
+    atomic_int next; /* the next chunk to take */
 };
 
 static void gate_up_share(const void *arg, int index, int count) {
-    const struct gate_up_job *job = arg;
-    product_share(&job->p[0], index, count);
-    product_share(&job->p[1], index, count);
-    int j0, j1;
-    share_columns(&job->p[0], index, count, &j0, &j1);
-    if (j0 < j1) glu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1, job->activation);
+    (void)index;
+    struct gate_up_job *job = (struct gate_up_job *)arg;
+    const int chunks = count * CHUNKS_PER_THREAD;
+    for (int c; (c = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed)) < chunks;) {
+        product_share(&job->p[0], c, chunks);
+        product_share(&job->p[1], c, chunks);
+        int j0, j1;
+        share_columns(&job->p[0], c, chunks, &j0, &j1);
+        if (j0 < j1) glu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1, job->activation);
+    }
 }
 
 /* gate = act(A Wg^T) * (A Wu^T), up = A Wu^T: one job on the pool, each thread applying the
@@ -114,9 +119,9 @@ static void gate_up(int m, int k, int n, const float *a, const struct step_weigh
         return;
     }
     const float *rows = rows_for(wg, m, k, a, k, reordered);
-    const struct gate_up_job job = {
+    struct gate_up_job job = {
         {tiles_product(m, n, k, rows, k, wg, gate, n, limbs), tiles_product(m, n, k, rows, k, wu, up, n, limbs)},
-        gate, up, activation};
+        gate, up, activation, 0};
     if ((long)m * k * n < (1L << 18))
         gate_up_share(&job, 0, 1);
     else

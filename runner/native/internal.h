@@ -28,6 +28,8 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MAX_THREADS = 16 }; /* the pool's threads at most (pool.c), the caller included */
 /* How far ahead the next weights are fetched, in blocks (tiles.c, panels.c). */
 enum { PREFETCH_BLOCKS = 2 };
+/* A product job's columns in this many chunks a pool thread, taken in turn (products.c) */
+enum { CHUNKS_PER_THREAD = 4 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);

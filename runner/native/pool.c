@@ -1,6 +1,7 @@
 /*
  * A small thread pool: the calling thread takes the first share of a job, the workers the
- * others; workers spin a while for the next job, then sleep. One job at a time.
+ * others (a job may hand its work out in chunks of its own instead: products.c, attention.c);
+ * workers spin a while for the next job, then sleep. One job at a time.
  *
  * Why spin SPIN_NS (0.3 ms): a sleeping worker's wake-up through the condition variable took
  * 16-64 us on the 2-core VM, while a decode step leaves gaps of 5-25 us between its jobs (the

@@ -1,7 +1,8 @@
 /*
- * A product C = A W^T of a few rows, W in any of the weight formats: its columns shared over
- * the pool in whole blocks of W's rows, each share computed by the tiles of its format
- * (tiles.c, panels.c), or the whole product sent to the BLAS where that is faster.
+ * A product C = A W^T of a few rows, W in any of the weight formats: its columns cut into
+ * chunks of whole blocks of W's rows, which the pool's threads take in turn, each chunk
+ * computed by the tiles of its format (tiles.c, panels.c), or the whole product sent to the
+ * BLAS where that is faster. A column's sums are the same whichever chunk or thread holds it.
  */
 #include "internal.h"
 
@@ -35,13 +36,33 @@ void product_share(const void *arg, int index, int count) {
     if (j0 < j1) columns(p, j0, j1);
 }
 
+struct products {
+    const struct product *p;
+    int n;
+    atomic_int next; /* the next chunk to take */
+};
+
+/* A job's products in CHUNKS_PER_THREAD chunks a thread, taken in turn by whichever thread
+ * is free: with one share fixed to each thread the job waited for the slowest (a worker that
+ * saw the job late, a core the VM gave elsewhere for a while). Qwen3-0.6B's Q4_K_M decode
+ * token 27.08 -> 26.44 ms; forwards of 18 to 512 rows the same (bench/RESULTS.md, "The pool's
+ * chunks, and attention's path by the cores"). */
+static void products_share(const void *arg, int index, int count) {
+    (void)index;
+    struct products *ps = (struct products *)arg;
+    const int chunks = count * CHUNKS_PER_THREAD;
+    for (int c; (c = atomic_fetch_add_explicit(&ps->next, 1, memory_order_relaxed)) < ps->n * chunks;)
+        product_share(&ps->p[c / chunks], c % chunks, chunks);
+}
+
 void small_product(const struct product *p) {
     /* Narrow products are not worth waking anyone for. */
     if ((long)p->n * p->k * p->m < (1L << 18)) {
         columns(p, 0, p->n);
         return;
     }
-    parallel(product_share, p);
+    struct products ps = {p, 1, 0};
+    parallel(products_share, &ps);
 }
 
 /* C = A W^T: the dispatch's tiles up to BLAS_ROWS rows (from W's half panels where there
@@ -96,15 +117,6 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
     small_product(&p);
 }
 
-struct products {
-    const struct product *p;
-    int n;
-};
-
-static void products_share(const void *arg, int index, int count) {
-    const struct products *ps = arg;
-    for (int i = 0; i < ps->n; i++) product_share(&ps->p[i], index, count);
-}
 
 /* Products with the same rows of A (k apart), one job on the pool: no barrier between them.
  * `reordered`: m * k floats of scratch, filled once for the products that read A in another
@@ -130,7 +142,7 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
         }
         p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i], limbs);
     }
-    const struct products ps = {p, n_products};
+    struct products ps = {p, n_products, 0};
     if ((long)m * k * n[0] < (1L << 18))
         products_share(&ps, 0, 1);
     else
