@@ -78,9 +78,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def converter() -> Path:
     given = os.environ.get("LLAMA_CPP_SRC", "").strip()
-    # the converter unpacked from the sdist scripts/setup downloads, or the bench fetched
-    cached = unpacked_sdist(LLAMA_CPP_PYTHON) or sdist_cache(LLAMA_CPP_PYTHON)
-    src = Path(given) if given else cached
+    # else the converter unpacked from the sdist scripts/setup downloads, or the bench fetched
+    if given:
+        src = Path(given)
+    else:
+        src = unpacked_sdist(LLAMA_CPP_PYTHON) or sdist_cache(LLAMA_CPP_PYTHON)
     if not (src / CONVERTER).is_file():
         pytest.skip(
             f"no llama.cpp converter: set $LLAMA_CPP_SRC, or let scripts/setup download the "

@@ -117,7 +117,6 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
     small_product(&p);
 }
 
-
 /* Products with the same rows of A (k apart), one job on the pool: no barrier between them.
  * `reordered`: m * k floats of scratch, filled once for the products that read A in another
  * order (affine_rows: one order, 4-bit codes'). */

@@ -125,8 +125,7 @@ RUNNER_API const char *runner_native_level(void);
 
 /* Which decode steps' products take limbs here (quantized.c), as flags: 1, W_Q4K, W_Q5K and W_Q6K
  * (AVX512-VNNI, or AVX2); 2, 5-bit W_AFFINE codes in groups of 32, 64 or 128 (VNNI and VBMI,
- * or AVX2); 0:
- * none (they take the float tiles, the same bits as any other product). */
+ * or AVX2); 0: none (they take the float tiles, the same bits as any other product). */
 RUNNER_API int runner_limb_products(void);
 /* Which half formats products can read here: 1 when they can (AVX2 + F16C), else 0. */
 RUNNER_API int runner_half_weights(void);
