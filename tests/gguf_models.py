@@ -347,22 +347,58 @@ def k5_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return T.Q5_K if chosen == T.Q4_K else chosen
 
 
+def k3_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """llama.cpp's Q3_K_M the same way: Q3_K for the embedding and most matrices, Q5_K for
+    `attn_v`, Q4_K for `attn_output` and `ffn_down`, Q6_K for the head."""
+    by_name = [("attn_v.", T.Q5_K), ("attn_output.", T.Q4_K), ("ffn_down.", T.Q4_K)]
+    return _k_file(name, shape, arch, by_name, T.Q3_K)
+
+
+def k2_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """llama.cpp's Q2_K the same way: Q2_K for the embedding and most matrices, Q3_K for
+    `attn_v` and `ffn_down`, Q4_K for `attn_output`, Q6_K for the head."""
+    by_name = [("attn_v.", T.Q3_K), ("ffn_down.", T.Q3_K), ("attn_output.", T.Q4_K)]
+    return _k_file(name, shape, arch, by_name, T.Q2_K)
+
+
+def _k_file(
+    name: str, shape: tuple[int, ...], arch: str, by_name: list[tuple[str, T]], rest: T
+) -> T:
+    """A K-quant file's type for a tensor whose rows are whole blocks of 256: Q6_K for the head,
+    the first of `by_name` whose key the name holds, else `rest`; `mixed` elsewhere."""
+    if len(shape) == 2 and shape[-1] % 256 == 0:
+        if name == "output.weight":
+            return T.Q6_K
+        return next((kind for key, kind in by_name if key in name), rest)
+    return mixed(name, shape, arch)
+
+
+def _scale_min_codes(
+    x: np.ndarray, top: int, scale_top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x [blocks, groups, weights a group] as x = (d * sc) * q - (dmin * m) by round to
+    nearest: float16 d and dmin [blocks, 1], a group's sc and m [blocks, groups] (uint8, at
+    most scale_top), codes q (uint8, at most top) shaped as x."""
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / top
+    d = (step.max(-1, keepdims=True) / scale_top).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / scale_top).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.ceil(step / np.where(d32 > 0, d32, 1)), 0, scale_top).astype(np.uint8)
+    m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, scale_top).astype(np.uint8)
+    scale = (d32 * sc.astype(np.float32))[..., None]
+    offset = (dmin32 * m.astype(np.float32))[..., None]
+    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, top).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
 def _k_quant(values: np.ndarray, top: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """Q4_K's (top 15) or Q5_K's (top 31) plain round-to-nearest quantizer of `values` [..., k]
     (k a multiple of 256) as x = (d * sc_j) * q - (dmin * m_j): the codes q [blocks, 8
     sub-blocks, 32] (uint8), and each block's bytes before them: float16 d and dmin, then 12
     bytes of 6-bit scales and mins as llama.cpp's get_scale_min_k4 reads them."""
     x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
-    low = np.minimum(x.min(-1), 0)
-    step = (x.max(-1) - low) / top
-    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
-    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
-    sc = np.clip(np.ceil(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
-    scale = (d32 * sc.astype(np.float32))[..., None]
-    offset = (dmin32 * m.astype(np.float32))[..., None]
-    q = np.clip(np.rint((x + offset) / np.where(scale > 0, scale, 1)), 0, top).astype(np.uint8)
+    d, dmin, sc, m, q = _scale_min_codes(x, top, 63)
     packed = np.concatenate(
         [
             sc[:, :4] | (sc[:, 4:] >> 4) << 6,
@@ -434,7 +470,69 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 210)
 
 
-QUANTIZERS = {T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k}
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """qs[64] of each block from codes [blocks, 256] below 4: weight 128h + 32s + l in bits
+    2s, 2s + 1 of byte 32h + l."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)  # [blocks, half h, s, l]
+    return sum(q[:, :, s] << (2 * s) for s in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def quantize_q3_k(values: np.ndarray) -> np.ndarray:
+    """Q3_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 110],
+    laid out as llama.cpp's block_q3_K (hmask[32], qs[64], 12 bytes of sixteen 6-bit scales,
+    float16 d): x = (d * (sc - 32)) * q, q in [-4, 3], stored as its low 2 bits and a third bit
+    set where q >= 0; a plain round-to-nearest quantizer."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 16, 16).astype(np.float32)  # [blocks, 16 groups, 16]
+    group_scale = np.abs(x).max(-1) / 4  # weights in [-4, 3] * scale
+    d = (group_scale.max(-1, keepdims=True) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)
+    sc = np.clip(np.rint(group_scale / np.where(d32 > 0, d32, 1)), 0, 31).astype(np.int32)
+    step = (d32 * sc.astype(np.float32))[..., None]
+    q = np.clip(np.rint(x / np.where(step != 0, step, 1)), -4, 3).astype(np.int32) + 4
+    q = q.reshape(-1, 256)  # q + 4 in [0, 7]
+    high = (q >> 2).reshape(-1, 2, 4, 32)  # [blocks, h, s, l]: bit 4h + s of hmask[l]
+    hmask = sum(high[:, h, s] << (4 * h + s) for h in range(2) for s in range(4))
+    six = (sc + 32).astype(np.uint8)  # sc_j + 32, 6 bits
+    low, top = six & 15, six >> 4
+    packed = np.concatenate(
+        [
+            low[:, :8] | low[:, 8:] << 4,  # bytes 0-7: sc_j's low bits, j and j + 8
+            sum(top[:, 4 * i : 4 * i + 4] << (2 * i) for i in range(4)),  # 8-11: high bits
+        ],
+        axis=1,
+    ).astype(np.uint8)
+    out = np.concatenate(
+        [hmask.astype(np.uint8), _two_bits(q & 3), packed, d.view(np.uint8).reshape(-1, 2)],
+        axis=1,
+    )
+    return out.reshape(*lead, k // 256 * 110)
+
+
+def quantize_q2_k(values: np.ndarray) -> np.ndarray:
+    """Q2_K blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 84],
+    laid out as llama.cpp's block_q2_K (scales[16]: a 4-bit scale and min each, qs[64],
+    float16 d and dmin): x = (d * sc) * q - dmin * m, q in [0, 3]; a plain round-to-nearest
+    quantizer."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 16, 16).astype(np.float32)  # [blocks, 16 groups, 16]
+    d, dmin, sc, m, q = _scale_min_codes(x, 3, 15)
+    out = np.concatenate(
+        [
+            sc | m << 4,
+            _two_bits(q.reshape(-1, 256)),
+            d.view(np.uint8).reshape(-1, 2),
+            dmin.view(np.uint8).reshape(-1, 2),
+        ],
+        axis=1,
+    )
+    return out.reshape(*lead, k // 256 * 84)
+
+
+QUANTIZERS = {
+    T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
+    T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k,
+}  # fmt: skip
 
 
 def gguf_metadata(model_dir: Path) -> tuple[str, dict[str, Any]]:

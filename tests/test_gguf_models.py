@@ -33,6 +33,8 @@ from tests.gguf_models import (
     float32,
     fuse_qkv,
     gguf_names,
+    k2_mixed,
+    k3_mixed,
     k5_mixed,
     k_mixed,
     mixed,
@@ -92,24 +94,54 @@ K_QUANT_LLAMA = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("rule", [k_mixed, k5_mixed], ids=["q4_k_m", "q5_k_m"])
+# Each K-quant file's GGML type per layer of the checkpoint (the rules of tests/gguf_models.py;
+# None: every other matrix)
+Q6_K_MOST = {"embed_tokens": "Q6_K", "v_proj": "Q6_K", "down_proj": "Q6_K"}
+K_FILES = {
+    "q4_k_m": (k_mixed, {**Q6_K_MOST, None: "Q4_K"}),
+    "q5_k_m": (k5_mixed, {**Q6_K_MOST, None: "Q5_K"}),
+    "q3_k_m": (
+        k3_mixed,
+        {"embed_tokens": "Q3_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "down_proj": "Q4_K",
+         None: "Q3_K"},
+    ),
+    "q2_k": (
+        k2_mixed,
+        {"embed_tokens": "Q2_K", "v_proj": "Q3_K", "down_proj": "Q3_K", "o_proj": "Q4_K",
+         None: "Q2_K"},
+    ),
+}  # fmt: skip
+BLOCK_BYTES = {"Q6_K": 210, "Q5_K": 176, "Q4_K": 144, "Q3_K": 110, "Q2_K": 84}  # a 256 weights
+
+
+def k_file_type(kinds: dict[str | None, str], name: str) -> str:
+    """The GGML type K_FILES' `kinds` give the checkpoint tensor `name` (the head: Q6_K)."""
+    if "lm_head" in name:
+        return "Q6_K"
+    return next((kind for key, kind in kinds.items() if key and key in name), kinds[None])
+
+
+@pytest.mark.parametrize("file", list(K_FILES))
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
 def test_k_quant_blocks_are_kept_and_computed_as_stored(
-    tmp_path: Path, tied: bool, rule: Any
+    tmp_path: Path, tied: bool, file: str
 ) -> None:
     """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) and Q4_K
-    ones (the other matrices), and a Q5_K_M-like file's (Q5_K for Q4_K), stay in their
-    blocks: resident at the file's bytes, not float32's (Q6_K) or the affine repack's (Q4_K,
-    Q5_K), and read by the native step (runner/native/quantized.c) on the CPU; what the model
-    computes is the float64 forward of their values (llama.cpp's dequantization) within 1e-4,
-    on the native step, on MLX's own path over the blocks, and from what a backend without
-    the native step keeps (Q6_K as float32 weights, Q4_K / Q5_K as MLX's affine 4 / 5 bits)."""
+    ones (the other matrices), a Q5_K_M-like file's (Q5_K for Q4_K), a Q3_K_M-like and a
+    Q2_K-like file's (Q3_K, Q2_K for most, with Q4_K, Q5_K, Q6_K as llama.cpp mixes them)
+    stay in their blocks: resident at the file's bytes, not float32's (Q6_K, Q3_K, Q2_K:
+    4.9x, 9.3x, 12.2x them) or the affine repack's (Q4_K, Q5_K), and read by the native step
+    (runner/native/quantized.c) on the CPU; what the model computes is the float64 forward of
+    their values (llama.cpp's dequantization) within 1e-4, on the native step, on MLX's own
+    path over the blocks, and from what a backend without the native step keeps (Q6_K, Q3_K,
+    Q2_K as float32 weights, Q4_K / Q5_K as MLX's affine 4 / 5 bits)."""
     import mlx.nn as nn
 
     from runner.backend import Backend
     from runner.models.quantized import GGMLEmbedding, GGMLLinear
     from tests.tiny import edit_text_config, tiny_config
 
+    rule, kinds = K_FILES[file]
     config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
     checkpoint = write_tiny_model(
         "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
@@ -118,18 +150,15 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
     weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
     source = load_gguf(path)
     kept = {k for k in source.weights if k.endswith(".blocks")}
-    other, other_bytes, bits = ("Q4_K", 144, 4) if rule is k_mixed else ("Q5_K", 176, 5)
     head = "model.embed_tokens.blocks" if tied else "lm_head.blocks"
     heads = 1 if tied else 2  # the embedding, and the head where it has its own
     # every matrix: q, k, v, o, gate, up, down
     assert head in kept and len(kept) == heads + 7 * config["num_hidden_layers"], kept
-    for name in kept:  # 210 (Q6_K), 144 (Q4_K) or 176 (Q5_K) bytes a 256 weights, as stored
+    for name in kept:  # the type's bytes a 256 weights, as stored
         rows, width = weights[name.replace(".blocks", ".weight")].shape
-        q6_k = any(key in name for key in ("embed_tokens", "lm_head", "v_proj", "down_proj"))
-        assert source.weights[name].shape == (rows, width // 256 * (210 if q6_k else other_bytes))
-        assert source.quantization[name.removesuffix(".blocks")]["ggml_type"] == (
-            "Q6_K" if q6_k else other
-        )
+        kind = k_file_type(kinds, name)
+        assert source.weights[name].shape == (rows, width // 256 * BLOCK_BYTES[kind])
+        assert source.quantization[name.removesuffix(".blocks")]["ggml_type"] == kind
     want = llama_forward(
         {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
     )
@@ -145,11 +174,16 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
         assert np.abs(logits(model) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
     floats = build_model(load_gguf(path), plain)
-    modules = [m for _, m in floats.module.named_modules()]
-    assert not any(isinstance(m, GGMLLinear | GGMLEmbedding) for m in modules)
-    affine = [m for m in modules if isinstance(m, nn.QuantizedLinear)]
-    assert len(affine) == 5 * config["num_hidden_layers"]  # Q4_K / Q5_K: q, k, o, gate, up
-    assert all((m.bits, m.group_size, m.mode) == (bits, 32, "affine") for m in affine)
+    modules = dict(floats.module.named_modules())
+    assert not any(isinstance(m, GGMLLinear | GGMLEmbedding) for m in modules.values())
+    for name in kept:  # Q4_K / Q5_K: MLX's affine codes; the others float32
+        layer, kind = modules[name.removesuffix(".blocks")], k_file_type(kinds, name)
+        if kind in ("Q4_K", "Q5_K"):
+            assert isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding), name
+            assert (layer.bits, layer.group_size, layer.mode) == (int(kind[1]), 32, "affine")
+        else:
+            assert type(layer) in (nn.Linear, nn.Embedding), name
+            assert layer.weight.dtype == mx.float32
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
@@ -161,7 +195,10 @@ def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
     return mixed(name, shape, arch)
 
 
-@pytest.mark.parametrize("rule", [k_mixed, k5_mixed, five_bits], ids=["k_quants", "q5_k_m", "q5_0"])
+@pytest.mark.parametrize(
+    "rule", [k_mixed, k5_mixed, k3_mixed, k2_mixed, five_bits],
+    ids=["k_quants", "q5_k_m", "q3_k_m", "q2_k", "q5_0"],
+)  # fmt: skip
 def test_decode_steps_of_quantized_files_are_within_float32_grade(
     tmp_path: Path, rule: Any
 ) -> None:
@@ -548,29 +585,34 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
         load_gguf(cut)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
     """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
-    for bit (runner/sources/gguf/quants.py's, checked against gguf-py's); where no native
-    step reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit) and Q6_K
-    float32 layers of the very same values, and `adopt_blocks` without `keep` does the same
-    before the load."""
+    for bit (runner/sources/gguf/quants.py's, checked against gguf-py's), for a quantizer's
+    blocks and for random ones (every code, extreme and subnormal float16 scales); where no
+    native step reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit) and
+    Q6_K, Q3_K, Q2_K float32 layers of the very same values, and `adopt_blocks` without
+    `keep` does the same before the load."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from runner.models import quantized
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q5_k, quantize_q6_k
+    from tests.gguf_files import assert_bits_equal, make_blocks
+    from tests.gguf_models import QUANTIZERS, T
 
-    kind, quantize, bits = {
-        "Q6_K": (quants.Q6_K, quantize_q6_k, 0),
-        "Q4_K": (quants.Q4_K, quantize_q4_k, 4),
-        "Q5_K": (quants.Q5_K, quantize_q5_k, 5),
-    }[ggml_type]
+    kind = getattr(quants, ggml_type)
+    quantize = QUANTIZERS[getattr(T, ggml_type)]
+    bits = {"Q4_K": 4, "Q5_K": 5}.get(ggml_type, 0)
     rng = np.random.default_rng(3)
     rows, width = 24, 512
     blocks = quantize(rng.normal(size=(rows, width)).astype(np.float32))
     want = quants.dequantize(blocks.reshape(-1), kind, (rows, width))
+    random = make_blocks(rng, kind, rows * width // 256)
+    assert_bits_equal(
+        np.array(quantized.DEQUANTIZE[ggml_type](mx.array(random.reshape(rows, -1)))),
+        quants.dequantize(random.reshape(-1), kind, (rows, width)),
+    )
     x = mx.array(rng.normal(size=(3, width)).astype(np.float32))
     ids = mx.array([5, 0, 23])
 

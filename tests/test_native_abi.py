@@ -316,7 +316,13 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
     """The level's march and functions (skipping where this CPU cannot run it), and
     `ggml_type`'s quants kind, weight format and quantizer (tests/gguf_models.py)."""
     from runner.sources.gguf import quants
-    from tests.gguf_models import quantize_q4_k, quantize_q5_k, quantize_q6_k
+    from tests.gguf_models import (
+        quantize_q2_k,
+        quantize_q3_k,
+        quantize_q4_k,
+        quantize_q5_k,
+        quantize_q6_k,
+    )
 
     march, library = level_library
     if library is None:
@@ -327,17 +333,21 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
         "Q6_K": (quants.Q6_K, abi.Q6K, quantize_q6_k),
         "Q4_K": (quants.Q4_K, abi.Q4K, quantize_q4_k),
         "Q5_K": (13, abi.Q5K, quantize_q5_k),
+        "Q3_K": (quants.Q3_K, abi.Q3K, quantize_q3_k),
+        "Q2_K": (quants.Q2_K, abi.Q2K, quantize_q2_k),
     }[ggml_type]
     return march, functions, kind, form, quantize
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
-    """runner_weight_product on GGML Q6_K, Q4_K and Q5_K blocks as a GGUF stores them: exactly the
-    sums the level's block tiles define (the values in order of k, its lanes, fused or not),
-    the same bits for any number of rows (the stream tiles of one and two rows, the block
-    tiles of more), and within 1e-4 of the float64 product of llama.cpp's values
-    (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's)."""
+    """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K and Q2_K blocks as a GGUF stores
+    them: exactly the sums the level's block tiles define (the values in order of k, its
+    lanes, fused or not), the same bits for any number of rows (the stream tiles of one and
+    two rows, the block tiles of more), and within 1e-4 of the float64 product of llama.cpp's
+    values (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's). A
+    decode step's rows take the same tiles where the build has no limbs for the format (none
+    has them for Q3_K and Q2_K)."""
     from runner.sources.gguf import quants
 
     march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
@@ -363,7 +373,7 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
     assert not functions.weight_supported(ctypes.byref(short), n, 300)
     decode = weight_times(functions, weight, (n, k), a, decode=True)
-    if not functions.limb_products:  # decode rows take the float tiles: the same bits
+    if not functions.limb_products or ggml_type in ("Q3_K", "Q2_K"):  # the float tiles' bits
         np.testing.assert_array_equal(decode, c)
 
 

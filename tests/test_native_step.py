@@ -892,15 +892,15 @@ def test_quantized_embedding_rows_are_mlx_dequantized_values(bits, scales):
     np.testing.assert_array_equal(matrix.values(ids), w.values[ids])
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
     """GGML blocks' rows dequantized in numpy for the step: exactly the values of MLX's path
     (runner/models/quantized.py's dequantization of the blocks, llama.cpp's bit for bit)."""
     from runner.backend.native_step import GGML_FORMATS, _Matrix
     from runner.models.quantized import DEQUANTIZE
-    from tests.gguf_models import quantize_q4_k, quantize_q5_k, quantize_q6_k
+    from tests.gguf_models import QUANTIZERS, T
 
-    quantize = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k}[ggml_type]
+    quantize = QUANTIZERS[getattr(T, ggml_type)]
     rng = np.random.default_rng(3)
     blocks = np.ascontiguousarray(quantize(rng.normal(size=(24, 512)).astype(np.float32)))
     matrix = _Matrix(24, 512, codes=blocks, block_format=GGML_FORMATS[ggml_type][0])

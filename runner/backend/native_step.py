@@ -221,9 +221,15 @@ GLOBAL_SCALE = "global_scale"
 # runner/models/quantized.py's layers of GGML blocks: their parameter, and per `ggml_type` the
 # library's format and the bytes a block of 256 weights (repeated here for the same reason)
 GGML_BLOCKS = "blocks"
-GGML_FORMATS = {"Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144), "Q5_K": (abi.Q5K, 176)}
+GGML_FORMATS = {
+    "Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144), "Q5_K": (abi.Q5K, 176),
+    "Q3_K": (abi.Q3K, 110), "Q2_K": (abi.Q2K, 84),
+}  # fmt: skip
 # `_Matrix.values`' dequantizing
-GGML_TYPE_IDS = {abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K}
+GGML_TYPE_IDS = {
+    abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K,
+    abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K,
+}  # fmt: skip
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
@@ -245,8 +251,8 @@ class _Matrix:
     bits: int = 0
     group: int = 0
     scale_format: int = 0
-    block_format: int = 0  # `codes` are GGML blocks in this format (abi.Q6K, abi.Q4K, abi.Q5K): no
-    # scales, biases
+    block_format: int = 0  # `codes` are GGML blocks in this format (GGML_FORMATS): no scales,
+    # biases
 
     def weight(self, half: np.ndarray | None = None, half_format: int = 0) -> abi.Weight:
         """The struct step_weight: the codes, or the float32 weights, or (`half`) their exact

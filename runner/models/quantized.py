@@ -10,18 +10,19 @@ int8, mxfp4, mxfp8, nvfp4: MLX modes of the same names). Two things they lack:
 `adopt` gives the quantized layers of a loaded module these subclasses (parameters keep their
 names; a global scale becomes the layer's `global_scale`), before the weights are loaded.
 
-GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding)
-have a scale per 16 weights, which MLX's affine format cannot group, and their exact float32
-values take 4.9x the file's bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and
+GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding),
+Q3_K blocks (most of a Q3_K_M file) and Q2_K blocks (most of a Q2_K file) have a scale per 16
+weights, which MLX's affine format cannot group, and their exact float32 values take 4.9x,
+9.3x and 12.2x the file's bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and
 5-bit groups of 32, but only with float32 scales and biases (6 and 7 bits a weight, against
 the file's 4.5 and 5.5), which a decode step, bound by the bytes it reads, pays for. A GGUF
-source names such layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"` or
-`"Q5_K"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps
-them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
-(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q6_K float32
-weights and Q4_K / Q5_K the affine repack, as before. The layers' own forward (MLX's path)
-dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization gives, bit
-for bit.
+source names such layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`,
+`"Q5_K"`, `"Q3_K"` or `"Q2_K"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`;
+`adopt_blocks` keeps them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will
+read them (runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q6_K,
+Q3_K and Q2_K float32 weights and Q4_K / Q5_K the affine repack, as before. The layers' own
+forward (MLX's path) dequantizes the blocks with MLX operations, to the values llama.cpp's
+dequantization gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
 # A GGUF source's quantization entry for a layer kept in GGML blocks, and their parameter.
 GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
-Q6_K, Q4_K, Q5_K = "Q6_K", "Q4_K", "Q5_K"
+Q6_K, Q4_K, Q5_K, Q3_K, Q2_K = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"
 BLOCK_WEIGHTS = 256  # weights a block, of any of these types
-Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES = 210, 144, 176  # bytes a block
+Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -193,6 +194,54 @@ def dequantize_q6_k(blocks: mx.array) -> mx.array:
     codes = (low | (high << 4)).astype(mx.float32) - 32
     scale = (d * scales).reshape(*lead, n, 16, 1)
     return (scale * codes.reshape(*lead, n, 16, 16)).reshape(*lead, n * BLOCK_WEIGHTS)
+
+
+def _two_bit_codes(qs: mx.array) -> mx.array:
+    """The 2-bit codes of qs [..., n, 64] (Q2_K's codes, Q3_K's low bits) as [..., n, 2, 4, 32]
+    uint8, in order of k: weight 128h + 32s + l is bits 2s, 2s + 1 of qs[32h + l]."""
+    *lead, n, _ = qs.shape
+    shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
+    return (qs.reshape(*lead, n, 2, 1, 32) >> shifts) & 3
+
+
+def dequantize_q3_k(blocks: mx.array) -> mx.array:
+    """float32 [..., k] from Q3_K blocks [..., k / 256 * 110] (uint8): llama.cpp's values
+    (each block: hmask[32], the codes' low 2 bits qs[64], twelve bytes of sixteen 6-bit scales,
+    float16 d; weight 128h + 32s + l's code is its low bits less 4 where bit 4h + s of hmask[l]
+    is clear, its value (d * (sc - 32)) * code: every product exact)."""
+    *lead, width = blocks.shape
+    n = width // Q3_K_BYTES
+    x = blocks.reshape(*lead, n, Q3_K_BYTES)
+    hmask = x[..., 0:32].reshape(*lead, n, 1, 1, 32)
+    bits = mx.arange(8, dtype=mx.uint8).reshape(2, 4, 1)
+    high = (hmask >> bits) & 1
+    codes = _two_bit_codes(x[..., 32:96]).astype(mx.float32) + (high.astype(mx.float32) * 4 - 4)
+    # the scales as llama.cpp unpacks them: sc_j's low 4 bits from the nibbles of bytes 0-7
+    # (low nibbles first), its high 2 bits from bytes 8-11, two bits at a time
+    low, top = x[..., 96:104], x[..., 104:108]
+    nibbles = mx.concatenate([low & 15, low >> 4], axis=-1)
+    pairs = mx.concatenate([(top >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    sc = (nibbles | (pairs << 4)).astype(mx.float32) - 32
+    d = mx.contiguous(x[..., 108:110]).view(mx.float16).astype(mx.float32)
+    scale = (d * sc).reshape(*lead, n, 16, 1)
+    return (scale * codes.reshape(*lead, n, 16, 16)).reshape(*lead, n * BLOCK_WEIGHTS)
+
+
+def dequantize_q2_k(blocks: mx.array) -> mx.array:
+    """float32 [..., k] from Q2_K blocks [..., k / 256 * 84] (uint8): llama.cpp's values (each
+    block: scales[16], a 4-bit scale and a 4-bit min a 16 weights, 2-bit codes qs[64], float16
+    d and dmin; a weight is (d * (sc & 15)) * q - dmin * (sc >> 4): the products exact, the
+    difference rounded once)."""
+    *lead, width = blocks.shape
+    n = width // Q2_K_BYTES
+    x = blocks.reshape(*lead, n, Q2_K_BYTES)
+    sc = x[..., 0:16]
+    codes = _two_bit_codes(x[..., 16:80]).astype(mx.float32).reshape(*lead, n, 16, 16)
+    d = mx.contiguous(x[..., 80:82]).view(mx.float16).astype(mx.float32)
+    dmin = mx.contiguous(x[..., 82:84]).view(mx.float16).astype(mx.float32)
+    scale = (d * (sc & 15).astype(mx.float32))[..., None]
+    bias = (-(dmin * (sc >> 4).astype(mx.float32)))[..., None]
+    return (scale * codes + bias).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
 def _k_quant_parts(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
@@ -248,13 +297,17 @@ DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
     Q6_K: dequantize_q6_k,
     Q4_K: partial(dequantize_k_quant, ggml_type=Q4_K),
     Q5_K: partial(dequantize_k_quant, ggml_type=Q5_K),
+    Q3_K: dequantize_q3_k,
+    Q2_K: dequantize_q2_k,
 }
-BLOCK_BYTES = {Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES}
+BLOCK_BYTES = {
+    Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q3_K: Q3_K_BYTES, Q2_K: Q2_K_BYTES,
+}  # fmt: skip
 
 
 class _GGMLBlocks(nn.Module):
-    """A weight of GGML blocks of `ggml_type` (Q6_K, Q4_K, Q5_K), [rows, columns / 256 * bytes a
-    block] as a GGUF stores them."""
+    """A weight of GGML blocks of `ggml_type` (BLOCK_BYTES' types), [rows, columns / 256 * bytes
+    a block] as a GGUF stores them."""
 
     def __init__(self, rows: int, columns: int, ggml_type: str):
         super().__init__()
@@ -325,8 +378,8 @@ def adopt_blocks(
     type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
     GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
     ...) Q4_K and Q5_K become MLX's affine quantization of the same values (`P.weight`,
-    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and Q6_K float32 `P.weight`, as a
-    dequantized tensor's were. Before the module's sanitize and load. Returns the
+    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and Q6_K, Q3_K and Q2_K float32
+    `P.weight`, as a dequantized tensor's were. Before the module's sanitize and load. Returns the
     source's quantization config without the block entries and with the affine layers'
     entries added (None if it is empty)."""
     layers = dict(module.named_modules())
@@ -363,7 +416,8 @@ def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
     native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
     and Q5_K an affine QuantizedLinear / QuantizedEmbedding of the same values (4 and 5
-    bits), Q6_K an nn.Linear / nn.Embedding of its float32 values; whether there was one."""
+    bits), Q6_K, Q3_K and Q2_K an nn.Linear / nn.Embedding of its float32 values; whether
+    there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
         if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):

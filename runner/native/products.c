@@ -10,7 +10,7 @@
  * in whole blocks. */
 int column_block(const struct product *p) {
     if (p->format == W_AFFINE) return affine_block(p);
-    if (p->format == W_Q6K || p->format == W_Q4K || p->format == W_Q5K) return ggml_block(p);
+    if (ggml_format(p->format)) return ggml_block(p);
 #if HALF_WEIGHTS
     if (p->format != W_F32) return panel_block(p);
 #endif
@@ -181,9 +181,6 @@ int runner_weight_supported(const struct step_weight *w, int n, int k) {
     case W_F32: return 1;
     case W_F16: case W_BF16: return HALF_WEIGHTS;
     case W_AFFINE: return affine_supported(w, n, k);
-    case W_Q6K:
-    case W_Q4K:
-    case W_Q5K: return ggml_supported(w, n, k);
-    default: return 0;
+    default: return ggml_format(w->format) ? ggml_supported(w, n, k) : 0;
     }
 }

@@ -760,28 +760,47 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
+/* Whether a GGML block format has limb tiles (Q3_K and Q2_K take the float tiles). */
+static int limb_format(int format) {
+    return LIMB_PRODUCTS && (format == W_Q4K || format == W_Q5K || format == W_Q6K);
+}
+
 int limbs_read(const struct step_weight *w, int k) {
-    if (w->format == W_Q4K || w->format == W_Q5K || w->format == W_Q6K) return LIMB_PRODUCTS;
+    if (ggml_format(w->format)) return limb_format(w->format);
     return w->format == W_AFFINE && affine_limbs_read(w->bits, w->group, k);
 }
 
-/* --- GGML's Q6_K blocks (W_Q6K) ----------------------------------------------------------- */
+/* --- GGML's blocks of 16-weight sub-blocks: Q6_K, Q3_K, Q2_K (W_Q6K, W_Q3K, W_Q2K) --------- */
 
-/* A block: 256 weights in 210 bytes: ql[128] (the codes' low 4 bits), qh[64] (their high 2
- * bits), scales[16] (int8, one per 16 weights), d (float16). Weight i of a block, as
+/* A Q6_K block: 256 weights in 210 bytes: ql[128] (the codes' low 4 bits), qh[64] (their high
+ * 2 bits), scales[16] (int8, one per 16 weights), d (float16). Weight i of a block, as
  * llama.cpp's dequantize_row_q6_K computes it: in half h = i / 128, with l = i % 32 and
  * quarter s = (i % 128) / 32, the code is (ql[64h + 32(s & 1) + l] >> 4(s >> 1)) & 15 with
  * ((qh[32h + l] >> 2s) & 3) << 4, and the value (d * scales[i / 16]) * (code - 32): d times
  * the scale exact in float32, the product with the code rounded once.
  *
- * Both tiles take a block's codes less 32 as int8 and its 16 scales as float32 (q6k_codes),
- * and make each vector of QL values the same way, (float)(code - 32) * scale (q6k_values), in
- * order of k. Few rows (STREAM_ROWS) take stream tiles: BLOCK_RW rows of W, a block at a
- * time, the values made in registers against one or two rows of A; more rows take the block
- * tiles, BLOCK_RW rows of W made into a buffer of the thread's. The lanes and the order of
- * every sum are the block tile's either way, so the same bits for any number of rows; never
- * a float32 copy of W. */
-enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210 };
+ * A Q3_K block (Q3_K_M and Q3_K_S files; Q2_K files' attn_v and ffn_down): 256 weights in 110
+ * bytes: hmask[32] (each code's third bit), qs[64] (its low 2 bits), scales[12] (sixteen 6-bit
+ * scales, packed as llama.cpp unpacks them), d (float16). Weight i, with h, s and l as above:
+ * low bits (qs[32h + l] >> 2s) & 3, less 4 where bit 4h + s of hmask[l] is clear; the value
+ * (d * (sc_{i/16} - 32)) * code (llama.cpp's dequantize_row_q3_K): every product exact.
+ *
+ * A Q2_K block (Q2_K files): 256 weights in 84 bytes: scales[16] (a 4-bit scale and a 4-bit
+ * min a 16 weights), qs[64] (2-bit codes, as Q3_K's low bits), d and dmin (float16). Weight
+ * i's value is (d * (sc & 15)) * q - dmin * (sc >> 4), sc = scales[i / 16] (llama.cpp's
+ * dequantize_row_q2_K): both products exact, the difference rounded once, which the tiles'
+ * q * scale + bias (bias = -(dmin * m)) is, fused or not.
+ *
+ * The tiles take a block's codes as int8 and its 16 scales (and Q2_K's biases) as float32
+ * (s16_codes), and make each vector of QL values the same way, (float)code * scale (+ bias)
+ * (s16_values), in order of k. Few rows (STREAM_ROWS) take stream tiles: BLOCK_RW rows of W,
+ * a block at a time, the values made in registers against one or two rows of A; more rows take
+ * the block tiles, BLOCK_RW rows of W made into a buffer of the thread's. The lanes and the
+ * order of every sum are the block tile's either way, so the same bits for any number of rows;
+ * never a float32 copy of W. */
+enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210, Q3K_BYTES = 110, Q2K_BYTES = 84 };
+/* the formats the 16-weight tiles read: a compile-time constant of each instance */
+enum { S16_Q6K, S16_Q3K, S16_Q2K };
 
 typedef unsigned char u8x32 __attribute__((vector_size(32)));
 typedef unsigned short u16x16 __attribute__((vector_size(32)));
@@ -794,7 +813,7 @@ ALWAYS void fetch_share(const char *ahead, int lines, int b, int blocks) {
             __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
 }
 
-/* codes[256] = block x's codes less 32, in order of k; scale[16] = d * scales[j]. */
+/* codes[256] = Q6_K block x's codes less 32, in order of k; scale[16] = d * scales[j]. */
 ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) {
     const u8x32 low4 = (u8x32){0} + 15, low2 = (u8x32){0} + 3, bias = (u8x32){0} + 32;
     for (int h = 0; h < 2; h++) {
@@ -824,8 +843,98 @@ ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) 
 #endif
 }
 
-/* The QL values at position t of a block from its q6k_codes. */
-ALWAYS qv q6k_values(const signed char *codes, const float *scale, int t) {
+/* codes[256] = the 2-bit codes of qs[64] (Q3_K's low bits, Q2_K's codes), in order of k: weight
+ * 128h + 32s + l is bits 2s, 2s + 1 of qs[32h + l]; with `hmask`, less 4 where bit 4h + s of
+ * hmask[l] is clear (Q3_K). */
+ALWAYS void two_bit_codes(const unsigned char *qs, const unsigned char *hmask, signed char *codes) {
+    const u8x32 low2 = (u8x32){0} + 3, one = (u8x32){0} + 1, four = (u8x32){0} + 4;
+    u8x32 high = {0};
+    if (hmask) memcpy(&high, hmask, 32);
+    for (int h = 0; h < 2; h++) {
+        u8x32 q;
+        memcpy(&q, qs + 32 * h, 32);
+        _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
+            u8x32 code = (q >> (2 * s)) & low2;
+            if (hmask) code = code + (((high >> (4 * h + s)) & one) << 2) - four;
+            memcpy(codes + 128 * h + 32 * s, &code, 32);
+        }
+    }
+}
+
+/* Q3_K block x's codes (two_bit_codes) and scale[16] = d * (sc_j - 32). */
+ALWAYS void q3k_codes(const unsigned char *x, signed char *codes, float *scale) {
+    two_bit_codes(x + 32, x, codes);
+    /* the sixteen 6-bit scales, as llama.cpp's dequantize_row_q3_K unpacks them */
+    unsigned aux[4];
+    memcpy(aux, x + 96, 12);
+    const unsigned kmask1 = 0x03030303u, kmask2 = 0x0f0f0f0fu, tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    unsigned short half;
+    memcpy(&half, x + 108, 2);
+    const float d = half_to_float(half);
+#if QPATH == 512
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)aux));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32)));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(d)));
+#elif QPATH == 256
+    const __m128i sc = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
+    const __m256 dd = _mm256_set1_ps(d);
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), dd));
+    _mm256_storeu_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), dd));
+#else
+    unsigned char sc[16];
+    memcpy(sc, aux, 16);
+    for (int j = 0; j < 16; j++) scale[j] = (float)((int)sc[j] - 32) * d;
+#endif
+}
+
+/* Q2_K block x's codes (two_bit_codes), scale[16] = d * (sc_j & 15) and bias[16] =
+ * -(dmin * (sc_j >> 4)). */
+ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, float *bias) {
+    two_bit_codes(x + 16, NULL, codes);
+    unsigned short hd, hm;
+    memcpy(&hd, x + 80, 2);
+    memcpy(&hm, x + 82, 2);
+    const float d = half_to_float(hd), dmin = half_to_float(hm);
+#if QPATH == 512 || QPATH == 256 /* -(dmin * m) is (-dmin) * m */
+    const __m128i sc = _mm_loadu_si128((const __m128i *)x), low4 = _mm_set1_epi8(15);
+    const __m128i sc4 = _mm_and_si128(sc, low4), m4 = _mm_and_si128(_mm_srli_epi16(sc, 4), low4);
+#if QPATH == 512
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc4)), _mm512_set1_ps(d)));
+    _mm512_storeu_ps(bias, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m4)), _mm512_set1_ps(-dmin)));
+#else
+    const __m256 dd = _mm256_set1_ps(d), mm = _mm256_set1_ps(-dmin);
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc4)), dd));
+    _mm256_storeu_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc4, 8))), dd));
+    _mm256_storeu_ps(bias, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m4)), mm));
+    _mm256_storeu_ps(bias + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m4, 8))), mm));
+#endif
+#else
+    for (int j = 0; j < 16; j++) {
+        scale[j] = (float)(x[j] & 15) * d;
+        bias[j] = -(dmin * (float)(x[j] >> 4));
+    }
+#endif
+}
+
+/* Bytes a block of a 16-weight format. */
+#define S16_BYTES(type) ((type) == S16_Q6K ? Q6K_BYTES : (type) == S16_Q3K ? Q3K_BYTES : Q2K_BYTES)
+
+/* Block x of a 16-weight format: its codes, scales and (Q2_K) biases. */
+ALWAYS void s16_codes(const int type, const unsigned char *x, signed char *codes, float *scale, float *bias) {
+    if (type == S16_Q6K)
+        q6k_codes(x, codes, scale);
+    else if (type == S16_Q3K)
+        q3k_codes(x, codes, scale);
+    else
+        q2k_codes(x, codes, scale, bias);
+}
+
+/* The QL values at position t of a block from its s16_codes. */
+ALWAYS qv s16_values(const int type, const signed char *codes, const float *scale, const float *bias, int t) {
 #if QPATH == 512
     const qv c = (qv)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + t))));
 #elif QPATH == 256
@@ -835,29 +944,30 @@ ALWAYS qv q6k_values(const signed char *codes, const float *scale, int t) {
     for (int l = 0; l < QL; l++) c[l] = (float)codes[t + l];
 #endif
     qv w = c * scale[t / 16];
+    if (type == S16_Q2K) w += bias[t / 16]; /* the product exact: one rounding, fused or not */
     QPIN(w);
     return w;
 }
 
-/* Row `row` of Q6_K blocks (k weights) dequantized into out[k], in order of k. */
-static void q6k_dequantize_row(int k, const unsigned char *row, float *out) {
+/* Row `row` of a 16-weight format's blocks (k weights) dequantized into out[k], in order of k. */
+ALWAYS void s16_dequantize_row(const int type, int k, const unsigned char *row, float *out) {
     signed char codes[Q6K_WEIGHTS] __attribute__((aligned(64)));
-    float scale[16];
+    float scale[16], bias[16];
     for (int b = 0; b < k / Q6K_WEIGHTS; b++) {
-        q6k_codes(row + (size_t)b * Q6K_BYTES, codes, scale);
+        s16_codes(type, row + (size_t)b * S16_BYTES(type), codes, scale, bias);
         float *y = out + (size_t)b * Q6K_WEIGHTS;
-        _Pragma("GCC unroll 4") for (int t = 0; t < Q6K_WEIGHTS; t += QL) qstore(y + t, q6k_values(codes, scale, t));
+        _Pragma("GCC unroll 4") for (int t = 0; t < Q6K_WEIGHTS; t += QL) qstore(y + t, s16_values(type, codes, scale, bias, t));
     }
 }
 
 /* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r]) over k: block_tile's lanes and order,
  * each block's values made in registers. `lines` cache lines from `ahead` (the rows a few
  * blocks on) prefetched, spread over the blocks. */
-ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *rows,
+ALWAYS void s16_stream_tile(const int type, const int RA, int k, const unsigned char *const *rows,
                             const float *const *a, float *dot, const char *ahead, int lines) {
     enum { RW = BLOCK_RW };
     signed char codes[RW][Q6K_WEIGHTS] __attribute__((aligned(64)));
-    float scale[RW][16];
+    float scale[RW][16], bias[RW][16];
     qv acc[2 * RW], zero = {0};
     QPIN(zero);
     _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
@@ -865,7 +975,7 @@ ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *row
     for (int b = 0; b < blocks; b++) {
         fetch_share(ahead, lines, b, blocks);
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
-            q6k_codes(rows[r] + (size_t)b * Q6K_BYTES, codes[r], scale[r]);
+            s16_codes(type, rows[r] + (size_t)b * S16_BYTES(type), codes[r], scale[r], bias[r]);
         const int t0 = b * Q6K_WEIGHTS;
         _Pragma("GCC unroll 2") for (int t = 0; t < Q6K_WEIGHTS; t += QL) {
             qv x[2];
@@ -874,7 +984,7 @@ ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *row
                 QPIN(x[i]);
             }
             _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-                const qv w = q6k_values(codes[r], scale[r], t);
+                const qv w = s16_values(type, codes[r], scale[r], bias[r], t);
                 _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += x[i] * w;
             }
         }
@@ -882,14 +992,22 @@ ALWAYS void q6k_stream_tile(const int RA, int k, const unsigned char *const *row
     sums(dot, acc, RA * RW);
 }
 
-static void q6k_stream_1(int k, const unsigned char *const *rows, const float *const *a,
-                         float *dot, const char *ahead, int lines) {
-    q6k_stream_tile(1, k, rows, a, dot, ahead, lines);
-}
-static void q6k_stream_2(int k, const unsigned char *const *rows, const float *const *a,
-                         float *dot, const char *ahead, int lines) {
-    q6k_stream_tile(2, k, rows, a, dot, ahead, lines);
-}
+/* Each format's stream tiles (one and two rows of A) and row dequantizer. */
+#define S16_INSTANCES(name, type)                                                                    \
+    static void name##_stream_1(int k, const unsigned char *const *rows, const float *const *a,     \
+                                float *dot, const char *ahead, int lines) {                         \
+        s16_stream_tile(type, 1, k, rows, a, dot, ahead, lines);                                    \
+    }                                                                                               \
+    static void name##_stream_2(int k, const unsigned char *const *rows, const float *const *a,     \
+                                float *dot, const char *ahead, int lines) {                         \
+        s16_stream_tile(type, 2, k, rows, a, dot, ahead, lines);                                    \
+    }                                                                                               \
+    static void name##_dequantize_row(int k, const unsigned char *row, float *out) {                \
+        s16_dequantize_row(type, k, row, out);                                                      \
+    }
+S16_INSTANCES(q6k, S16_Q6K)
+S16_INSTANCES(q3k, S16_Q3K)
+S16_INSTANCES(q2k, S16_Q2K)
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
@@ -1788,7 +1906,16 @@ static const struct block_format *block_format_of(int format) {
     static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_dequantize_row};
     static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_dequantize_row};
     static const struct block_format q5k = {Q5K_BYTES, q5k_stream_1, q5k_stream_2, q5k_dequantize_row};
-    return format == W_Q6K ? &q6k : format == W_Q4K ? &q4k : format == W_Q5K ? &q5k : NULL;
+    static const struct block_format q3k = {Q3K_BYTES, q3k_stream_1, q3k_stream_2, q3k_dequantize_row};
+    static const struct block_format q2k = {Q2K_BYTES, q2k_stream_1, q2k_stream_2, q2k_dequantize_row};
+    switch (format) {
+    case W_Q6K: return &q6k;
+    case W_Q4K: return &q4k;
+    case W_Q5K: return &q5k;
+    case W_Q3K: return &q3k;
+    case W_Q2K: return &q2k;
+    default: return NULL;
+    }
 }
 
 /* The block tiles' fill (fill_fn) for a GGML format (ctx: its block_format). */
@@ -1823,7 +1950,7 @@ void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
 #if LIMB_PRODUCTS
-    if (p->limbs) { /* a decode step's rows, any number of them */
+    if (p->limbs && limb_format(p->format)) { /* a decode step's rows, any number of them */
         limb_columns(p, row_bytes, j0, j1);
         return;
     }

@@ -68,7 +68,7 @@ void columns(const struct product *p, int j0, int j1) {
         affine_columns(p, j0, j1);
         return;
     }
-    if (p->format == W_Q6K || p->format == W_Q4K || p->format == W_Q5K) {
+    if (ggml_format(p->format)) {
         ggml_columns(p, j0, j1);
         return;
     }

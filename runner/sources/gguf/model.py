@@ -1,7 +1,7 @@
 """A GGUF model file as a `ModelSource`: the checkpoint its metadata and tensors describe
 (`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
 tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
-kept as stored where they are floats or blocks the runner computes with (Q4_K, Q5_K and Q6_K
+kept as stored where they are floats or blocks the runner computes with (Q2_K to Q6_K
 layers' weights: runner/models/quantized.py decides what each becomes), dequantized to
 float32 otherwise; never through MLX's
 own GGUF reader (which corrupts Q4_K). Every tensor of the file is accounted for: one the
