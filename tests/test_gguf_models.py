@@ -310,13 +310,14 @@ print(hashlib.sha256(b"".join(p.tobytes() for p in parts)).hexdigest())
 """
 
 
-@pytest.mark.parametrize("rule", [k_mixed, five_bits], ids=["k_quants", "q5_0"])
+@pytest.mark.parametrize("rule", [k_mixed, k2_mixed, five_bits], ids=["k_quants", "q2_k", "q5_0"])
 def test_forwards_are_the_same_bits_on_any_number_of_threads(tmp_path: Path, rule: Any) -> None:
     """The native step's products hand their columns out in chunks that the pool's threads
     take in turn (runner/native/products.c), attention its items: which thread computes a
     column, and how many chunks there are (CHUNKS_PER_THREAD a thread), must not change a
     bit. A prompt's forward, decode steps with their logits, and a whole forward's logits of
-    a K-quant and a Q5_0 file, in processes whose pools have 1, 2 and 3 threads."""
+    a Q4_K_M-like, a Q2_K-like and a Q5_0 file, in processes whose pools have 1, 2 and 3
+    threads."""
     import os
     import subprocess
     import sys

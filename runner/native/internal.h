@@ -97,8 +97,8 @@ struct product {
     int format;
     int bits, group, scale_format; /* W_AFFINE (struct step_weight) */
     const void *scales, *biases;
-    /* NULL, or A's rows as limbs (limb_split): a decode step's products (W_Q4K, W_Q5K, W_Q6K and
-     * 5-bit W_AFFINE read them where the build has their tiles: limbs_read) */
+    /* NULL, or A's rows as limbs (limb_split): a decode step's products (GGML blocks and 5-bit
+     * W_AFFINE read them where the build has their tiles: limbs_read) */
     const void *limbs;
 };
 

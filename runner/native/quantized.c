@@ -760,10 +760,8 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles (Q3_K and Q2_K take the float tiles). */
-static int limb_format(int format) {
-    return LIMB_PRODUCTS && (format == W_Q4K || format == W_Q5K || format == W_Q6K);
-}
+/* Whether a GGML block format has limb tiles: all of them, where the build has limbs. */
+static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format); }
 
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format);
@@ -861,10 +859,9 @@ ALWAYS void two_bit_codes(const unsigned char *qs, const unsigned char *hmask, s
     }
 }
 
-/* Q3_K block x's codes (two_bit_codes) and scale[16] = d * (sc_j - 32). */
-ALWAYS void q3k_codes(const unsigned char *x, signed char *codes, float *scale) {
-    two_bit_codes(x + 32, x, codes);
-    /* the sixteen 6-bit scales, as llama.cpp's dequantize_row_q3_K unpacks them */
+/* scale[16] = d * (sc_j - 32) of Q3_K block x: its sixteen 6-bit scales as llama.cpp's
+ * dequantize_row_q3_K unpacks them. */
+ALWAYS void q3k_scales(const unsigned char *x, float *scale) {
     unsigned aux[4];
     memcpy(aux, x + 96, 12);
     const unsigned kmask1 = 0x03030303u, kmask2 = 0x0f0f0f0fu, tmp = aux[2];
@@ -891,10 +888,14 @@ ALWAYS void q3k_codes(const unsigned char *x, signed char *codes, float *scale) 
 #endif
 }
 
-/* Q2_K block x's codes (two_bit_codes), scale[16] = d * (sc_j & 15) and bias[16] =
- * -(dmin * (sc_j >> 4)). */
-ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, float *bias) {
-    two_bit_codes(x + 16, NULL, codes);
+/* Q3_K block x's codes (two_bit_codes) and scales (q3k_scales). */
+ALWAYS void q3k_codes(const unsigned char *x, signed char *codes, float *scale) {
+    two_bit_codes(x + 32, x, codes);
+    q3k_scales(x, scale);
+}
+
+/* scale[16] = d * (sc_j & 15) and bias[16] = -(dmin * (sc_j >> 4)) of Q2_K block x. */
+ALWAYS void q2k_scales(const unsigned char *x, float *scale, float *bias) {
     unsigned short hd, hm;
     memcpy(&hd, x + 80, 2);
     memcpy(&hm, x + 82, 2);
@@ -918,6 +919,12 @@ ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, 
         bias[j] = -(dmin * (float)(x[j] >> 4));
     }
 #endif
+}
+
+/* Q2_K block x's codes (two_bit_codes) and scales and biases (q2k_scales). */
+ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, float *bias) {
+    two_bit_codes(x + 16, NULL, codes);
+    q2k_scales(x, scale, bias);
 }
 
 /* Bytes a block of a 16-weight format. */
@@ -1321,7 +1328,7 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
     kq_stream_tile(5, 2, k, rows, a, dot, ahead, lines);
 }
 
-/* --- decode products by limbs (W_Q4K, W_Q5K, W_Q6K, 5-bit W_AFFINE: AVX512-VNNI, AVX2) ---- */
+/* --- decode products by limbs (GGML blocks, 5-bit W_AFFINE: AVX512-VNNI, AVX2) ------------ */
 
 /* A decode step's products (struct product's `limbs`, which the caller made with limb_split)
  * multiply the blocks' integer codes by A's values as integers: each run of 32 values of a
@@ -1333,11 +1340,12 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * run's largest value), and each 4 codes' products with a limb summed exactly by vpdpbusd
  * (64 products an instruction, in int32): S = ((q.l0) 128 + q.l1) 128 + q.l2 per lane of 4
  * weights, < 2^30 for 6-bit codes. A lane's S is converted once and multiplied by its
- * sub-block's scale times a / 16384, one FMA; a Q4_K (Q5_K) sub-block's bias multiplies the run's
- * float32 sum of x, and Q6_K's codes are read unsigned (q + 32), the 32 taken off with the
- * sub-block's float32 sum of x. So a decode product is the dequantized weights' product up to
- * ~1e-6 of sum |w x| (tests/test_native_abi.py bounds each value against float64), against
- * float32 FMAs' ~1e-7, 1.3-1.5x faster than making each weight's float32 value where the
+ * sub-block's scale times a / 16384, one FMA; a Q4_K (Q5_K) sub-block's bias multiplies the
+ * run's float32 sum of x (Q2_K's bias each 16 values' sum), and Q6_K's and Q3_K's codes are
+ * read unsigned (q + 32, q + 4), the 32 (4) taken off with each 16 values' float32 sum of x.
+ * So a decode product is the dequantized weights' product up to ~1e-6 of sum |w x|
+ * (tests/test_native_abi.py bounds each value against float64), against float32 FMAs'
+ * ~1e-7, 1.3-1.5x faster than making each weight's float32 value where the
  * weights are in cache (bench/RESULTS.md, "Decode products by limbs"). Its bits are not the
  * float tiles': a decode step's hidden row is not bit for bit a forward's last row. Every
  * row of A is computed alone, in one order, so the same bits for any number of rows and any
@@ -1356,7 +1364,8 @@ struct limb_block {
     signed char l[3][256];
     signed char l4[3][256]; /* the same in Q4_K's order: 32-value runs 0 2 1 3 4 6 5 7 */
     float q4k[16];   /* a / 16384 of the 8 runs of 32, then each run's sum of x */
-    float q6k_u[16]; /* a / 16384 of the run holding each 16 values (Q6_K's sub-blocks) */
+    float q6k_u[16]; /* a / 16384 of the run holding each 16 values (Q6_K's, Q3_K's, Q2_K's
+                      * sub-blocks) */
     float q6k_s[16]; /* each 16 values' sum of x */
 };
 
@@ -1470,13 +1479,37 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(rest[r]);
 }
 
-/* The same for Q6_K blocks. */
-ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
-                          float *dot, const char *ahead, int lines) {
+/* A block's 16 scales (and Q2_K's 16 biases) as the limb tiles take them: Q6_K's d * sc_j,
+ * Q3_K's d * (sc_j - 32), Q2_K's d * (sc_j & 15) and -(dmin * (sc_j >> 4)): the float tiles'
+ * values (s16_codes), without their codes. */
+ALWAYS void s16_scales(const int type, const unsigned char *x, float *scale, float *bias) {
+    if (type == S16_Q6K) {
+        unsigned short half;
+        memcpy(&half, x + 208, 2);
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 192))));
+        _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(half_to_float(half))));
+    } else if (type == S16_Q3K) {
+        q3k_scales(x, scale);
+    } else {
+        q2k_scales(x, scale, bias);
+    }
+}
+
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K or Q2_K blocks,
+ * their codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
+ * Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4 taken off the same way),
+ * Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h of a block's ql (64
+ * bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64 in its high ones, qh
+ * their top 2 bits; Q3_K and Q2_K: the 32 bytes of qs from 32h hold weight 128h + 32s + l in
+ * bits 2s of byte l, read with those 32 bytes in both 256-bit halves (s = 2v, 2v + 1 in the
+ * low, high half of step v), Q3_K's third bits bit 4h + s of hmask[l] the same way. */
+ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
+                          const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
     __m512 acc[RW], rest[RW];
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15), high2 = _mm512_set1_epi8(0x30);
+    const __m512i low2 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
     /* qh's 2-bit fields moved to bits 4-5: weights 0-31 of a half (<< 4), 32-63 (<< 2) */
     const __m512i up = _mm512_setr_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
                                          0x0004000400040004LL, 0x0002000200020002LL, 0x0002000200020002LL,
@@ -1484,26 +1517,42 @@ ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const st
     /* and for weights 64-95 (as they are), 96-127 (>> 2) */
     const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
                                            0x0002000200020002LL, 0x0002000200020002LL);
+    const size_t bytes = S16_BYTES(type);
     for (int b = 0; b < blocks; b++, L++) {
         fetch_share(ahead, lines, b, blocks);
         const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-            const unsigned char *x = rows[r] + (size_t)b * Q6K_BYTES;
-            unsigned short half;
-            memcpy(&half, x + 208, 2);
-            const __m512 scale = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 192)))),
-                _mm512_set1_ps(half_to_float(half)));
+            const unsigned char *x = rows[r] + (size_t)b * bytes;
+            float sc[16], bi[16];
+            s16_scales(type, x, sc, bi);
+            const __m512 scale = _mm512_loadu_ps(sc);
             const __m512 f = _mm512_mul_ps(scale, units);
-            rest[r] = _mm512_fmadd_ps(scale, sums, rest[r]);
+            rest[r] = _mm512_fmadd_ps(type == S16_Q2K ? _mm512_loadu_ps(bi) : scale, sums, rest[r]);
+            const __m512i hmask = type == S16_Q3K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x))
+                                                  : _mm512_setzero_si512();
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
-                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
-                const __m512i codes[2] = {
-                    _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                    _mm512_and_si512(_mm512_srlv_epi16(qh, down), high2)),
-                };
+                __m512i codes[2];
+                if (type == S16_Q6K) {
+                    const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
+                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
+                    codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2));
+                    codes[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                               _mm512_and_si512(_mm512_srlv_epi16(qh, down), high2));
+                } else {
+                    const unsigned char *qs = x + (type == S16_Q3K ? 32 : 16) + 32 * h;
+                    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
+                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                        const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * v)),
+                                                              _mm256_set1_epi16((short)(4 * v + 2)), 1);
+                        codes[v] = _mm512_and_si512(_mm512_srlv_epi16(q, by), low2);
+                        if (type == S16_Q3K) {
+                            const __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h + 2 * v)),
+                                                                  _mm256_set1_epi16((short)(4 * h + 2 * v + 1)), 1);
+                            const __m512i third = _mm512_and_si512(_mm512_srlv_epi16(hmask, at), one);
+                            codes[v] = _mm512_or_si512(codes[v], _mm512_slli_epi16(third, 2));
+                        }
+                    }
+                }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const int s0 = 8 * h + 4 * v;
                     const __m512i s = limb_dot(codes[v], L->l[0] + 128 * h + 64 * v);
@@ -1514,7 +1563,8 @@ ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const st
             }
         }
     }
-    for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(rest[r]);
+    const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : 1.0f;
+    for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + offset * _mm512_reduce_add_ps(rest[r]);
 }
 
 #elif LIMB_PATH == 256
@@ -1648,40 +1698,71 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_add_ps(acc[r], rest[r]));
 }
 
-/* The same for Q6_K blocks: quarter s of half h (values 128h + 32s ..) has its low 4 bits in
- * ql[64h + 32 (s & 1) ..] (s < 2: low nibbles, else high), its high 2 in bits 2s of
- * qh[32h ..]; a run's lanes 0-3 are its first sub-block of 16, 4-7 its second. */
-ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const struct limb_block *L,
-                          float *dot, const char *ahead, int lines) {
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K or Q2_K blocks,
+ * their codes unsigned as in the AVX-512 s16_limb_tile. Q6_K: quarter s of half h (values
+ * 128h + 32s ..) has its low 4 bits in ql[64h + 32 (s & 1) ..] (s < 2: low nibbles, else
+ * high), its high 2 in bits 2s of qh[32h ..]; Q3_K and Q2_K: in bits 2s of qs[32h ..], Q3_K's
+ * third bit in bit 4h + s of hmask. A run's lanes 0-3 are its first sub-block of 16, 4-7 its
+ * second. */
+ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
+                          const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
     __m256 acc[RW], rest[RW];
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
+    const __m256i low2 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const size_t bytes = S16_BYTES(type);
     for (int b = 0; b < blocks; b++, L++) {
         fetch_share(ahead, lines, b, blocks);
         const __m256 units[2] = {_mm256_loadu_ps(L->q6k_u), _mm256_loadu_ps(L->q6k_u + 8)};
         const __m256 sums[2] = {_mm256_loadu_ps(L->q6k_s), _mm256_loadu_ps(L->q6k_s + 8)};
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-            const unsigned char *x = rows[r] + (size_t)b * Q6K_BYTES;
-            unsigned short half;
-            memcpy(&half, x + 208, 2);
-            const __m256 d = _mm256_set1_ps(half_to_float(half));
-            const __m128i sc = _mm_loadu_si128((const __m128i *)(x + 192));
+            const unsigned char *x = rows[r] + (size_t)b * bytes;
+            float sc[16], bi[16];
+            if (type == S16_Q6K) {
+                unsigned short half;
+                memcpy(&half, x + 208, 2);
+                const __m256 d = _mm256_set1_ps(half_to_float(half));
+                const __m128i q = _mm_loadu_si128((const __m128i *)(x + 192));
+                _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+                _mm256_storeu_ps(sc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d));
+            } else if (type == S16_Q3K) {
+                q3k_scales(x, sc);
+            } else {
+                q2k_scales(x, sc, bi);
+            }
+            const __m256i hmask = type == S16_Q3K ? _mm256_loadu_si256((const __m256i *)x) : _mm256_setzero_si256();
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                const __m256 scale = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)), d);
-                rest[r] = _mm256_fmadd_ps(scale, sums[h], rest[r]);
+                const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
+                rest[r] = _mm256_fmadd_ps(type == S16_Q2K ? _mm256_loadu_ps(bi + 8 * h) : scale, sums[h], rest[r]);
                 const __m256 f = _mm256_mul_ps(scale, units[h]); /* sub-blocks 8h .. 8h + 7 */
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-                const __m256i codes[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, high2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
-                };
+                __m256i codes[4];
+                if (type == S16_Q6K) {
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
+                    codes[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2));
+                    codes[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2));
+                    codes[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, high2));
+                    codes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2));
+                } else {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(x + (type == S16_Q3K ? 32 : 16) + 32 * h));
+                    /* Q3_K: bit 4h + s of hmask moved to bit 2 (16-bit shifts: no byte's bit
+                     * reaches another's bit 2) */
+                    const __m256i third[4] = {
+                        _mm256_and_si256(h ? _mm256_srli_epi16(hmask, 2) : _mm256_slli_epi16(hmask, 2), four),
+                        _mm256_and_si256(h ? _mm256_srli_epi16(hmask, 3) : _mm256_slli_epi16(hmask, 1), four),
+                        _mm256_and_si256(h ? _mm256_srli_epi16(hmask, 4) : hmask, four),
+                        _mm256_and_si256(h ? _mm256_srli_epi16(hmask, 5) : _mm256_srli_epi16(hmask, 1), four),
+                    };
+                    codes[0] = _mm256_and_si256(q, low2);
+                    codes[1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), low2);
+                    codes[2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low2);
+                    codes[3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), low2);
+                    if (type == S16_Q3K)
+                        _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) codes[s] = _mm256_or_si256(codes[s], third[s]);
+                }
                 _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
                     const __m256i at = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
                     const __m256i dots = limb_dot(codes[s], L->l[0] + 128 * h + 32 * s);
@@ -1690,7 +1771,12 @@ ALWAYS void q6k_limb_tile(int blocks, const unsigned char *const *rows, const st
             }
         }
     }
-    for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_fnmadd_ps(_mm256_set1_ps(32.0f), rest[r], acc[r]));
+    const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : 1.0f;
+    for (int r = 0; r < RW; r++) {
+        const __m256 total = type == S16_Q2K ? _mm256_add_ps(acc[r], rest[r])
+                                             : _mm256_fmadd_ps(_mm256_set1_ps(offset), rest[r], acc[r]);
+        dot[r] = limb_sum8(total);
+    }
 }
 #endif
 
@@ -1727,7 +1813,11 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
         for (int i = 0; i < p->m; i++) {
             const struct limb_block *L = (const struct limb_block *)p->limbs + (size_t)i * blocks;
             if (p->format == W_Q6K)
-                q6k_limb_tile(blocks, rows, L, dot, i ? NULL : next, lines);
+                s16_limb_tile(S16_Q6K, blocks, rows, L, dot, i ? NULL : next, lines);
+            else if (p->format == W_Q3K)
+                s16_limb_tile(S16_Q3K, blocks, rows, L, dot, i ? NULL : next, lines);
+            else if (p->format == W_Q2K)
+                s16_limb_tile(S16_Q2K, blocks, rows, L, dot, i ? NULL : next, lines);
             else if (p->format == W_Q4K)
                 kq_limb_tile(4, blocks, rows, L, dot, i ? NULL : next, lines);
             else

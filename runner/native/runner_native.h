@@ -105,7 +105,7 @@ struct step_args {
     float *x;                       /* [batch, tokens, hidden]: embeddings in, final hidden out */
     float *new_keys, *new_values;   /* [layers, batch, kv_heads, tokens, head_dim] out */
     float *scratch;                 /* runner_step_scratch_floats() floats */
-    /* 1: a decode step (each row a sequence's next token): its W_Q4K / W_Q5K / W_Q6K products, and
+    /* 1: a decode step (each row a sequence's next token): its GGML block products, and
      * its 5-bit W_AFFINE ones, take A's values as integer limbs where the build has them
      * (runner_limb_products; quantized.c: within ~1e-6 of sum |w x|, not the float tiles'
      * bits); 0: every product in float32 */
@@ -125,7 +125,7 @@ RUNNER_API int runner_native_field(const char *type, int index, const char **nam
  * "generic" (128-bit vectors, no half panels). */
 RUNNER_API const char *runner_native_level(void);
 
-/* Which decode steps' products take limbs here (quantized.c), as flags: 1, W_Q4K, W_Q5K and W_Q6K
+/* Which decode steps' products take limbs here (quantized.c), as flags: 1, the GGML block formats
  * (AVX512-VNNI, or AVX2); 2, 5-bit W_AFFINE codes in groups of 32, 64 or 128 (VNNI and VBMI,
  * or AVX2); 0: none (they take the float tiles, the same bits as any other product). */
 RUNNER_API int runner_limb_products(void);
