@@ -14,6 +14,8 @@
 - `llama.cpp-q5`: the same on a Q5_K_M file (Q5_K where rows are whole blocks of 256, Q6_K
   for some, llama-quantize's fallbacks elsewhere): the 5-bit codes the runner's decode steps
   take as limbs.
+- `llama.cpp-q3`, `llama.cpp-q2`: the same on Q3_K_M and Q2_K files (Ollama's `q3_K_M` and
+  `q2_K` tags: mostly Q3_K, Q2_K, with Q4_K, Q5_K and a Q6_K head).
 
 Each runs in a process of its own (spawned: no MLX, no torch in it), as a user runs llama.cpp,
 and keeps one `Llama` with n_threads = n_threads_batch = the machine's cores and reuses
@@ -81,8 +83,9 @@ SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
 F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
 Q4_0, Q8_0, Q5 = "q4_0.gguf", "q8_0.gguf", "q5_k_m.gguf"
+Q3, Q2 = "q3_k_m.gguf", "q2_k.gguf"
 # llama.cpp's quantizer's file types (LLAMA_FTYPE_MOSTLY_*) of the quantized files
-QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0", Q5: "Q5_K_M"}
+QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0", Q5: "Q5_K_M", Q3: "Q3_K_M", Q2: "Q2_K"}
 STAMP = "source.json"
 POLL_S = 0.2  # how often a wait for the llama.cpp process's answer checks that it lives
 REAP_S = 5.0  # how long its pipe's end waits for the process to be reaped
@@ -225,7 +228,7 @@ def convert(model_dir: Path, out: Path, src: Path, log: Path, outtype: str = "f3
 
 
 def quantize(llama_cpp: Any, source: Path, out: Path, kind: str = "Q4_K_M") -> None:
-    """`kind` (Q4_K_M, Q4_0, Q8_0, Q5_K_M: a LLAMA_FTYPE_MOSTLY_*) from the f32 GGUF with
+    """`kind` (one of QUANTIZED's: a LLAMA_FTYPE_MOSTLY_*) from the f32 GGUF with
     llama.cpp's own quantizer (llama-quantize's code)."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
@@ -493,3 +496,15 @@ class LlamaCppQ5(LlamaCppQ4):
     name = "llama.cpp-q5"
     description = "llama-cpp-python, Q5_K_M GGUF, f16 KV cache (llama.cpp's defaults)"
     gguf = Q5
+
+
+class LlamaCppQ3(LlamaCppQ4):
+    name = "llama.cpp-q3"
+    description = "llama-cpp-python, Q3_K_M GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q3
+
+
+class LlamaCppQ2(LlamaCppQ4):
+    name = "llama.cpp-q2"
+    description = "llama-cpp-python, Q2_K GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = Q2

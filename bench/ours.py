@@ -13,8 +13,8 @@
   own quantizer's file, made by bench/llamacpp.py; the runner loads it as it loads a store's
   blob): the two engines on the same quantized bits. Its answers differ from `ours`' by the
   quantization, as llama.cpp-q4's do; needs llama-cpp-python to make the file.
-- `ours-q4_0`, `ours-q8_0`, `ours-q5`: the same on `llama.cpp-q4_0`'s, `llama.cpp-q8_0`'s and
-  `llama.cpp-q5`'s files.
+- `ours-q4_0`, `ours-q8_0`, `ours-q5`, `ours-q3`, `ours-q2`: the same on `llama.cpp-q4_0`'s,
+  `llama.cpp-q8_0`'s, `llama.cpp-q5`'s, `llama.cpp-q3`'s and `llama.cpp-q2`'s files.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from bench.base import (
     mlx_memory_bytes,
 )
 from bench.http import MISSING_ENDPOINT, HTTPStatus, KeptConnection, SpawnedRunner, post_jsonl
-from bench.llamacpp import Q4, Q4_0, Q5, Q8_0
+from bench.llamacpp import Q2, Q3, Q4, Q4_0, Q5, Q8_0
 from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
@@ -281,3 +281,15 @@ class OursQ5(OursQ4):
     name = "ours-q5"
     description = "runner spawned on llama.cpp-q5's Q5_K_M GGUF (the same file)"
     gguf = Q5
+
+
+class OursQ3(OursQ4):
+    name = "ours-q3"
+    description = "runner spawned on llama.cpp-q3's Q3_K_M GGUF (the same file)"
+    gguf = Q3
+
+
+class OursQ2(OursQ4):
+    name = "ours-q2"
+    description = "runner spawned on llama.cpp-q2's Q2_K GGUF (the same file)"
+    gguf = Q2

@@ -7,12 +7,24 @@ from bench.base import System
 from bench.llamacpp import (
     LlamaCpp,
     LlamaCppF16,
+    LlamaCppQ2,
+    LlamaCppQ3,
     LlamaCppQ4,
     LlamaCppQ5,
     LlamaCppQ40,
     LlamaCppQ80,
 )
-from bench.ours import Ours, OursHTTP, OursQ4, OursQ5, OursQ40, OursQ80, OursRows
+from bench.ours import (
+    Ours,
+    OursHTTP,
+    OursQ2,
+    OursQ3,
+    OursQ4,
+    OursQ5,
+    OursQ40,
+    OursQ80,
+    OursRows,
+)
 from bench.peers import Baseline, MlxLm, Transformers
 
 SYSTEMS: dict[str, type[System]] = {
@@ -25,6 +37,8 @@ SYSTEMS: dict[str, type[System]] = {
         OursQ40,
         OursQ80,
         OursQ5,
+        OursQ3,
+        OursQ2,
         Baseline,
         MlxLm,
         Transformers,
@@ -34,6 +48,8 @@ SYSTEMS: dict[str, type[System]] = {
         LlamaCppQ40,
         LlamaCppQ80,
         LlamaCppQ5,
+        LlamaCppQ3,
+        LlamaCppQ2,
     )
 }
 NAMES = tuple(SYSTEMS)
