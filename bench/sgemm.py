@@ -19,12 +19,12 @@ and `panels-1t` (the native step's products on exact float16 copies stored as pa
 their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
-biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k` and their `-1t` (GGML's Q4_K, Q5_K, Q6_K, Q3_K and
-Q2_K blocks as a GGUF stores them, read by the same library; random blocks, rows of whole blocks
-only: the Qwen3 shape), `q4k-decode`, `q5k-decode`, `q6k-decode`, `q3k-decode`, `q2k-decode`,
-`q5-decode` and their `-1t` (the same products as a decode step's rows: by integer limbs where
-the library has them, runner_limb_products), and `mlx-q4`, `mlx-q8` (MLX's own CPU
-`quantized_matmul` on the same weights).
+biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs` and their `-1t` (GGML's Q4_K, Q5_K, Q6_K,
+Q3_K, Q2_K and IQ4_XS blocks as a GGUF stores them, read by the same library; random blocks,
+rows of whole blocks only: the Qwen3 shape), `q4k-decode`, `q5k-decode`, `q6k-decode`,
+`q3k-decode`, `q2k-decode`, `q5-decode` and their `-1t` (the same products as a decode step's
+rows: by integer limbs where the library has them, runner_limb_products), and `mlx-q4`,
+`mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
@@ -55,7 +55,7 @@ SHAPES = {
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
-    *("q3k", "q3k-1t", "q2k", "q2k-1t"),
+    *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
@@ -65,15 +65,18 @@ GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
 # GGML blocks: bytes a block of 256 weights
-GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84}
+GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136}
 # where each keeps its float16 d (and dmin) in a block
-GGML_HALVES = {"q4k": (0, 2), "q5k": (0, 2), "q6k": (208,), "q3k": (108,), "q2k": (80, 82)}
+GGML_HALVES = {
+    "q4k": (0, 2), "q5k": (0, 2), "q6k": (208,), "q3k": (108,), "q2k": (80, 82), "iq4xs": (0,),
+}  # fmt: skip
 
 
 def setting_kind(setting: str) -> str:
     """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
-    products), q4k/q5k/q6k/q3k/q2k (GGML blocks; `-decode` on these and the affine ones: as a decode
-    step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's quantized_matmul)."""
+    products), q4k/q5k/q6k/q3k/q2k/iq4xs (GGML blocks; `-decode` on these and the affine ones:
+    as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
+    quantized_matmul)."""
     base = setting.removesuffix("-1t")
     if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8"):
         return base
@@ -164,8 +167,8 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
 
 
 def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
-    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K or Q2_K blocks of `shape` (their float16 d, dmin set
-    to 0.01, the rest random bytes: any codes and scales take the tiles' time), as a
+    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks of `shape` (their float16 d,
+    dmin set to 0.01, the rest random bytes: any codes and scales take the tiles' time), as a
     step_weight with its array."""
     import numpy as np
 
@@ -179,7 +182,10 @@ def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
     half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     for at in GGML_HALVES[kind]:
         blocks[:, :, at : at + 2] = half
-    form = {"q4k": abi.Q4K, "q5k": abi.Q5K, "q6k": abi.Q6K, "q3k": abi.Q3K, "q2k": abi.Q2K}[kind]
+    form = {
+        "q4k": abi.Q4K, "q5k": abi.Q5K, "q6k": abi.Q6K, "q3k": abi.Q3K, "q2k": abi.Q2K,
+        "iq4xs": abi.IQ4XS,
+    }[kind]  # fmt: skip
     return abi.Weight(format=form, data=blocks.ctypes.data), blocks
 
 

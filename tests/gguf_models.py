@@ -361,6 +361,12 @@ def k2_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return _k_file(name, shape, arch, by_name, T.Q2_K)
 
 
+def iq4_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """An IQ4_XS file as llama.cpp's quantizer makes one: IQ4_XS for the embedding and the
+    matrices, Q6_K for the head."""
+    return _k_file(name, shape, arch, [], T.IQ4_XS)
+
+
 def _k_file(
     name: str, shape: tuple[int, ...], arch: str, by_name: list[tuple[str, T]], rest: T
 ) -> T:
@@ -529,9 +535,43 @@ def quantize_q2_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 84)
 
 
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32
+)  # llama.cpp's kvalues_iq4nl
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks of `values` [..., k] (k a multiple of 256) as bytes [..., k / 256 * 136],
+    laid out as llama.cpp's block_iq4_xs (float16 d, scales_h, scales_l[4], qs[128]): x =
+    (d * (ls - 32)) * IQ4_VALUES[index] per 32 weights, each index the nearest table value; a
+    plain quantizer (not llama.cpp's search)."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32]
+    wanted = np.abs(x).max(-1) / 127  # each sub-block's step
+    d = (wanted.max(-1, keepdims=True) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)
+    ls = np.clip(np.rint(wanted / np.where(d32 > 0, d32, 1)), 0, 31).astype(np.int32) + 32
+    step = (d32 * (ls - 32).astype(np.float32))[..., None]
+    scaled = x / np.where(step != 0, step, 1)
+    index = np.abs(scaled[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)  # [.., 8, 32]
+    qs = (index[..., :16] | index[..., 16:] << 4).reshape(-1, 128)
+    high = sum(((ls[:, b] >> 4) & 3) << (2 * b) for b in range(8)).astype("<u2")
+    low = (ls & 15).astype(np.uint8)
+    out = np.concatenate(
+        [
+            d.view(np.uint8).reshape(-1, 2),
+            high.reshape(-1, 1).view(np.uint8),
+            low[:, 0::2] | low[:, 1::2] << 4,
+            qs,
+        ],
+        axis=1,
+    )
+    return out.reshape(*lead, k // 256 * 136)
+
+
 QUANTIZERS = {
     T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
-    T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k,
+    T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k, T.IQ4_XS: quantize_iq4_xs,
 }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from tests.gguf_models import (
     float32,
     fuse_qkv,
     gguf_names,
+    iq4_mixed,
     k2_mixed,
     k3_mixed,
     k5_mixed,
@@ -110,8 +111,11 @@ K_FILES = {
         {"embed_tokens": "Q2_K", "v_proj": "Q3_K", "down_proj": "Q3_K", "o_proj": "Q4_K",
          None: "Q2_K"},
     ),
+    "iq4_xs": (iq4_mixed, {None: "IQ4_XS"}),
 }  # fmt: skip
-BLOCK_BYTES = {"Q6_K": 210, "Q5_K": 176, "Q4_K": 144, "Q3_K": 110, "Q2_K": 84}  # a 256 weights
+BLOCK_BYTES = {
+    "Q6_K": 210, "Q5_K": 176, "Q4_K": 144, "Q3_K": 110, "Q2_K": 84, "IQ4_XS": 136,
+}  # a 256 weights  # fmt: skip
 
 
 def k_file_type(kinds: dict[str | None, str], name: str) -> str:
@@ -129,12 +133,12 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
     """A Q4_K_M-like file's Q6_K tensors (the embedding or head, attn_v, ffn_down) and Q4_K
     ones (the other matrices), a Q5_K_M-like file's (Q5_K for Q4_K), a Q3_K_M-like and a
     Q2_K-like file's (Q3_K, Q2_K for most, with Q4_K, Q5_K, Q6_K as llama.cpp mixes them)
-    stay in their blocks: resident at the file's bytes, not float32's (Q6_K, Q3_K, Q2_K:
-    4.9x, 9.3x, 12.2x them) or the affine repack's (Q4_K, Q5_K), and read by the native step
-    (runner/native/quantized.c) on the CPU; what the model computes is the float64 forward of
-    their values (llama.cpp's dequantization) within 1e-4, on the native step, on MLX's own
-    path over the blocks, and from what a backend without the native step keeps (Q6_K, Q3_K,
-    Q2_K as float32 weights, Q4_K / Q5_K as MLX's affine 4 / 5 bits)."""
+    and an IQ4_XS file's stay in their blocks: resident at the file's bytes, not float32's
+    (Q6_K, Q3_K, Q2_K, IQ4_XS: 4.9x, 9.3x, 12.2x, 7.5x them) or the affine repack's (Q4_K,
+    Q5_K), and read by the native step (runner/native/quantized.c) on the CPU; what the model
+    computes is the float64 forward of their values (llama.cpp's dequantization) within 1e-4,
+    on the native step, on MLX's own path over the blocks, and from what a backend without the
+    native step keeps (Q4_K / Q5_K as MLX's affine 4 / 5 bits, the others float32 weights)."""
     import mlx.nn as nn
 
     from runner.backend import Backend
@@ -196,8 +200,8 @@ def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
 
 
 @pytest.mark.parametrize(
-    "rule", [k_mixed, k5_mixed, k3_mixed, k2_mixed, five_bits],
-    ids=["k_quants", "q5_k_m", "q3_k_m", "q2_k", "q5_0"],
+    "rule", [k_mixed, k5_mixed, k3_mixed, k2_mixed, iq4_mixed, five_bits],
+    ids=["k_quants", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs", "q5_0"],
 )  # fmt: skip
 def test_decode_steps_of_quantized_files_are_within_float32_grade(
     tmp_path: Path, rule: Any
@@ -263,9 +267,12 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         step, forward = np.array(hidden[0, -1]), np.array(whole)
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, plain))
-    assert any(differ) == (native.affine_limbs if rule is five_bits else native.limb_products)
-    # the head of a decode step takes limbs too where they read its format: the K-quant
-    # files' head is Q6_K, the Q5_0 file's Q8_0 or F16 (`mixed`), which no limbs read
+    # the layers' products by limbs where the library has them for their format: none for
+    # IQ4_XS (its layers' only format)
+    layer_limbs = {five_bits: native.affine_limbs, iq4_mixed: False}
+    assert any(differ) == layer_limbs.get(rule, native.limb_products)
+    # the head of a decode step takes limbs too where they read its format: the K-quant and
+    # IQ4_XS files' head is Q6_K, the Q5_0 file's Q8_0 or F16 (`mixed`), which no limbs read
     assert any(head_differs) == (native.limb_products and rule is not five_bits)
     steps = len(SEQUENCE) - prompt
     assert heads == [1, 0] * steps  # each step's head in decode_steps, then the same outside
@@ -586,13 +593,13 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
         load_gguf(cut)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
     """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
     for bit (runner/sources/gguf/quants.py's, checked against gguf-py's), for a quantizer's
     blocks and for random ones (every code, extreme and subnormal float16 scales); where no
     native step reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit) and
-    Q6_K, Q3_K, Q2_K float32 layers of the very same values, and `adopt_blocks` without
+    the others float32 layers of the very same values, and `adopt_blocks` without
     `keep` does the same before the load."""
     import mlx.core as mx
     import mlx.nn as nn

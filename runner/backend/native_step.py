@@ -223,12 +223,12 @@ GLOBAL_SCALE = "global_scale"
 GGML_BLOCKS = "blocks"
 GGML_FORMATS = {
     "Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144), "Q5_K": (abi.Q5K, 176),
-    "Q3_K": (abi.Q3K, 110), "Q2_K": (abi.Q2K, 84),
+    "Q3_K": (abi.Q3K, 110), "Q2_K": (abi.Q2K, 84), "IQ4_XS": (abi.IQ4XS, 136),
 }  # fmt: skip
 # `_Matrix.values`' dequantizing
 GGML_TYPE_IDS = {
     abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K,
-    abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K,
+    abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K, abi.IQ4XS: quants.IQ4_XS,
 }  # fmt: skip
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).

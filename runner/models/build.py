@@ -55,8 +55,8 @@ def build_model(
         raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
     weights = dict(source.weights)
     quantization, blocks = quantized.block_layers(source.quantization)
-    # GGML blocks (Q2_K to Q6_K): kept where a native step will read them; elsewhere Q6_K,
-    # Q3_K and Q2_K float32, Q4_K / Q5_K MLX's affine 4- / 5-bit
+    # GGML blocks (Q2_K to Q6_K, IQ4_XS): kept where a native step will read them; elsewhere
+    # Q4_K / Q5_K MLX's affine 4- / 5-bit, the others float32
     keep_blocks = (
         bool(blocks)
         and backend.native_step_max_tokens is not None

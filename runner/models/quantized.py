@@ -12,17 +12,18 @@ names; a global scale becomes the layer's `global_scale`), before the weights ar
 
 GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding),
 Q3_K blocks (most of a Q3_K_M file) and Q2_K blocks (most of a Q2_K file) have a scale per 16
-weights, which MLX's affine format cannot group, and their exact float32 values take 4.9x,
-9.3x and 12.2x the file's bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and
-5-bit groups of 32, but only with float32 scales and biases (6 and 7 bits a weight, against
-the file's 4.5 and 5.5), which a decode step, bound by the bytes it reads, pays for. A GGUF
-source names such layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`,
-`"Q5_K"`, `"Q3_K"` or `"Q2_K"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`;
-`adopt_blocks` keeps them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will
-read them (runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q6_K,
-Q3_K and Q2_K float32 weights and Q4_K / Q5_K the affine repack, as before. The layers' own
-forward (MLX's path) dequantizes the blocks with MLX operations, to the values llama.cpp's
-dequantization gives, bit for bit.
+weights, which MLX's affine format cannot group, and IQ4_XS blocks a table of 16 values no
+affine map makes; their exact float32 values take 4.9x, 9.3x, 12.2x and 7.5x the file's
+bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and 5-bit groups of 32, but only
+with float32 scales and biases (6 and 7 bits a weight, against the file's 4.5 and 5.5), which
+a decode step, bound by the bytes it reads, pays for. A GGUF source names such layers in its
+quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, `"Q5_K"`, `"Q3_K"`, `"Q2_K"` or
+`"IQ4_XS"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks`
+keeps them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
+(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q4_K / Q5_K
+the affine repack and the others float32 weights, as before. The layers' own forward (MLX's
+path) dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization
+gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -170,9 +171,12 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
 # A GGUF source's quantization entry for a layer kept in GGML blocks, and their parameter.
 GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
-Q6_K, Q4_K, Q5_K, Q3_K, Q2_K = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K"
+Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"
 BLOCK_WEIGHTS = 256  # weights a block, of any of these types
 Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
+IQ4_XS_BYTES = 136
+# llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit indices stand for
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -244,6 +248,29 @@ def dequantize_q2_k(blocks: mx.array) -> mx.array:
     return (scale * codes + bias).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
+def dequantize_iq4_xs(blocks: mx.array) -> mx.array:
+    """float32 [..., k] from IQ4_XS blocks [..., k / 256 * 136] (uint8): llama.cpp's values
+    (each block: float16 d, scales_h (uint16: bits 2b, 2b + 1 the high bits of sub-block b's
+    6-bit scale ls_b), scales_l[4] (their low nibbles, sub-block 2i low, 2i + 1 high), qs[128]:
+    in sub-block b, weight 32b + l is the low nibble of qs[16b + l], 32b + 16 + l its high one;
+    a weight is (d * (ls_b - 32)) * IQ4_VALUES[index]: every product exact)."""
+    *lead, width = blocks.shape
+    n = width // IQ4_XS_BYTES
+    x = blocks.reshape(*lead, n, IQ4_XS_BYTES)
+    d = mx.contiguous(x[..., 0:2]).view(mx.float16).astype(mx.float32)
+    high = mx.contiguous(x[..., 2:4]).view(mx.uint16)
+    shifts = mx.arange(0, 16, 2, dtype=mx.uint16)
+    tops = ((high >> shifts) & 3).astype(mx.int32)  # [..., n, 8]
+    low = x[..., 4:8]
+    lows = mx.stack([low & 15, low >> 4], axis=-1).reshape(*lead, n, 8).astype(mx.int32)
+    ls = (lows | (tops << 4)) - 32
+    qs = x[..., 8:136].reshape(*lead, n, 8, 1, 16)
+    index = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*lead, n, 8, 32)
+    values = mx.array(IQ4_VALUES, mx.float32)[index.astype(mx.int32)]
+    scale = (d * ls.astype(mx.float32))[..., None]
+    return (scale * values).reshape(*lead, n * BLOCK_WEIGHTS)
+
+
 def _k_quant_parts(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
     """Q4_K blocks [..., n * 144] (or Q5_K [..., n * 176]) as (codes [..., n, 8, 32] uint8,
     scales d * sc_j and biases -(dmin * m_j) [..., n, 8, 1] float32): each block d, dmin
@@ -299,9 +326,11 @@ DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
     Q5_K: partial(dequantize_k_quant, ggml_type=Q5_K),
     Q3_K: dequantize_q3_k,
     Q2_K: dequantize_q2_k,
+    IQ4_XS: dequantize_iq4_xs,
 }
 BLOCK_BYTES = {
     Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q3_K: Q3_K_BYTES, Q2_K: Q2_K_BYTES,
+    IQ4_XS: IQ4_XS_BYTES,
 }  # fmt: skip
 
 
@@ -378,10 +407,10 @@ def adopt_blocks(
     type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
     GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
     ...) Q4_K and Q5_K become MLX's affine quantization of the same values (`P.weight`,
-    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and Q6_K, Q3_K and Q2_K float32
-    `P.weight`, as a dequantized tensor's were. Before the module's sanitize and load. Returns the
-    source's quantization config without the block entries and with the affine layers'
-    entries added (None if it is empty)."""
+    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and the others (Q6_K, Q3_K, Q2_K,
+    IQ4_XS) float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
+    and load. Returns the source's quantization config without the block entries and with the
+    affine layers' entries added (None if it is empty)."""
     layers = dict(module.named_modules())
     kept: list[tuple[str, nn.Module]] = []
     affine: dict[str, Any] = {}
@@ -416,8 +445,8 @@ def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
     native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
     and Q5_K an affine QuantizedLinear / QuantizedEmbedding of the same values (4 and 5
-    bits), Q6_K, Q3_K and Q2_K an nn.Linear / nn.Embedding of its float32 values; whether
-    there was one."""
+    bits), the others an nn.Linear / nn.Embedding of their float32 values; whether there was
+    one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
         if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):

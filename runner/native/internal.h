@@ -204,10 +204,10 @@ void affine_rows(int bits, int m, int k, const float *a, int lda, float *into);
 int affine_supported(const struct step_weight *w, int n, int k);
 /* Whether a weight format is one of GGML's blocks (ggml_columns reads them). */
 static inline int ggml_format(int format) {
-    return format == W_Q6K || format == W_Q4K || format == W_Q5K || format == W_Q3K || format == W_Q2K;
+    return format == W_Q6K || format == W_Q4K || format == W_Q5K || format == W_Q3K || format == W_Q2K ||
+           format == W_IQ4XS;
 }
-/* quantized.c: the same for the GGML block formats, W_Q6K, W_Q4K, W_Q5K, W_Q3K and W_Q2K (A in
- * order of k). */
+/* quantized.c: the same for the GGML block formats (ggml_format; A in order of k). */
 void ggml_columns(const struct product *p, int j0, int j1);
 int ggml_block(const struct product *p);
 int ggml_supported(const struct step_weight *w, int n, int k);

@@ -760,8 +760,9 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles: all of them, where the build has limbs. */
-static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format); }
+/* Whether a GGML block format has limb tiles, where the build has limbs: all but IQ4_XS (its
+ * codes, int8 table values, do not fit vpdpbusd's unsigned bytes). */
+static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4XS; }
 
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format);
@@ -789,6 +790,14 @@ int limbs_read(const struct step_weight *w, int k) {
  * dequantize_row_q2_K): both products exact, the difference rounded once, which the tiles'
  * q * scale + bias (bias = -(dmin * m)) is, fused or not.
  *
+ * An IQ4_XS block (llama.cpp's i-quant of 4.25 bits a weight, common in GGUFs others publish):
+ * 256 weights in 136 bytes: d (float16), scales_h (a uint16: each 32 weights' scale's high 2
+ * bits), scales_l[4] (their low 4 bits, two a byte), qs[128] (4-bit indices into llama.cpp's
+ * table of 16 int8 values, kvalues_iq4nl): in sub-block b (32 weights), weight 32b + l is the
+ * low nibble of qs[16b + l] and 32b + 16 + l its high one (l < 16); its value (d * (ls_b - 32))
+ * * kvalues[index] (llama.cpp's dequantize_row_iq4_xs): every product exact (24 bits at most).
+ * The tiles take the looked-up values as codes and each 32 weights' scale as two 16s'.
+ *
  * The tiles take a block's codes as int8 and its 16 scales (and Q2_K's biases) as float32
  * (s16_codes), and make each vector of QL values the same way, (float)code * scale (+ bias)
  * (s16_values), in order of k. Few rows (STREAM_ROWS) take stream tiles: BLOCK_RW rows of W,
@@ -796,9 +805,9 @@ int limbs_read(const struct step_weight *w, int k) {
  * the block tiles, BLOCK_RW rows of W made into a buffer of the thread's. The lanes and the
  * order of every sum are the block tile's either way, so the same bits for any number of rows;
  * never a float32 copy of W. */
-enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210, Q3K_BYTES = 110, Q2K_BYTES = 84 };
+enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210, Q3K_BYTES = 110, Q2K_BYTES = 84, IQ4XS_BYTES = 136 };
 /* the formats the 16-weight tiles read: a compile-time constant of each instance */
-enum { S16_Q6K, S16_Q3K, S16_Q2K };
+enum { S16_Q6K, S16_Q3K, S16_Q2K, S16_IQ4XS };
 
 typedef unsigned char u8x32 __attribute__((vector_size(32)));
 typedef unsigned short u16x16 __attribute__((vector_size(32)));
@@ -927,8 +936,41 @@ ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, 
     q2k_scales(x, scale, bias);
 }
 
+/* IQ4_XS block x's codes (kvalues_iq4nl[index], in order of k) and scale[16] = d * (ls_b -
+ * 32) for each 16 weights (sub-block b's twice). */
+ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes, float *scale) {
+    static const signed char kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                            1,    13,   25,  38,  53,  69,  89,  113};
+#if QPATH == 512 || QPATH == 256
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues));
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int b = 0; b < 8; b += 2) { /* sub-blocks b and b + 1: 16 bytes of qs each */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 8 + 16 * b));
+        const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, low4));
+        const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+        _mm256_storeu_si256((__m256i *)(codes + 32 * b), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)(codes + 32 * b + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+#else
+    for (int b = 0; b < 8; b++)
+        for (int l = 0; l < 16; l++) {
+            codes[32 * b + l] = kvalues[x[8 + 16 * b + l] & 15];
+            codes[32 * b + 16 + l] = kvalues[x[8 + 16 * b + l] >> 4];
+        }
+#endif
+    unsigned short half, high;
+    memcpy(&half, x, 2);
+    memcpy(&high, x + 2, 2);
+    const float d = half_to_float(half);
+    for (int b = 0; b < 8; b++) {
+        const int ls = ((x[4 + b / 2] >> 4 * (b % 2)) & 15) | ((high >> 2 * b) & 3) << 4;
+        scale[2 * b] = scale[2 * b + 1] = d * (float)(ls - 32);
+    }
+}
+
 /* Bytes a block of a 16-weight format. */
-#define S16_BYTES(type) ((type) == S16_Q6K ? Q6K_BYTES : (type) == S16_Q3K ? Q3K_BYTES : Q2K_BYTES)
+#define S16_BYTES(type)                                                                                \
+    ((type) == S16_Q6K ? Q6K_BYTES : (type) == S16_Q3K ? Q3K_BYTES : (type) == S16_Q2K ? Q2K_BYTES : IQ4XS_BYTES)
 
 /* Block x of a 16-weight format: its codes, scales and (Q2_K) biases. */
 ALWAYS void s16_codes(const int type, const unsigned char *x, signed char *codes, float *scale, float *bias) {
@@ -936,8 +978,10 @@ ALWAYS void s16_codes(const int type, const unsigned char *x, signed char *codes
         q6k_codes(x, codes, scale);
     else if (type == S16_Q3K)
         q3k_codes(x, codes, scale);
-    else
+    else if (type == S16_Q2K)
         q2k_codes(x, codes, scale, bias);
+    else
+        iq4xs_codes(x, codes, scale);
 }
 
 /* The QL values at position t of a block from its s16_codes. */
@@ -1015,6 +1059,7 @@ ALWAYS void s16_stream_tile(const int type, const int RA, int k, const unsigned 
 S16_INSTANCES(q6k, S16_Q6K)
 S16_INSTANCES(q3k, S16_Q3K)
 S16_INSTANCES(q2k, S16_Q2K)
+S16_INSTANCES(iq4xs, S16_IQ4XS)
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
@@ -1998,12 +2043,14 @@ static const struct block_format *block_format_of(int format) {
     static const struct block_format q5k = {Q5K_BYTES, q5k_stream_1, q5k_stream_2, q5k_dequantize_row};
     static const struct block_format q3k = {Q3K_BYTES, q3k_stream_1, q3k_stream_2, q3k_dequantize_row};
     static const struct block_format q2k = {Q2K_BYTES, q2k_stream_1, q2k_stream_2, q2k_dequantize_row};
+    static const struct block_format iq4xs = {IQ4XS_BYTES, iq4xs_stream_1, iq4xs_stream_2, iq4xs_dequantize_row};
     switch (format) {
     case W_Q6K: return &q6k;
     case W_Q4K: return &q4k;
     case W_Q5K: return &q5k;
     case W_Q3K: return &q3k;
     case W_Q2K: return &q2k;
+    case W_IQ4XS: return &iq4xs;
     default: return NULL;
     }
 }
