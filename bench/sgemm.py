@@ -22,9 +22,9 @@ MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, sc
 biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs` and their `-1t` (GGML's Q4_K, Q5_K, Q6_K,
 Q3_K, Q2_K and IQ4_XS blocks as a GGUF stores them, read by the same library; random blocks,
 rows of whole blocks only: the Qwen3 shape), `q4k-decode`, `q5k-decode`, `q6k-decode`,
-`q3k-decode`, `q2k-decode`, `q5-decode` and their `-1t` (the same products as a decode step's
-rows: by integer limbs where the library has them, runner_limb_products), and `mlx-q4`,
-`mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
+`q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode` and their `-1t` (the same products as
+a decode step's rows: by integer limbs where the library has them, runner_limb_products), and
+`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
@@ -57,6 +57,7 @@ EXTRA_SETTINGS = (
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
     *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
+    *("iq4xs-decode", "iq4xs-decode-1t"),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
     *("mlx-q4", "mlx-q8"),

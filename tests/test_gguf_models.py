@@ -267,10 +267,7 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         step, forward = np.array(hidden[0, -1]), np.array(whole)
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, plain))
-    # the layers' products by limbs where the library has them for their format: none for
-    # IQ4_XS (its layers' only format)
-    layer_limbs = {five_bits: native.affine_limbs, iq4_mixed: False}
-    assert any(differ) == layer_limbs.get(rule, native.limb_products)
+    assert any(differ) == (native.affine_limbs if rule is five_bits else native.limb_products)
     # the head of a decode step takes limbs too where they read its format: the K-quant and
     # IQ4_XS files' head is Q6_K, the Q5_0 file's Q8_0 or F16 (`mixed`), which no limbs read
     assert any(head_differs) == (native.limb_products and rule is not five_bits)

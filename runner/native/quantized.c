@@ -760,9 +760,8 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles, where the build has limbs: all but IQ4_XS (its
- * codes, int8 table values, do not fit vpdpbusd's unsigned bytes). */
-static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4XS; }
+/* Whether a GGML block format has limb tiles: all of them, where the build has limbs. */
+static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format); }
 
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format);
@@ -936,11 +935,25 @@ ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, 
     q2k_scales(x, scale, bias);
 }
 
-/* IQ4_XS block x's codes (kvalues_iq4nl[index], in order of k) and scale[16] = d * (ls_b -
- * 32) for each 16 weights (sub-block b's twice). */
+/* llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit indices stand for (0-7 negative). */
+static const signed char IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1,    13,   25,  38,  53,  69,  89,  113};
+
+/* scale[16] = d * (ls_b - 32) of IQ4_XS block x for each 16 weights (sub-block b's twice). */
+ALWAYS void iq4xs_scales(const unsigned char *x, float *scale) {
+    unsigned short half, high;
+    memcpy(&half, x, 2);
+    memcpy(&high, x + 2, 2);
+    const float d = half_to_float(half);
+    for (int b = 0; b < 8; b++) {
+        const int ls = ((x[4 + b / 2] >> 4 * (b % 2)) & 15) | ((high >> 2 * b) & 3) << 4;
+        scale[2 * b] = scale[2 * b + 1] = d * (float)(ls - 32);
+    }
+}
+
+/* IQ4_XS block x's codes (IQ4_VALUES[index], in order of k) and scales (iq4xs_scales). */
 ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes, float *scale) {
-    static const signed char kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                            1,    13,   25,  38,  53,  69,  89,  113};
+    const signed char *kvalues = IQ4_VALUES;
 #if QPATH == 512 || QPATH == 256
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues));
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -958,14 +971,7 @@ ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes, float *scale
             codes[32 * b + 16 + l] = kvalues[x[8 + 16 * b + l] >> 4];
         }
 #endif
-    unsigned short half, high;
-    memcpy(&half, x, 2);
-    memcpy(&high, x + 2, 2);
-    const float d = half_to_float(half);
-    for (int b = 0; b < 8; b++) {
-        const int ls = ((x[4 + b / 2] >> 4 * (b % 2)) & 15) | ((high >> 2 * b) & 3) << 4;
-        scale[2 * b] = scale[2 * b + 1] = d * (float)(ls - 32);
-    }
+    iq4xs_scales(x, scale);
 }
 
 /* Bytes a block of a 16-weight format. */
@@ -1386,8 +1392,10 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * (64 products an instruction, in int32): S = ((q.l0) 128 + q.l1) 128 + q.l2 per lane of 4
  * weights, < 2^30 for 6-bit codes. A lane's S is converted once and multiplied by its
  * sub-block's scale times a / 16384, one FMA; a Q4_K (Q5_K) sub-block's bias multiplies the
- * run's float32 sum of x (Q2_K's bias each 16 values' sum), and Q6_K's and Q3_K's codes are
- * read unsigned (q + 32, q + 4), the 32 (4) taken off with each 16 values' float32 sum of x.
+ * run's float32 sum of x (Q2_K's bias each 16 values' sum), Q6_K's and Q3_K's codes are read
+ * unsigned (q + 32, q + 4), the 32 (4) taken off with each 16 values' float32 sum of x, and
+ * IQ4_XS's signed table values plus 128 the same way (AVX2: as their sizes, each limb's sign
+ * moved onto its value's, which vpmaddubsw's int16 pairs hold).
  * So a decode product is the dequantized weights' product up to ~1e-6 of sum |w x|
  * (tests/test_native_abi.py bounds each value against float64), against float32 FMAs'
  * ~1e-7, 1.3-1.5x faster than making each weight's float32 value where the
@@ -1535,22 +1543,30 @@ ALWAYS void s16_scales(const int type, const unsigned char *x, float *scale, flo
         _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(half_to_float(half))));
     } else if (type == S16_Q3K) {
         q3k_scales(x, scale);
-    } else {
+    } else if (type == S16_Q2K) {
         q2k_scales(x, scale, bias);
+    } else {
+        iq4xs_scales(x, scale);
     }
 }
 
-/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K or Q2_K blocks,
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
+ * blocks,
  * their codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
  * Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4 taken off the same way),
  * Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h of a block's ql (64
  * bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64 in its high ones, qh
  * their top 2 bits; Q3_K and Q2_K: the 32 bytes of qs from 32h hold weight 128h + 32s + l in
  * bits 2s of byte l, read with those 32 bytes in both 256-bit halves (s = 2v, 2v + 1 in the
- * low, high half of step v), Q3_K's third bits bit 4h + s of hmask[l] the same way. */
+ * low, high half of step v), Q3_K's third bits bit 4h + s of hmask[l] the same way; IQ4_XS's
+ * values looked up (vpshufb) as value + 128 (1 .. 241: S below 4 x 241 x 2.09e6 = 2.01e9 <
+ * 2^31), the 128 taken off with each 16 values' sum of x as Q6_K's 32: sub-blocks 4h + 2v
+ * and 4h + 2v + 1 (16 bytes of qs each: low nibbles then high ones) in step v. */
 ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
                           const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
+    const __m512i iq4_unsigned = /* IQ4_VALUES + 128 */
+        _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
     __m512 acc[RW], rest[RW];
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15), high2 = _mm512_set1_epi8(0x30);
@@ -1577,7 +1593,19 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
                                                   : _mm512_setzero_si512();
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
                 __m512i codes[2];
-                if (type == S16_Q6K) {
+                if (type == S16_IQ4XS) {
+                    /* the 128-bit lanes of a sub-block pair's 32 bytes of qs as [b, b, b + 1, b + 1],
+                     * shifted 0, 4, 0, 4: b's low nibbles, its high ones, b + 1's */
+                    const __m512i nibble = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                                             0x0004000400040004LL, 0x0004000400040004LL);
+                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                        const __m512i q = _mm512_castsi256_si512(
+                            _mm256_loadu_si256((const __m256i *)(x + 8 + 16 * (4 * h + 2 * v))));
+                        const __m512i index =
+                            _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, 0x50), nibble), low4);
+                        codes[v] = _mm512_shuffle_epi8(iq4_unsigned, index);
+                    }
+                } else if (type == S16_Q6K) {
                     const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
                     const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
                     codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2));
@@ -1600,7 +1628,8 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
                 }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const int s0 = 8 * h + 4 * v;
-                    const __m512i s = limb_dot(codes[v], L->l[0] + 128 * h + 64 * v);
+                    const signed char *l = L->l[0] + 128 * h + 64 * v;
+                    const __m512i s = limb_dot(codes[v], l);
                     const __m512i at = _mm512_setr_epi32(s0, s0, s0, s0, s0 + 1, s0 + 1, s0 + 1, s0 + 1, s0 + 2,
                                                          s0 + 2, s0 + 2, s0 + 2, s0 + 3, s0 + 3, s0 + 3, s0 + 3);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f), acc[r]);
@@ -1608,7 +1637,7 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
             }
         }
     }
-    const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : 1.0f;
+    const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : type == S16_IQ4XS ? -128.0f : 1.0f;
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + offset * _mm512_reduce_add_ps(rest[r]);
 }
 
@@ -1702,6 +1731,26 @@ ALWAYS __m256i limb_dot(__m256i codes, const signed char *l) {
 #endif
 }
 
+/* The same for signed codes given as their sizes (`codes`) and the codes themselves
+ * (`signs`): each limb's sign moved by vpsignb onto its code's (no code is 0), so S sums the
+ * signed codes' products; vpmaddubsw's pairs stay below 2^15 (2 x 127 x 127). */
+ALWAYS __m256i limb_dot_sign(__m256i codes, __m256i signs, const signed char *l) {
+    __m256i v[3];
+    for (int i = 0; i < 3; i++) v[i] = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(l + 256 * i)), signs);
+#if defined(__AVXVNNI__)
+    __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, v[0]);
+    s = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 7), codes, v[1]);
+    return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 7), codes, v[2]);
+#else
+    const __m256i p0 = _mm256_maddubs_epi16(codes, v[0]);
+    const __m256i p1 = _mm256_maddubs_epi16(codes, v[1]);
+    const __m256i p2 = _mm256_maddubs_epi16(codes, v[2]);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_set1_epi16(16384)),
+                                             _mm256_madd_epi16(p1, _mm256_set1_epi16(128))),
+                            _mm256_madd_epi16(p2, _mm256_set1_epi16(1)));
+#endif
+}
+
 /* Bit j of each byte of h at bit 4 (16-bit shifts: no byte's bit reaches another's bit 4). */
 ALWAYS __m256i bit_at_4(__m256i h, int j) {
     const __m256i t = j < 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
@@ -1747,8 +1796,9 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
  * their codes unsigned as in the AVX-512 s16_limb_tile. Q6_K: quarter s of half h (values
  * 128h + 32s ..) has its low 4 bits in ql[64h + 32 (s & 1) ..] (s < 2: low nibbles, else
  * high), its high 2 in bits 2s of qh[32h ..]; Q3_K and Q2_K: in bits 2s of qs[32h ..], Q3_K's
- * third bit in bit 4h + s of hmask. A run's lanes 0-3 are its first sub-block of 16, 4-7 its
- * second. */
+ * third bit in bit 4h + s of hmask; IQ4_XS: sub-block 4h + s, its values looked up (vpshufb),
+ * their sizes the codes, the limbs' signs moved onto theirs (limb_dot_sign). A run's lanes 0-3
+ * are its first sub-block of 16, 4-7 its second. */
 ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
                           const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
@@ -1773,16 +1823,28 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
                 _mm256_storeu_ps(sc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d));
             } else if (type == S16_Q3K) {
                 q3k_scales(x, sc);
-            } else {
+            } else if (type == S16_Q2K) {
                 q2k_scales(x, sc, bi);
+            } else {
+                iq4xs_scales(x, sc);
             }
             const __m256i hmask = type == S16_Q3K ? _mm256_loadu_si256((const __m256i *)x) : _mm256_setzero_si256();
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
                 const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
-                rest[r] = _mm256_fmadd_ps(type == S16_Q2K ? _mm256_loadu_ps(bi + 8 * h) : scale, sums[h], rest[r]);
+                if (type != S16_IQ4XS)
+                    rest[r] = _mm256_fmadd_ps(type == S16_Q2K ? _mm256_loadu_ps(bi + 8 * h) : scale, sums[h], rest[r]);
                 const __m256 f = _mm256_mul_ps(scale, units[h]); /* sub-blocks 8h .. 8h + 7 */
-                __m256i codes[4];
-                if (type == S16_Q6K) {
+                __m256i codes[4], signs[4];
+                if (type == S16_IQ4XS) {
+                    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+                    _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * (4 * h + s)));
+                        const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15));
+                        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+                        signs[s] = _mm256_shuffle_epi8(table, _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+                        codes[s] = _mm256_abs_epi8(signs[s]);
+                    }
+                } else if (type == S16_Q6K) {
                     const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
                     const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
@@ -1810,7 +1872,8 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
                 }
                 _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
                     const __m256i at = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
-                    const __m256i dots = limb_dot(codes[s], L->l[0] + 128 * h + 32 * s);
+                    const signed char *l = L->l[0] + 128 * h + 32 * s;
+                    const __m256i dots = type == S16_IQ4XS ? limb_dot_sign(codes[s], signs[s], l) : limb_dot(codes[s], l);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(f, at), acc[r]);
                 }
             }
@@ -1863,6 +1926,8 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
                 s16_limb_tile(S16_Q3K, blocks, rows, L, dot, i ? NULL : next, lines);
             else if (p->format == W_Q2K)
                 s16_limb_tile(S16_Q2K, blocks, rows, L, dot, i ? NULL : next, lines);
+            else if (p->format == W_IQ4XS)
+                s16_limb_tile(S16_IQ4XS, blocks, rows, L, dot, i ? NULL : next, lines);
             else if (p->format == W_Q4K)
                 kq_limb_tile(4, blocks, rows, L, dot, i ? NULL : next, lines);
             else
