@@ -819,8 +819,27 @@ ALWAYS void fetch_share(const char *ahead, int lines, int b, int blocks) {
             __builtin_prefetch(ahead + (size_t)q * 64, 0, 3);
 }
 
-/* codes[256] = Q6_K block x's codes less 32, in order of k; scale[16] = d * scales[j]. */
-ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) {
+/* scale[16] = d * scales[j] of Q6_K block x. */
+ALWAYS void q6k_scales(const unsigned char *x, float *scale) {
+    unsigned short half;
+    memcpy(&half, x + 208, 2);
+    const float d = half_to_float(half);
+    const signed char *s = (const signed char *)(x + 192);
+#if QPATH == 512
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(d)));
+#elif QPATH == 256
+    const __m128i q = _mm_loadu_si128((const __m128i *)s);
+    const __m256 dd = _mm256_set1_ps(d);
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dd));
+    _mm256_storeu_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), dd));
+#else
+    for (int j = 0; j < 16; j++) scale[j] = (float)s[j] * d;
+#endif
+}
+
+/* codes[256] = Q6_K block x's codes less 32, in order of k. */
+ALWAYS void q6k_codes(const unsigned char *x, signed char *codes) {
     const u8x32 low4 = (u8x32){0} + 15, low2 = (u8x32){0} + 3, bias = (u8x32){0} + 32;
     for (int h = 0; h < 2; h++) {
         const unsigned char *ql = x + 64 * h, *qh = x + 128 + 32 * h;
@@ -837,16 +856,6 @@ ALWAYS void q6k_codes(const unsigned char *x, signed char *codes, float *scale) 
         };
         memcpy(codes + 128 * h, quarter, sizeof quarter);
     }
-    unsigned short half;
-    memcpy(&half, x + 208, 2);
-    const float d = half_to_float(half);
-    const signed char *s = (const signed char *)(x + 192);
-#if QPATH == 512
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
-    _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(d)));
-#else
-    for (int j = 0; j < 16; j++) scale[j] = (float)s[j] * d;
-#endif
 }
 
 /* codes[256] = the 2-bit codes of qs[64] (Q3_K's low bits, Q2_K's codes), in order of k: weight
@@ -896,12 +905,6 @@ ALWAYS void q3k_scales(const unsigned char *x, float *scale) {
 #endif
 }
 
-/* Q3_K block x's codes (two_bit_codes) and scales (q3k_scales). */
-ALWAYS void q3k_codes(const unsigned char *x, signed char *codes, float *scale) {
-    two_bit_codes(x + 32, x, codes);
-    q3k_scales(x, scale);
-}
-
 /* scale[16] = d * (sc_j & 15) and bias[16] = -(dmin * (sc_j >> 4)) of Q2_K block x. */
 ALWAYS void q2k_scales(const unsigned char *x, float *scale, float *bias) {
     unsigned short hd, hm;
@@ -929,12 +932,6 @@ ALWAYS void q2k_scales(const unsigned char *x, float *scale, float *bias) {
 #endif
 }
 
-/* Q2_K block x's codes (two_bit_codes) and scales and biases (q2k_scales). */
-ALWAYS void q2k_codes(const unsigned char *x, signed char *codes, float *scale, float *bias) {
-    two_bit_codes(x + 16, NULL, codes);
-    q2k_scales(x, scale, bias);
-}
-
 /* llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit indices stand for (0-7 negative). */
 static const signed char IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                            1,    13,   25,  38,  53,  69,  89,  113};
@@ -951,8 +948,8 @@ ALWAYS void iq4xs_scales(const unsigned char *x, float *scale) {
     }
 }
 
-/* IQ4_XS block x's codes (IQ4_VALUES[index], in order of k) and scales (iq4xs_scales). */
-ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes, float *scale) {
+/* codes[256] = IQ4_XS block x's values, IQ4_VALUES[index], in order of k. */
+ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes) {
     const signed char *kvalues = IQ4_VALUES;
 #if QPATH == 512 || QPATH == 256
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues));
@@ -971,23 +968,36 @@ ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes, float *scale
             codes[32 * b + 16 + l] = kvalues[x[8 + 16 * b + l] >> 4];
         }
 #endif
-    iq4xs_scales(x, scale);
 }
 
 /* Bytes a block of a 16-weight format. */
 #define S16_BYTES(type)                                                                                \
     ((type) == S16_Q6K ? Q6K_BYTES : (type) == S16_Q3K ? Q3K_BYTES : (type) == S16_Q2K ? Q2K_BYTES : IQ4XS_BYTES)
 
+/* Block x's 16 scales (and Q2_K's 16 biases), as the tiles take them: the float tiles with
+ * their codes (s16_codes), the limb tiles alone. */
+ALWAYS void s16_scales(const int type, const unsigned char *x, float *scale, float *bias) {
+    if (type == S16_Q6K)
+        q6k_scales(x, scale);
+    else if (type == S16_Q3K)
+        q3k_scales(x, scale);
+    else if (type == S16_Q2K)
+        q2k_scales(x, scale, bias);
+    else
+        iq4xs_scales(x, scale);
+}
+
 /* Block x of a 16-weight format: its codes, scales and (Q2_K) biases. */
 ALWAYS void s16_codes(const int type, const unsigned char *x, signed char *codes, float *scale, float *bias) {
     if (type == S16_Q6K)
-        q6k_codes(x, codes, scale);
+        q6k_codes(x, codes);
     else if (type == S16_Q3K)
-        q3k_codes(x, codes, scale);
+        two_bit_codes(x + 32, x, codes);
     else if (type == S16_Q2K)
-        q2k_codes(x, codes, scale, bias);
+        two_bit_codes(x + 16, NULL, codes);
     else
-        iq4xs_codes(x, codes, scale);
+        iq4xs_codes(x, codes);
+    s16_scales(type, x, scale, bias);
 }
 
 /* The QL values at position t of a block from its s16_codes. */
@@ -1532,24 +1542,6 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(rest[r]);
 }
 
-/* A block's 16 scales (and Q2_K's 16 biases) as the limb tiles take them: Q6_K's d * sc_j,
- * Q3_K's d * (sc_j - 32), Q2_K's d * (sc_j & 15) and -(dmin * (sc_j >> 4)): the float tiles'
- * values (s16_codes), without their codes. */
-ALWAYS void s16_scales(const int type, const unsigned char *x, float *scale, float *bias) {
-    if (type == S16_Q6K) {
-        unsigned short half;
-        memcpy(&half, x + 208, 2);
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 192))));
-        _mm512_storeu_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(half_to_float(half))));
-    } else if (type == S16_Q3K) {
-        q3k_scales(x, scale);
-    } else if (type == S16_Q2K) {
-        q2k_scales(x, scale, bias);
-    } else {
-        iq4xs_scales(x, scale);
-    }
-}
-
 /* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
  * blocks,
  * their codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
@@ -1814,20 +1806,7 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
             const unsigned char *x = rows[r] + (size_t)b * bytes;
             float sc[16], bi[16];
-            if (type == S16_Q6K) {
-                unsigned short half;
-                memcpy(&half, x + 208, 2);
-                const __m256 d = _mm256_set1_ps(half_to_float(half));
-                const __m128i q = _mm_loadu_si128((const __m128i *)(x + 192));
-                _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-                _mm256_storeu_ps(sc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d));
-            } else if (type == S16_Q3K) {
-                q3k_scales(x, sc);
-            } else if (type == S16_Q2K) {
-                q2k_scales(x, sc, bi);
-            } else {
-                iq4xs_scales(x, sc);
-            }
+            s16_scales(type, x, sc, bi);
             const __m256i hmask = type == S16_Q3K ? _mm256_loadu_si256((const __m256i *)x) : _mm256_setzero_si256();
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
                 const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
