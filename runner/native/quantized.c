@@ -814,9 +814,10 @@ typedef unsigned short u16x16 __attribute__((vector_size(32)));
 /* Share b of `blocks` of the `lines` cache lines from `ahead` (none when NULL) prefetched: a
  * stream tile spreads the rows a few blocks on over its steps. Into L2 (prefetcht1), not L1:
  * a one-row tile reads each line once, soon after. Measured on Zen 4 (bench/RESULTS.md,
- * "Prefetching into L2"): Q6_K's decode limb tile 21-24 -> 28-31 GFLOP/s on one thread (9 ->
- * 12 GB/s), the other formats' the same or faster on two, and a whole Qwen3-0.6B Q4_K_M
- * decode token (its head is Q6_K) 43.4 -> 38.6 ms; an AVX2 build's the same. */
+ * "Prefetching into L2"): Q6_K's decode limb tile (which now reads a row at a time instead,
+ * s16_limb_tile) 21-24 -> 28-31 GFLOP/s on one thread (9 -> 12 GB/s), the other formats' the
+ * same or faster on two, and a whole Qwen3-0.6B Q4_K_M decode token (its head is Q6_K)
+ * 42.6 -> 37.5 ms; an AVX2 build's the same. */
 ALWAYS void fetch_share(const char *ahead, int lines, int b, int blocks) {
     if (ahead)
         for (int q = lines * b / blocks; q < lines * (b + 1) / blocks; q++)
@@ -1546,9 +1547,8 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(rest[r]);
 }
 
-/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
- * blocks,
- * their codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
+/* One block x of a row of W in Q6_K, Q3_K, Q2_K or IQ4_XS times A's limbs L, into the row's
+ * acc and rest (s16_limb_tile), its codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
  * Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4 taken off the same way),
  * Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h of a block's ql (64
  * bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64 in its high ones, qh
@@ -1558,13 +1558,10 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
  * values looked up (vpshufb) as value + 128 (1 .. 241: S below 4 x 241 x 2.09e6 = 2.01e9 <
  * 2^31), the 128 taken off with each 16 values' sum of x as Q6_K's 32: sub-blocks 4h + 2v
  * and 4h + 2v + 1 (16 bytes of qs each: low nibbles then high ones) in step v. */
-ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
-                          const struct limb_block *L, float *dot, const char *ahead, int lines) {
-    enum { RW = 4 };
+ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct limb_block *L, __m512 *acc,
+                           __m512 *rest) {
     const __m512i iq4_unsigned = /* IQ4_VALUES + 128 */
         _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
-    __m512 acc[RW], rest[RW];
-    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15), high2 = _mm512_set1_epi8(0x30);
     const __m512i low2 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
     /* qh's 2-bit fields moved to bits 4-5: weights 0-31 of a half (<< 4), 32-63 (<< 2) */
@@ -1574,65 +1571,85 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
     /* and for weights 64-95 (as they are), 96-127 (>> 2) */
     const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
                                            0x0002000200020002LL, 0x0002000200020002LL);
-    const size_t bytes = S16_BYTES(type);
-    for (int b = 0; b < blocks; b++, L++) {
-        fetch_share(ahead, lines, b, blocks);
-        const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
-        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-            const unsigned char *x = rows[r] + (size_t)b * bytes;
-            float sc[16], bi[16];
-            s16_scales(type, x, sc, bi);
-            const __m512 scale = _mm512_loadu_ps(sc);
-            const __m512 f = _mm512_mul_ps(scale, units);
-            rest[r] = _mm512_fmadd_ps(type == S16_Q2K ? _mm512_loadu_ps(bi) : scale, sums, rest[r]);
-            const __m512i hmask = type == S16_Q3K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x))
-                                                  : _mm512_setzero_si512();
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m512i codes[2];
-                if (type == S16_IQ4XS) {
-                    /* the 128-bit lanes of a sub-block pair's 32 bytes of qs as [b, b, b + 1, b + 1],
-                     * shifted 0, 4, 0, 4: b's low nibbles, its high ones, b + 1's */
-                    const __m512i nibble = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
-                                                             0x0004000400040004LL, 0x0004000400040004LL);
-                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                        const __m512i q = _mm512_castsi256_si512(
-                            _mm256_loadu_si256((const __m256i *)(x + 8 + 16 * (4 * h + 2 * v))));
-                        const __m512i index =
-                            _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, 0x50), nibble), low4);
-                        codes[v] = _mm512_shuffle_epi8(iq4_unsigned, index);
-                    }
-                } else if (type == S16_Q6K) {
-                    const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
-                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
-                    codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2));
-                    codes[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                               _mm512_and_si512(_mm512_srlv_epi16(qh, down), high2));
-                } else {
-                    const unsigned char *qs = x + (type == S16_Q3K ? 32 : 16) + 32 * h;
-                    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
-                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                        const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * v)),
-                                                              _mm256_set1_epi16((short)(4 * v + 2)), 1);
-                        codes[v] = _mm512_and_si512(_mm512_srlv_epi16(q, by), low2);
-                        if (type == S16_Q3K) {
-                            const __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h + 2 * v)),
-                                                                  _mm256_set1_epi16((short)(4 * h + 2 * v + 1)), 1);
-                            const __m512i third = _mm512_and_si512(_mm512_srlv_epi16(hmask, at), one);
-                            codes[v] = _mm512_or_si512(codes[v], _mm512_slli_epi16(third, 2));
-                        }
-                    }
-                }
-                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                    const int s0 = 8 * h + 4 * v;
-                    const signed char *l = L->l[0] + 128 * h + 64 * v;
-                    const __m512i s = limb_dot(codes[v], l);
-                    const __m512i at = _mm512_setr_epi32(s0, s0, s0, s0, s0 + 1, s0 + 1, s0 + 1, s0 + 1, s0 + 2,
-                                                         s0 + 2, s0 + 2, s0 + 2, s0 + 3, s0 + 3, s0 + 3, s0 + 3);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f), acc[r]);
+    const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
+    float sc[16], bi[16];
+    s16_scales(type, x, sc, bi);
+    const __m512 scale = _mm512_loadu_ps(sc);
+    const __m512 f = _mm512_mul_ps(scale, units);
+    *rest = _mm512_fmadd_ps(type == S16_Q2K ? _mm512_loadu_ps(bi) : scale, sums, *rest);
+    const __m512i hmask = type == S16_Q3K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x))
+                                          : _mm512_setzero_si512();
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        __m512i codes[2];
+        if (type == S16_IQ4XS) {
+            /* the 128-bit lanes of a sub-block pair's 32 bytes of qs as [b, b, b + 1, b + 1],
+             * shifted 0, 4, 0, 4: b's low nibbles, its high ones, b + 1's */
+            const __m512i nibble = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                                     0x0004000400040004LL, 0x0004000400040004LL);
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                const __m512i q = _mm512_castsi256_si512(
+                    _mm256_loadu_si256((const __m256i *)(x + 8 + 16 * (4 * h + 2 * v))));
+                const __m512i index =
+                    _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, 0x50), nibble), low4);
+                codes[v] = _mm512_shuffle_epi8(iq4_unsigned, index);
+            }
+        } else if (type == S16_Q6K) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
+            codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), high2));
+            codes[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                       _mm512_and_si512(_mm512_srlv_epi16(qh, down), high2));
+        } else {
+            const unsigned char *qs = x + (type == S16_Q3K ? 32 : 16) + 32 * h;
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * v)),
+                                                      _mm256_set1_epi16((short)(4 * v + 2)), 1);
+                codes[v] = _mm512_and_si512(_mm512_srlv_epi16(q, by), low2);
+                if (type == S16_Q3K) {
+                    const __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h + 2 * v)),
+                                                          _mm256_set1_epi16((short)(4 * h + 2 * v + 1)), 1);
+                    const __m512i third = _mm512_and_si512(_mm512_srlv_epi16(hmask, at), one);
+                    codes[v] = _mm512_or_si512(codes[v], _mm512_slli_epi16(third, 2));
                 }
             }
         }
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+            const int s0 = 8 * h + 4 * v;
+            const signed char *l = L->l[0] + 128 * h + 64 * v;
+            const __m512i s = limb_dot(codes[v], l);
+            const __m512i at = _mm512_setr_epi32(s0, s0, s0, s0, s0 + 1, s0 + 1, s0 + 1, s0 + 1, s0 + 2,
+                                                 s0 + 2, s0 + 2, s0 + 2, s0 + 3, s0 + 3, s0 + 3, s0 + 3);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(at, f), *acc);
+        }
     }
+}
+
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
+ * blocks (s16_limb_block). */
+ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
+                          const struct limb_block *L, float *dot, const char *ahead, int lines) {
+    enum { RW = 4 };
+    __m512 acc[RW], rest[RW];
+    for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
+    const size_t bytes = S16_BYTES(type);
+    if (type == S16_Q6K) {
+        /* Q6_K a row at a time, in the order of its bytes, no software prefetch: the 4 rows
+         * are one run of memory the hardware prefetcher streams, where block by block across
+         * them (4 streams of a row's 210-byte blocks, prefetched ahead) made ~9 GB/s a thread
+         * into L1 and ~12 into L2 (bench/RESULTS.md, "Prefetching into L2"). Each row's sums
+         * are the same operations in the same order either way. The other formats measured
+         * as fast or faster across the rows. */
+        (void)ahead, (void)lines;
+        for (int r = 0; r < RW; r++)
+            for (int b = 0; b < blocks; b++)
+                s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
+    } else
+        for (int b = 0; b < blocks; b++) {
+            fetch_share(ahead, lines, b, blocks);
+            _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
+                s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
+        }
     const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : type == S16_IQ4XS ? -128.0f : 1.0f;
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + offset * _mm512_reduce_add_ps(rest[r]);
 }
