@@ -273,7 +273,10 @@ static float *partial(const struct attention_job *j, int slot, int row) {
  * the same order whichever tile). Meanwhile the keys two tiles on and these keys' values (p V
  * reads them next) are fetched: a layer's keys and values were last touched a forward ago,
  * and a decode step is bound by reading them (Qwen3-0.6B's shapes, 28 layers at 640 cached,
- * attention alone: 147 MB at 17 GB/s before). Keys past k1 are not fetched. */
+ * attention alone: 147 MB at 17 GB/s before). Keys past k1 are not fetched. Into L2, as the
+ * weights' stream tiles fetch theirs (quantized.c, fetch_share): into L1 a whole Qwen3-0.6B
+ * Q4_K_M decode token at ~1,400 cached took 1.05-1.09x as long (bench/RESULTS.md,
+ * "Prefetching into L2"). */
 static void few_rows_scores(const float *const *q, int n, const float *keys, const float *values,
                             int c0, int nc, int k1, int D, float *const *srow) {
     const int kb = n == 3 ? 4 : n == 2 ? 6 : 8;
@@ -281,8 +284,8 @@ static void few_rows_scores(const float *const *q, int n, const float *keys, con
         for (int b = 0; b < kb; b++) {
             const int ahead = c0 + i + 2 * kb + b;
             for (int l = 0; l < D; l += 64 / (int)sizeof(float)) {
-                if (ahead < k1) __builtin_prefetch(keys + (size_t)ahead * D + l);
-                if (i + b < nc) __builtin_prefetch(values + (size_t)(c0 + i + b) * D + l);
+                if (ahead < k1) __builtin_prefetch(keys + (size_t)ahead * D + l, 0, 2);
+                if (i + b < nc) __builtin_prefetch(values + (size_t)(c0 + i + b) * D + l, 0, 2);
             }
         }
         const float *w[8];
