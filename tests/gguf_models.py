@@ -535,9 +535,7 @@ def quantize_q2_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 84)
 
 
-IQ4_VALUES = np.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32
-)  # llama.cpp's kvalues_iq4nl
+IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)  # llama.cpp's kvalues_iq4nl
 
 
 def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.utils import infer_quant_config
 
+from runner.sources.gguf.quants import IQ4_NL_VALUES
 from runner.sources.source import ModelLoadError
 
 GLOBAL_SCALE = "global_scale"
@@ -175,8 +176,6 @@ Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "
 BLOCK_WEIGHTS = 256  # weights a block, of any of these types
 Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
 IQ4_XS_BYTES = 136
-# llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit indices stand for
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -253,7 +252,7 @@ def dequantize_iq4_xs(blocks: mx.array) -> mx.array:
     (each block: float16 d, scales_h (uint16: bits 2b, 2b + 1 the high bits of sub-block b's
     6-bit scale ls_b), scales_l[4] (their low nibbles, sub-block 2i low, 2i + 1 high), qs[128]:
     in sub-block b, weight 32b + l is the low nibble of qs[16b + l], 32b + 16 + l its high one;
-    a weight is (d * (ls_b - 32)) * IQ4_VALUES[index]: every product exact)."""
+    a weight is (d * (ls_b - 32)) * IQ4_NL_VALUES[index]: every product exact)."""
     *lead, width = blocks.shape
     n = width // IQ4_XS_BYTES
     x = blocks.reshape(*lead, n, IQ4_XS_BYTES)
@@ -266,7 +265,7 @@ def dequantize_iq4_xs(blocks: mx.array) -> mx.array:
     ls = (lows | (tops << 4)) - 32
     qs = x[..., 8:136].reshape(*lead, n, 8, 1, 16)
     index = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*lead, n, 8, 32)
-    values = mx.array(IQ4_VALUES, mx.float32)[index.astype(mx.int32)]
+    values = mx.array(IQ4_NL_VALUES)[index.astype(mx.int32)]
     scale = (d * ls.astype(mx.float32))[..., None]
     return (scale * values).reshape(*lead, n * BLOCK_WEIGHTS)
 

@@ -1548,11 +1548,11 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
 }
 
 /* One block x of a row of W in Q6_K, Q3_K, Q2_K or IQ4_XS times A's limbs L, into the row's
- * acc and rest (s16_limb_tile), its codes read unsigned: Q6_K's q + 32 (the 32 taken off with each sub-block's sum of x),
- * Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4 taken off the same way),
- * Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h of a block's ql (64
- * bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64 in its high ones, qh
- * their top 2 bits; Q3_K and Q2_K: the 32 bytes of qs from 32h hold weight 128h + 32s + l in
+ * acc and rest (s16_limb_tile), its codes read unsigned: Q6_K's q + 32 (the 32 taken off with
+ * each sub-block's sum of x), Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4
+ * taken off the same way), Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h
+ * of a block's ql (64 bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64
+ * in its high ones, qh their top 2 bits; Q3_K and Q2_K: the 32 bytes of qs from 32h hold weight 128h + 32s + l in
  * bits 2s of byte l, read with those 32 bytes in both 256-bit halves (s = 2v, 2v + 1 in the
  * low, high half of step v), Q3_K's third bits bit 4h + s of hmask[l] the same way; IQ4_XS's
  * values looked up (vpshufb) as value + 128 (1 .. 241: S below 4 x 241 x 2.09e6 = 2.01e9 <

@@ -523,14 +523,15 @@ def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
     return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, 256)
 
 
-_IQ4_NL_VALUES = np.array(
+# llama.cpp's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit indices stand for
+IQ4_NL_VALUES = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32
 )
 
 
 def _iq4_nl_values(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks, 0)
-    return d * _IQ4_NL_VALUES[_nibbles(blocks[:, 2:18])]
+    return d * IQ4_NL_VALUES[_nibbles(blocks[:, 2:18])]
 
 
 def _iq4_xs_values(blocks: np.ndarray) -> np.ndarray:
@@ -543,7 +544,7 @@ def _iq4_xs_values(blocks: np.ndarray) -> np.ndarray:
     ls = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
     dl = (d * ls.astype(np.float32)).reshape(n, 8, 1)
     q = _nibbles(blocks[:, 8:136].reshape(n, 8, 16))
-    return (dl * _IQ4_NL_VALUES[q]).reshape(n, 256)
+    return (dl * IQ4_NL_VALUES[q]).reshape(n, 256)
 
 
 # ggml's e2m1 code book, doubled (kvalues_mxfp4); its scales carry the half.
