@@ -16,6 +16,8 @@
   take as limbs.
 - `llama.cpp-q3`, `llama.cpp-q2`: the same on Q3_K_M and Q2_K files (Ollama's `q3_K_M` and
   `q2_K` tags: mostly Q3_K, Q2_K, with Q4_K, Q5_K and a Q6_K head).
+- `llama.cpp-iq4`: the same on an IQ4_XS file (the i-quant GGUFs others publish: IQ4_XS where
+  rows are whole blocks of 256, IQ4_NL where they are not, e.g. most of SmolLM2's).
 
 Each runs in a process of its own (spawned: no MLX, no torch in it), as a user runs llama.cpp,
 and keeps one `Llama` with n_threads = n_threads_batch = the machine's cores and reuses
@@ -83,9 +85,12 @@ SDIST_ROOT = "vendor/llama.cpp/"
 N_CTX = 4096  # at most the model's context; every default workload's rows fit
 F32, F16, Q4 = "f32.gguf", "f16.gguf", "q4_k_m.gguf"
 Q4_0, Q8_0, Q5 = "q4_0.gguf", "q8_0.gguf", "q5_k_m.gguf"
-Q3, Q2 = "q3_k_m.gguf", "q2_k.gguf"
+Q3, Q2, IQ4 = "q3_k_m.gguf", "q2_k.gguf", "iq4_xs.gguf"
 # llama.cpp's quantizer's file types (LLAMA_FTYPE_MOSTLY_*) of the quantized files
-QUANTIZED = {Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0", Q5: "Q5_K_M", Q3: "Q3_K_M", Q2: "Q2_K"}
+QUANTIZED = {
+    Q4: "Q4_K_M", Q4_0: "Q4_0", Q8_0: "Q8_0", Q5: "Q5_K_M", Q3: "Q3_K_M", Q2: "Q2_K",
+    IQ4: "IQ4_XS",
+}  # fmt: skip
 STAMP = "source.json"
 POLL_S = 0.2  # how often a wait for the llama.cpp process's answer checks that it lives
 REAP_S = 5.0  # how long its pipe's end waits for the process to be reaped
@@ -508,3 +513,9 @@ class LlamaCppQ2(LlamaCppQ4):
     name = "llama.cpp-q2"
     description = "llama-cpp-python, Q2_K GGUF, f16 KV cache (llama.cpp's defaults)"
     gguf = Q2
+
+
+class LlamaCppIQ4(LlamaCppQ4):
+    name = "llama.cpp-iq4"
+    description = "llama-cpp-python, IQ4_XS GGUF, f16 KV cache (llama.cpp's defaults)"
+    gguf = IQ4

@@ -13,8 +13,9 @@
   own quantizer's file, made by bench/llamacpp.py; the runner loads it as it loads a store's
   blob): the two engines on the same quantized bits. Its answers differ from `ours`' by the
   quantization, as llama.cpp-q4's do; needs llama-cpp-python to make the file.
-- `ours-q4_0`, `ours-q8_0`, `ours-q5`, `ours-q3`, `ours-q2`: the same on `llama.cpp-q4_0`'s,
-  `llama.cpp-q8_0`'s, `llama.cpp-q5`'s, `llama.cpp-q3`'s and `llama.cpp-q2`'s files.
+- `ours-q4_0`, `ours-q8_0`, `ours-q5`, `ours-q3`, `ours-q2`, `ours-iq4`: the same on
+  `llama.cpp-q4_0`'s, `llama.cpp-q8_0`'s, `llama.cpp-q5`'s, `llama.cpp-q3`'s,
+  `llama.cpp-q2`'s and `llama.cpp-iq4`'s files.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from bench.base import (
     mlx_memory_bytes,
 )
 from bench.http import MISSING_ENDPOINT, HTTPStatus, KeptConnection, SpawnedRunner, post_jsonl
-from bench.llamacpp import Q2, Q3, Q4, Q4_0, Q5, Q8_0
+from bench.llamacpp import IQ4, Q2, Q3, Q4, Q4_0, Q5, Q8_0
 from bench.workloads import GenerateWorkload, Row, ScoreWorkload, Workload
 
 NANOSECONDS = 1e9
@@ -293,3 +294,9 @@ class OursQ2(OursQ4):
     name = "ours-q2"
     description = "runner spawned on llama.cpp-q2's Q2_K GGUF (the same file)"
     gguf = Q2
+
+
+class OursIQ4(OursQ4):
+    name = "ours-iq4"
+    description = "runner spawned on llama.cpp-iq4's IQ4_XS GGUF (the same file)"
+    gguf = IQ4

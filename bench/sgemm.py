@@ -19,9 +19,10 @@ and `panels-1t` (the native step's products on exact float16 copies stored as pa
 their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
-biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs` and their `-1t` (GGML's Q4_K, Q5_K, Q6_K,
-Q3_K, Q2_K and IQ4_XS blocks as a GGUF stores them, read by the same library; random blocks,
-rows of whole blocks only: the Qwen3 shape), `q4k-decode`, `q5k-decode`, `q6k-decode`,
+biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs`, `iq4nl` and their `-1t` (GGML's Q4_K,
+Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks as a GGUF stores them, read by the same
+library; random blocks, rows of whole blocks only: the Qwen3 shape, and SmolLM2's for IQ4_NL's
+blocks of 32), `q4k-decode`, `q5k-decode`, `q6k-decode`,
 `q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode` and their `-1t` (the same products as
 a decode step's rows: by integer limbs where the library has them, runner_limb_products), and
 `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
@@ -55,7 +56,7 @@ SHAPES = {
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
-    *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t"),
+    *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t", "iq4nl", "iq4nl-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
     *("iq4xs-decode", "iq4xs-decode-1t"),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
@@ -65,17 +66,21 @@ EXTRA_SETTINGS = (
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
-# GGML blocks: bytes a block of 256 weights
-GGML_BLOCK_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136}
+# GGML blocks: bytes a block of 256 weights (IQ4_NL: of 32, GGML_BLOCK_WEIGHTS)
+GGML_BLOCK_BYTES = {
+    "q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136, "iq4nl": 18,
+}  # fmt: skip
+GGML_BLOCK_WEIGHTS = {"iq4nl": 32}  # where a block is not 256 weights
 # where each keeps its float16 d (and dmin) in a block
 GGML_HALVES = {
     "q4k": (0, 2), "q5k": (0, 2), "q6k": (208,), "q3k": (108,), "q2k": (80, 82), "iq4xs": (0,),
+    "iq4nl": (0,),
 }  # fmt: skip
 
 
 def setting_kind(setting: str) -> str:
     """What a setting's child computes with: sgemm, panels, q4/q5/q8 (the library's affine
-    products), q4k/q5k/q6k/q3k/q2k/iq4xs (GGML blocks; `-decode` on these and the affine ones:
+    products), q4k/q5k/q6k/q3k/q2k/iq4xs/iq4nl (GGML blocks; `-decode` on these and the affine ones:
     as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
     quantized_matmul)."""
     base = setting.removesuffix("-1t")
@@ -90,7 +95,7 @@ def weight_bytes(setting: str) -> float:
     if kind in ("q4", "q5", "q8"):
         return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
     if kind in GGML_BLOCK_BYTES:
-        return GGML_BLOCK_BYTES[kind] / 256
+        return GGML_BLOCK_BYTES[kind] / GGML_BLOCK_WEIGHTS.get(kind, 256)
     return WEIGHT_BYTES.get(kind, 4.0)
 
 
@@ -168,24 +173,25 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
 
 
 def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
-    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks of `shape` (their float16 d,
-    dmin set to 0.01, the rest random bytes: any codes and scales take the tiles' time), as a
-    step_weight with its array."""
+    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS or IQ4_NL blocks of `shape` (their
+    float16 d, dmin set to 0.01, the rest random bytes: any codes and scales take the tiles'
+    time), as a step_weight with its array."""
     import numpy as np
 
     from runner.native import abi
 
     n, k = shape
-    if k % 256:
-        raise SystemExit(f"{kind}: rows of {k} weights are not whole blocks of 256")
+    weights = GGML_BLOCK_WEIGHTS.get(kind, 256)
+    if k % weights:
+        raise SystemExit(f"{kind}: rows of {k} weights are not whole blocks of {weights}")
     size = GGML_BLOCK_BYTES[kind]
-    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
     half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     for at in GGML_HALVES[kind]:
         blocks[:, :, at : at + 2] = half
     form = {
         "q4k": abi.Q4K, "q5k": abi.Q5K, "q6k": abi.Q6K, "q3k": abi.Q3K, "q2k": abi.Q2K,
-        "iq4xs": abi.IQ4XS,
+        "iq4xs": abi.IQ4XS, "iq4nl": abi.IQ4NL,
     }[kind]  # fmt: skip
     return abi.Weight(format=form, data=blocks.ctypes.data), blocks
 

@@ -7,6 +7,7 @@ from bench.base import System
 from bench.llamacpp import (
     LlamaCpp,
     LlamaCppF16,
+    LlamaCppIQ4,
     LlamaCppQ2,
     LlamaCppQ3,
     LlamaCppQ4,
@@ -17,6 +18,7 @@ from bench.llamacpp import (
 from bench.ours import (
     Ours,
     OursHTTP,
+    OursIQ4,
     OursQ2,
     OursQ3,
     OursQ4,
@@ -39,6 +41,7 @@ SYSTEMS: dict[str, type[System]] = {
         OursQ5,
         OursQ3,
         OursQ2,
+        OursIQ4,
         Baseline,
         MlxLm,
         Transformers,
@@ -50,6 +53,7 @@ SYSTEMS: dict[str, type[System]] = {
         LlamaCppQ5,
         LlamaCppQ3,
         LlamaCppQ2,
+        LlamaCppIQ4,
     )
 }
 NAMES = tuple(SYSTEMS)

@@ -367,6 +367,15 @@ def iq4_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return _k_file(name, shape, arch, [], T.IQ4_XS)
 
 
+def iq4_fallback(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """An IQ4_XS file of a model whose rows are not all whole 256s, as llama.cpp's quantizer
+    makes one: IQ4_XS where they are, IQ4_NL (its fallback) where they are whole 32s, the head
+    Q6_K (its fallback Q8_0); `mixed` elsewhere."""
+    if len(shape) == 2 and shape[-1] % 256 and shape[-1] % 32 == 0:
+        return T.Q8_0 if name == "output.weight" else T.IQ4_NL
+    return iq4_mixed(name, shape, arch)
+
+
 def _k_file(
     name: str, shape: tuple[int, ...], arch: str, by_name: list[tuple[str, T]], rest: T
 ) -> T:
@@ -567,9 +576,26 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 256 * 136)
 
 
+def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of `values` [..., k] (k a multiple of 32) as bytes [..., k / 32 * 18], laid
+    out as llama.cpp's block_iq4_nl (float16 d, qs[16]: weight l the low nibble of qs[l],
+    16 + l its high one): x = d * IQ4_VALUES[index], d = max |x| / 127 of the block, each
+    index the nearest table value; a plain quantizer (not llama.cpp's search)."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(x).max(-1, keepdims=True) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)
+    scaled = x / np.where(d32 > 0, d32, 1)
+    index = np.abs(scaled[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+    qs = index[:, :16] | index[:, 16:] << 4
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), qs], axis=1)
+    return out.reshape(*lead, k // 32 * 18)
+
+
 QUANTIZERS = {
     T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
     T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k, T.IQ4_XS: quantize_iq4_xs,
+    T.IQ4_NL: quantize_iq4_nl,
 }  # fmt: skip
 
 

@@ -191,6 +191,86 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
     assert np.abs(logits(floats) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
+# A Llama whose hidden size (160) is whole 32s but not 256s, as SmolLM2's 576 and
+# Qwen2.5-0.5B's 896: an IQ4_XS file of it is mostly IQ4_NL (tests/gguf_models.py)
+IQ4_NL_LLAMA = {**K_QUANT_LLAMA, "hidden_size": 160}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+    """An IQ4_XS file of a model whose rows are not all whole 256s, as llama.cpp's quantizer
+    writes one: IQ4_NL (blocks of 32) for the matrices of 160 columns and the embedding,
+    IQ4_XS for those of 256 and 512, a Q8_0 head where it has its own. Every IQ4_NL and
+    IQ4_XS tensor stays in its blocks (the file's bytes, not float32's 7.1x) and is read by
+    the native step, a layer's q, k, v (IQ4_NL) beside its o and down (IQ4_XS); the logits
+    are the float64 forward's of llama.cpp's values within 1e-4, on the native step (forwards
+    and decode steps, which read IQ4_NL with the float tiles: no limbs), on MLX's own path
+    over the blocks, and from the float32 weights a backend without the native step keeps."""
+    import mlx.nn as nn
+
+    from runner.backend import Backend
+    from runner.models.quantized import GGMLEmbedding, GGMLLinear
+    from tests.gguf_models import iq4_fallback
+    from tests.tiny import edit_text_config, tiny_config
+
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), IQ4_NL_LLAMA)
+    checkpoint = write_tiny_model(
+        "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
+    )
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", iq4_fallback)
+    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    source = load_gguf(path)
+    types = {
+        name.removesuffix(".blocks"): source.quantization[name.removesuffix(".blocks")]["ggml_type"]
+        for name in source.weights
+        if name.endswith(".blocks")
+    }
+    layers = config["num_hidden_layers"]
+    nl = {k for k, t in types.items() if t == "IQ4_NL"}
+    assert nl == {"model.embed_tokens"} | {
+        f"model.layers.{i}.{m}"
+        for i in range(layers)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                  "mlp.up_proj")
+    }  # fmt: skip
+    wide = ("self_attn.o_proj", "mlp.down_proj")  # of 256 and 512 columns
+    assert set(types) - nl == {f"model.layers.{i}.{m}" for i in range(layers) for m in wide}
+    assert all(types[k] == "IQ4_XS" for k in set(types) - nl)
+    for name in types:  # as stored: 18 bytes a 32 weights, 136 a 256
+        rows, width = weights[f"{name}.weight"].shape
+        info = quants.TYPES[getattr(quants, types[name])]
+        assert source.weights[f"{name}.blocks"].shape == (
+            rows, width // info.block_size * info.type_size,
+        )  # fmt: skip
+    want = llama_forward(
+        {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
+    )
+    scale = max(1.0, np.abs(want).max())
+    model = build_model(source)
+    modules = dict(model.module.named_modules())
+    assert all(isinstance(modules[k], GGMLLinear | GGMLEmbedding) for k in types)
+    assert model._native is not None and model._native.quantized  # the step reads the blocks
+    assert np.abs(logits(model) - want).max() <= 1e-4 * scale
+    with model.mlx_only():
+        assert np.abs(logits(model) - want).max() <= 1e-4 * scale
+    caches = model.make_caches()
+    model.hidden(mx.array([SEQUENCE[:4]]), caches)
+    for i in range(4, len(SEQUENCE)):
+        with model.decode_steps():
+            got = np.array(model.unembed(model.hidden(mx.array([[SEQUENCE[i]]]), caches))[0, -1])
+        step_want = llama_forward(
+            {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE[: i + 1]
+        )
+        assert np.abs(got - step_want).max() <= 1e-4 * max(1.0, np.abs(step_want).max())
+    plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
+    floats = build_model(load_gguf(path), plain)
+    float_modules = dict(floats.module.named_modules())
+    for name in types:  # float32 weights of the same values
+        assert type(float_modules[name]) in (nn.Linear, nn.Embedding), name
+        assert float_modules[name].weight.dtype == mx.float32
+    assert np.abs(logits(floats) - want).max() <= 1e-4 * scale
+
+
 def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
     """Q5_0 for the layers' matrices (the runner maps them onto MLX's 5-bit affine codes, as
     most of the default model's "Q4_K_M" file), `mixed` elsewhere."""
@@ -590,7 +670,7 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
         load_gguf(cut)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
     """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
     for bit (runner/sources/gguf/quants.py's, checked against gguf-py's), for a quantizer's
@@ -613,7 +693,7 @@ def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_t
     rows, width = 24, 512
     blocks = quantize(rng.normal(size=(rows, width)).astype(np.float32))
     want = quants.dequantize(blocks.reshape(-1), kind, (rows, width))
-    random = make_blocks(rng, kind, rows * width // 256)
+    random = make_blocks(rng, kind, rows * width // quants.TYPES[kind].block_size)
     assert_bits_equal(
         np.array(quantized.DEQUANTIZE[ggml_type](mx.array(random.reshape(rows, -1)))),
         quants.dequantize(random.reshape(-1), kind, (rows, width)),

@@ -317,6 +317,7 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
     `ggml_type`'s quants kind, weight format and quantizer (tests/gguf_models.py)."""
     from runner.sources.gguf import quants
     from tests.gguf_models import (
+        quantize_iq4_nl,
         quantize_iq4_xs,
         quantize_q2_k,
         quantize_q3_k,
@@ -337,24 +338,27 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
         "Q3_K": (quants.Q3_K, abi.Q3K, quantize_q3_k),
         "Q2_K": (quants.Q2_K, abi.Q2K, quantize_q2_k),
         "IQ4_XS": (quants.IQ4_XS, abi.IQ4XS, quantize_iq4_xs),
+        "IQ4_NL": (quants.IQ4_NL, abi.IQ4NL, quantize_iq4_nl),
     }[ggml_type]
     return march, functions, kind, form, quantize
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
-    """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K, Q2_K and IQ4_XS blocks as a GGUF
-    stores them: exactly the sums the level's block tiles define (the values in order of k, its
-    lanes, fused or not), the same bits for any number of rows (the stream tiles of one and
-    two rows, the block tiles of more), and within 1e-4 of the float64 product of llama.cpp's
-    values (runner/sources/gguf/quants.py's dequantization, checked against gguf-py's). A
-    decode step's rows take the same tiles where the build has no limbs."""
+    """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks as a
+    GGUF stores them: exactly the sums the level's block tiles define (the values in order of
+    k, its lanes, fused or not), the same bits for any number of rows (the stream tiles of one
+    and two rows, the block tiles of more), and within 1e-4 of the float64 product of
+    llama.cpp's values (runner/sources/gguf/quants.py's dequantization, checked against
+    gguf-py's). A decode step's rows take the same tiles where the build has no limbs, and
+    always for IQ4_NL (which has none); IQ4_NL's rows need only be whole 32s (576: SmolLM2's)."""
     from runner.sources.gguf import quants
 
     march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
     lanes = AFFINE_LANES[LEVELS[march][0]]
     rng = np.random.default_rng(6)
-    n, k = 45, 512  # n not a whole number of blocks of rows
+    # n not a whole number of blocks of rows; IQ4_NL's k not whole 256s
+    n, k = 45, 576 if ggml_type == "IQ4_NL" else 512
     blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
     values = quants.dequantize(blocks.reshape(-1), kind, (n, k))
     weight = abi.Weight(format=form, data=blocks.ctypes.data)
@@ -374,7 +378,7 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
     assert not functions.weight_supported(ctypes.byref(short), n, 300)
     decode = weight_times(functions, weight, (n, k), a, decode=True)
-    if not functions.limb_products:  # decode rows take the float tiles: the same bits
+    if not functions.limb_products or ggml_type == "IQ4_NL":  # the float tiles: the same bits
         np.testing.assert_array_equal(decode, c)
 
 

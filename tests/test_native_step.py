@@ -892,7 +892,7 @@ def test_quantized_embedding_rows_are_mlx_dequantized_values(bits, scales):
     np.testing.assert_array_equal(matrix.values(ids), w.values[ids])
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
     """GGML blocks' rows dequantized in numpy for the step: exactly the values of MLX's path
     (runner/models/quantized.py's dequantization of the blocks, llama.cpp's bit for bit)."""

@@ -219,16 +219,18 @@ def _view(array: Any, what: str) -> np.ndarray:
 # MLX's path; backend sits below models, so the name is repeated here)
 GLOBAL_SCALE = "global_scale"
 # runner/models/quantized.py's layers of GGML blocks: their parameter, and per `ggml_type` the
-# library's format and the bytes a block of 256 weights (repeated here for the same reason)
+# library's format, the bytes a block and its weights (repeated here for the same reason)
 GGML_BLOCKS = "blocks"
 GGML_FORMATS = {
-    "Q6_K": (abi.Q6K, 210), "Q4_K": (abi.Q4K, 144), "Q5_K": (abi.Q5K, 176),
-    "Q3_K": (abi.Q3K, 110), "Q2_K": (abi.Q2K, 84), "IQ4_XS": (abi.IQ4XS, 136),
+    "Q6_K": (abi.Q6K, 210, 256), "Q4_K": (abi.Q4K, 144, 256), "Q5_K": (abi.Q5K, 176, 256),
+    "Q3_K": (abi.Q3K, 110, 256), "Q2_K": (abi.Q2K, 84, 256), "IQ4_XS": (abi.IQ4XS, 136, 256),
+    "IQ4_NL": (abi.IQ4NL, 18, 32),
 }  # fmt: skip
 # `_Matrix.values`' dequantizing
 GGML_TYPE_IDS = {
     abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K,
     abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K, abi.IQ4XS: quants.IQ4_XS,
+    abi.IQ4NL: quants.IQ4_NL,
 }  # fmt: skip
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
@@ -350,18 +352,18 @@ def _affine(layer: nn.Module, what: str) -> _Matrix:
 
 
 def _ggml(layer: Any, what: str) -> _Matrix | None:
-    """A layer holding GGML blocks of a type the products read (GGML_FORMATS), [n, k / 256 *
-    bytes a block] (runner/models/quantized.py); None for any other layer."""
+    """A layer holding GGML blocks of a type the products read (GGML_FORMATS), [n, k / weights
+    a block * bytes a block] (runner/models/quantized.py); None for any other layer."""
     ggml_type = getattr(layer, "ggml_type", None) if isinstance(layer, nn.Module) else None
     if ggml_type is None:
         return None
     if ggml_type not in GGML_FORMATS:
         raise _Unsupported(f"{what}: GGML {ggml_type} blocks")
-    form, size = GGML_FORMATS[ggml_type]
+    form, size, weights = GGML_FORMATS[ggml_type]
     blocks = layer[GGML_BLOCKS]
     if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % size:
         raise _Unsupported(f"{what}: {ggml_type} blocks {blocks.dtype} {blocks.shape}")
-    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // size * 256
+    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // size * weights
     return _Matrix(n, k, codes=_raw(blocks, what), block_format=form)
 
 

@@ -12,18 +12,19 @@ names; a global scale becomes the layer's `global_scale`), before the weights ar
 
 GGML's Q6_K blocks (what Q4_K_M files hold for `ffn_down`, `attn_v` and often the embedding),
 Q3_K blocks (most of a Q3_K_M file) and Q2_K blocks (most of a Q2_K file) have a scale per 16
-weights, which MLX's affine format cannot group, and IQ4_XS blocks a table of 16 values no
-affine map makes; their exact float32 values take 4.9x, 9.3x, 12.2x and 7.5x the file's
-bytes. Q4_K and Q5_K repack exactly onto MLX's affine 4- and 5-bit groups of 32, but only
-with float32 scales and biases (6 and 7 bits a weight, against the file's 4.5 and 5.5), which
-a decode step, bound by the bytes it reads, pays for. A GGUF source names such layers in its
-quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, `"Q5_K"`, `"Q3_K"`, `"Q2_K"` or
-`"IQ4_XS"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks`
-keeps them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
-(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q4_K / Q5_K
-the affine repack and the others float32 weights, as before. The layers' own forward (MLX's
-path) dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization
-gives, bit for bit.
+weights, which MLX's affine format cannot group, and IQ4_XS and IQ4_NL blocks (an IQ4_XS file's
+matrices whose rows are not whole 256s: most of SmolLM2's) a table of 16 values no affine map
+makes; their exact float32 values take 4.9x, 9.3x, 12.2x, 7.5x and 7.1x the file's bytes. Q4_K
+and Q5_K repack exactly onto MLX's affine 4- and 5-bit groups of 32, but only with float32
+scales and biases (6 and 7 bits a weight, against the file's 4.5 and 5.5), which a decode step,
+bound by the bytes it reads, pays for. A GGUF source names such layers in its quantization
+config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, `"Q5_K"`, `"Q3_K"`, `"Q2_K"`, `"IQ4_XS"` or
+`"IQ4_NL"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps
+them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
+(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q4_K / Q5_K the
+affine repack and the others float32 weights, as before. The layers' own forward (MLX's path)
+dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization gives, bit
+for bit.
 """
 
 from __future__ import annotations
@@ -173,9 +174,11 @@ def dequantize_weight(weights: dict[str, mx.array], path: str, in_dims: int) -> 
 GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
 Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"
-BLOCK_WEIGHTS = 256  # weights a block, of any of these types
+IQ4_NL = "IQ4_NL"
+BLOCK_WEIGHTS = 256  # weights a block, of all these types but IQ4_NL
+IQ4_NL_WEIGHTS = 32
 Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
-IQ4_XS_BYTES = 136
+IQ4_XS_BYTES, IQ4_NL_BYTES = 136, 18
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -270,6 +273,20 @@ def dequantize_iq4_xs(blocks: mx.array) -> mx.array:
     return (scale * values).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
+def dequantize_iq4_nl(blocks: mx.array) -> mx.array:
+    """float32 [..., k] from IQ4_NL blocks [..., k / 32 * 18] (uint8): llama.cpp's values
+    (each block: float16 d, qs[16]: weight l is the low nibble of qs[l], 16 + l its high one;
+    a weight is d * IQ4_NL_VALUES[index]: every product exact)."""
+    *lead, width = blocks.shape
+    n = width // IQ4_NL_BYTES
+    x = blocks.reshape(*lead, n, IQ4_NL_BYTES)
+    d = mx.contiguous(x[..., 0:2]).view(mx.float16).astype(mx.float32)
+    qs = x[..., 2:18]
+    index = mx.concatenate([qs & 15, qs >> 4], axis=-1)
+    values = mx.array(IQ4_NL_VALUES)[index.astype(mx.int32)]
+    return (d * values).reshape(*lead, n * IQ4_NL_WEIGHTS)
+
+
 def _k_quant_parts(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
     """Q4_K blocks [..., n * 144] (or Q5_K [..., n * 176]) as (codes [..., n, 8, 32] uint8,
     scales d * sc_j and biases -(dmin * m_j) [..., n, 8, 1] float32): each block d, dmin
@@ -326,21 +343,34 @@ DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
     Q3_K: dequantize_q3_k,
     Q2_K: dequantize_q2_k,
     IQ4_XS: dequantize_iq4_xs,
+    IQ4_NL: dequantize_iq4_nl,
 }
 BLOCK_BYTES = {
     Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q3_K: Q3_K_BYTES, Q2_K: Q2_K_BYTES,
-    IQ4_XS: IQ4_XS_BYTES,
+    IQ4_XS: IQ4_XS_BYTES, IQ4_NL: IQ4_NL_BYTES,
 }  # fmt: skip
 
 
+def block_columns(ggml_type: str, width: int) -> int:
+    """The columns of a matrix whose rows are `width` bytes of `ggml_type` blocks."""
+    weights = IQ4_NL_WEIGHTS if ggml_type == IQ4_NL else BLOCK_WEIGHTS
+    return width // BLOCK_BYTES[ggml_type] * weights
+
+
+def block_width(ggml_type: str, columns: int) -> int:
+    """The bytes of a row of `columns` weights in `ggml_type` blocks."""
+    weights = IQ4_NL_WEIGHTS if ggml_type == IQ4_NL else BLOCK_WEIGHTS
+    return columns // weights * BLOCK_BYTES[ggml_type]
+
+
 class _GGMLBlocks(nn.Module):
-    """A weight of GGML blocks of `ggml_type` (BLOCK_BYTES' types), [rows, columns / 256 * bytes
-    a block] as a GGUF stores them."""
+    """A weight of GGML blocks of `ggml_type` (BLOCK_BYTES' types), [rows, columns / weights a
+    block * bytes a block] as a GGUF stores them."""
 
     def __init__(self, rows: int, columns: int, ggml_type: str):
         super().__init__()
         self.ggml_type = ggml_type
-        self.blocks = mx.zeros((rows, columns // BLOCK_WEIGHTS * BLOCK_BYTES[ggml_type]), mx.uint8)
+        self.blocks = mx.zeros((rows, block_width(ggml_type, columns)), mx.uint8)
 
     def dequantized(self, rows: mx.array | None = None) -> mx.array:
         """The weight's float32 values (of `rows` only, if given)."""
@@ -349,7 +379,7 @@ class _GGMLBlocks(nn.Module):
 
 
 class GGMLLinear(_GGMLBlocks):
-    """A linear layer whose weight is GGML blocks [out, in / 256 * bytes a block]; MLX's path
+    """A linear layer whose weight is GGML blocks [out, in / weights * bytes a block]; MLX's path
     dequantizes the whole weight each call (the native step reads the blocks, and takes every
     forward it can)."""
 
@@ -364,7 +394,7 @@ class GGMLLinear(_GGMLBlocks):
 
 
 class GGMLEmbedding(_GGMLBlocks):
-    """An embedding whose table is GGML blocks [vocab, dims / 256 * bytes a block]: rows
+    """An embedding whose table is GGML blocks [vocab, dims / weights * bytes a block]: rows
     dequantized as they are gathered; `as_linear` (a tied head) dequantizes the table."""
 
     def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
@@ -407,7 +437,7 @@ def adopt_blocks(
     GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
     ...) Q4_K and Q5_K become MLX's affine quantization of the same values (`P.weight`,
     `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and the others (Q6_K, Q3_K, Q2_K,
-    IQ4_XS) float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
+    IQ4_XS, IQ4_NL) float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
     and load. Returns the source's quantization config without the block entries and with the
     affine layers' entries added (None if it is empty)."""
     layers = dict(module.named_modules())
@@ -420,7 +450,7 @@ def adopt_blocks(
         ggml_type = quantization[path][GGML_TYPE]
         blocks, layer = weights[name], layers.get(path)
         rows = blocks.shape[0]
-        width = blocks.shape[-1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS
+        width = block_columns(ggml_type, blocks.shape[-1])
         if keep and blocks.ndim == 2 and type(layer) is nn.Linear:
             kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
         elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
@@ -452,7 +482,7 @@ def release_blocks(module: nn.Module) -> bool:
             continue
         blocks = layer[BLOCKS]
         rows = blocks.shape[0]
-        width = blocks.shape[1] // BLOCK_BYTES[layer.ggml_type] * BLOCK_WEIGHTS
+        width = block_columns(layer.ggml_type, blocks.shape[1])
         bias = "bias" in layer
         new: nn.Module
         if layer.ggml_type in K_QUANT_AFFINE:

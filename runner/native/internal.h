@@ -205,7 +205,7 @@ int affine_supported(const struct step_weight *w, int n, int k);
 /* Whether a weight format is one of GGML's blocks (ggml_columns reads them). */
 static inline int ggml_format(int format) {
     return format == W_Q6K || format == W_Q4K || format == W_Q5K || format == W_Q3K || format == W_Q2K ||
-           format == W_IQ4XS;
+           format == W_IQ4XS || format == W_IQ4NL;
 }
 /* quantized.c: the same for the GGML block formats (ggml_format; A in order of k). */
 void ggml_columns(const struct product *p, int j0, int j1);

@@ -161,6 +161,7 @@ static const float *float_scales(const void *base, int format, size_t i0, int n,
         _mm256_storeu_ps(out + i, y);
     }
 #endif
+    (void)h; /* read by the vector loops above, where the build has them */
     for (; i < n; i++) out[i] = scale_at(base, format, i0 + i);
     return out;
 }
@@ -760,8 +761,8 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles: all of them, where the build has limbs. */
-static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format); }
+/* Whether a GGML block format has limb tiles: all but IQ4_NL, where the build has limbs. */
+static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL; }
 
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format);
@@ -1081,6 +1082,93 @@ S16_INSTANCES(q6k, S16_Q6K)
 S16_INSTANCES(q3k, S16_Q3K)
 S16_INSTANCES(q2k, S16_Q2K)
 S16_INSTANCES(iq4xs, S16_IQ4XS)
+
+/* --- GGML's IQ4_NL blocks (W_IQ4NL) -------------------------------------------------------- */
+
+/* An IQ4_NL block (what llama.cpp's quantizer writes for an IQ4_XS file's matrices whose rows
+ * are not whole 256s, e.g. SmolLM2's 576 and Qwen2.5-0.5B's 896, and for IQ4_NL files): 32
+ * weights in 18 bytes: d (float16), qs[16]: weight l is the low nibble of qs[l], weight 16 + l
+ * its high one, each an index into IQ4_VALUES; its value d * IQ4_VALUES[index]
+ * (llama.cpp's dequantize_row_iq4_nl): exact, an 11-bit d times a 7-bit value. The tiles make
+ * a block's values QL at a time in order of k, each (float)value * d as s16_values makes
+ * IQ4_XS's, so the stream tiles keep the block tiles' lanes and order (the same bits for any
+ * number of rows). No limb tiles: a decode step reads these with the float tiles (their
+ * blocks of 32 need not fill the limbs' runs of 256). */
+enum { IQ4NL_WEIGHTS = 32, IQ4NL_BYTES = 18 };
+
+#if QPATH != 256
+/* IQ4_VALUES as float32 (a table the tiles scale by d; AVX2 looks the int8 values up). */
+static const float IQ4_FLOATS[16] __attribute__((aligned(64))) = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                                  1,    13,   25,  38,  53,  69,  89,  113};
+#endif
+
+/* v[0 .. 32 / QL) = the values of IQ4_NL block x, QL at a time in order of k. */
+ALWAYS void iq4nl_values(const unsigned char *x, qv *v) {
+    unsigned short half;
+    memcpy(&half, x, 2);
+    const float d = half_to_float(half);
+#if QPATH == 512 /* the block's 16 values in a register, each index looking one up (vpermps) */
+    const __m512 table = (__m512)(qload(IQ4_FLOATS) * d);
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + 2)));
+    v[0] = (qv)_mm512_permutexvar_ps(raw, table); /* vpermps reads an index's low 4 bits */
+    v[1] = (qv)_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
+#elif QPATH == 256 /* the indices' int8 values looked up (vpshufb), widened, scaled */
+    const __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES), low4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(x + 2));
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+    const __m128i part[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) v[i] = (qv)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])) * d;
+#else
+    for (int i = 0; i < IQ4NL_WEIGHTS / QL; i++)
+        for (int l = 0; l < QL; l++) {
+            const int t = i * QL + l, index = t < 16 ? x[2 + t] & 15 : x[2 + t - 16] >> 4;
+            v[i][l] = IQ4_FLOATS[index] * d;
+        }
+#endif
+}
+
+/* Row `row` of IQ4_NL blocks (k weights) dequantized into out[k], in order of k. */
+static void iq4nl_dequantize_row(int k, const unsigned char *row, float *out) {
+    for (int b = 0; b < k / IQ4NL_WEIGHTS; b++) {
+        qv w[IQ4NL_WEIGHTS / QL];
+        iq4nl_values(row + (size_t)b * IQ4NL_BYTES, w);
+        _Pragma("GCC unroll 8") for (int v = 0; v < IQ4NL_WEIGHTS / QL; v++) qstore(out + (size_t)b * IQ4NL_WEIGHTS + v * QL, w[v]);
+    }
+}
+
+/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r], IQ4_NL blocks) over k: block_tile's lanes
+ * and order, each block's values made in registers; `lines` cache lines from `ahead` prefetched,
+ * spread over the blocks (s16_stream_tile's way). */
+ALWAYS void iq4nl_stream_tile(const int RA, int k, const unsigned char *const *rows, const float *const *a,
+                              float *dot, const char *ahead, int lines) {
+    enum { RW = BLOCK_RW, V = IQ4NL_WEIGHTS / QL };
+    qv acc[2 * RW], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    const int blocks = k / IQ4NL_WEIGHTS;
+    for (int b = 0; b < blocks; b++) {
+        fetch_share(ahead, lines, b, blocks);
+        const int t0 = b * IQ4NL_WEIGHTS;
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            qv w[V];
+            iq4nl_values(rows[r] + (size_t)b * IQ4NL_BYTES, w);
+            _Pragma("GCC unroll 8") for (int v = 0; v < V; v++)
+                _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += qload(a[i] + t0 + v * QL) * w[v];
+        }
+    }
+    sums(dot, acc, RA * RW);
+}
+
+static void iq4nl_stream_1(int k, const unsigned char *const *rows, const float *const *a, float *dot,
+                           const char *ahead, int lines) {
+    iq4nl_stream_tile(1, k, rows, a, dot, ahead, lines);
+}
+
+static void iq4nl_stream_2(int k, const unsigned char *const *rows, const float *const *a, float *dot,
+                           const char *ahead, int lines) {
+    iq4nl_stream_tile(2, k, rows, a, dot, ahead, lines);
+}
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
@@ -2094,21 +2182,24 @@ int limb_split(int m, int k, const float *a, int lda, void *out) {
 typedef void (*block_stream_fn)(int, const unsigned char *const *, const float *const *, float *,
                                 const char *, int);
 
-/* Bytes a block of 256 weights, the stream tiles and the row dequantizer of a GGML block
- * format. */
+/* Bytes and weights a block (256, IQ4_NL's 32), the stream tiles and the row dequantizer of a
+ * GGML block format. */
 struct block_format {
     size_t bytes;
+    int weights;
     block_stream_fn one, two;
     void (*dequantize_row)(int k, const unsigned char *row, float *out);
 };
 
 static const struct block_format *block_format_of(int format) {
-    static const struct block_format q6k = {Q6K_BYTES, q6k_stream_1, q6k_stream_2, q6k_dequantize_row};
-    static const struct block_format q4k = {Q4K_BYTES, q4k_stream_1, q4k_stream_2, q4k_dequantize_row};
-    static const struct block_format q5k = {Q5K_BYTES, q5k_stream_1, q5k_stream_2, q5k_dequantize_row};
-    static const struct block_format q3k = {Q3K_BYTES, q3k_stream_1, q3k_stream_2, q3k_dequantize_row};
-    static const struct block_format q2k = {Q2K_BYTES, q2k_stream_1, q2k_stream_2, q2k_dequantize_row};
-    static const struct block_format iq4xs = {IQ4XS_BYTES, iq4xs_stream_1, iq4xs_stream_2, iq4xs_dequantize_row};
+    static const struct block_format q6k = {Q6K_BYTES, 256, q6k_stream_1, q6k_stream_2, q6k_dequantize_row};
+    static const struct block_format q4k = {Q4K_BYTES, 256, q4k_stream_1, q4k_stream_2, q4k_dequantize_row};
+    static const struct block_format q5k = {Q5K_BYTES, 256, q5k_stream_1, q5k_stream_2, q5k_dequantize_row};
+    static const struct block_format q3k = {Q3K_BYTES, 256, q3k_stream_1, q3k_stream_2, q3k_dequantize_row};
+    static const struct block_format q2k = {Q2K_BYTES, 256, q2k_stream_1, q2k_stream_2, q2k_dequantize_row};
+    static const struct block_format iq4xs = {IQ4XS_BYTES, 256, iq4xs_stream_1, iq4xs_stream_2, iq4xs_dequantize_row};
+    static const struct block_format iq4nl = {IQ4NL_BYTES, IQ4NL_WEIGHTS, iq4nl_stream_1, iq4nl_stream_2,
+                                              iq4nl_dequantize_row};
     switch (format) {
     case W_Q6K: return &q6k;
     case W_Q4K: return &q4k;
@@ -2116,6 +2207,7 @@ static const struct block_format *block_format_of(int format) {
     case W_Q3K: return &q3k;
     case W_Q2K: return &q2k;
     case W_IQ4XS: return &iq4xs;
+    case W_IQ4NL: return &iq4nl;
     default: return NULL;
     }
 }
@@ -2123,7 +2215,7 @@ static const struct block_format *block_format_of(int format) {
 /* The block tiles' fill (fill_fn) for a GGML format (ctx: its block_format). */
 static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, const void *ctx) {
     const struct block_format *f = ctx;
-    const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
+    const size_t row_bytes = (size_t)p->k / f->weights * f->bytes;
     int r = 0;
     if (p->format == W_Q4K || p->format == W_Q5K) /* the scales of 4 rows at once */
         for (; r + 4 <= nj; r += 4) {
@@ -2137,7 +2229,8 @@ static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, con
 }
 
 int ggml_supported(const struct step_weight *w, int n, int k) {
-    return block_format_of(w->format) && w->data && n > 0 && k > 0 && k % 256 == 0;
+    const struct block_format *f = block_format_of(w->format);
+    return f && w->data && n > 0 && k > 0 && k % f->weights == 0;
 }
 
 int ggml_block(const struct product *p) {
@@ -2150,7 +2243,7 @@ int ggml_block(const struct product *p) {
  * first tile's steps), block tiles for more. */
 void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
-    const size_t row_bytes = (size_t)p->k / 256 * f->bytes;
+    const size_t row_bytes = (size_t)p->k / f->weights * f->bytes;
 #if LIMB_PRODUCTS
     if (p->limbs && limb_format(p->format)) { /* a decode step's rows, any number of them */
         limb_columns(p, row_bytes, j0, j1);

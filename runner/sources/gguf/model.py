@@ -1,10 +1,10 @@
 """A GGUF model file as a `ModelSource`: the checkpoint its metadata and tensors describe
 (`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
 tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
-kept as stored where they are floats or blocks the runner computes with (Q2_K to Q6_K and
-IQ4_XS layers' weights: runner/models/quantized.py decides what each becomes), dequantized to
-float32 otherwise; never through MLX's own GGUF reader (which corrupts Q4_K). Every tensor of
-the file is accounted for: one the architecture does not map fails the load, naming it.
+kept as stored where they are floats or blocks the runner computes with (Q2_K to Q6_K, IQ4_XS
+and IQ4_NL layers' weights: runner/models/quantized.py decides what each becomes), dequantized
+to float32 otherwise; never through MLX's own GGUF reader (which corrupts Q4_K). Every tensor
+of the file is accounted for: one the architecture does not map fails the load, naming it.
 
 The tensors are read through the file's memory map one at a time, so the peak is the model
 plus one tensor's conversion. A log line says which types were repacked, which kept, which

@@ -55,8 +55,8 @@ class GGMLType(NamedTuple):
 # (two float16s and 32 int8s); Q8_1 and Q8_K are ggml's types for activations in dot
 # products, which no file stores. Ids 4, 5 and 31-33, 36-38 were removed from ggml.
 # the types a loaded model may keep as stored (runner/sources/gguf/model.py)
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-KEPT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+KEPT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 TYPES: dict[int, GGMLType] = {
     t.id: t
     for t in (
