@@ -50,20 +50,21 @@ log = logging.getLogger("runner")
 
 
 class Stop:
-    """A SIGINT or SIGTERM, from the first line on: a flag the start-up polls, and the event
-    the server waits on once it runs."""
+    """A SIGINT or SIGTERM, from the first line on: a flag the start-up polls; while the
+    server runs, the event it waits on (serve() sets it from the loop's own handlers)."""
 
     def __init__(self) -> None:
         self.requested = _REQUESTED  # set by any signal since the module was imported
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.event: asyncio.Event | None = None
+        self.install()
+
+    def install(self) -> None:
+        """This object's handler for SIGINT and SIGTERM (serve() puts the loop's in while it
+        runs)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.requested.set()
-        if self.loop is not None and self.event is not None:
-            self.loop.call_soon_threadsafe(self.event.set)
 
 
 def finish(code: int) -> None:
@@ -205,11 +206,24 @@ async def serve(
         reason = e.strerror.lower() if e.strerror else str(e)
         raise ListenError(f"listen tcp {host}:{port}: bind: {reason}") from None
     log.info("listening on %s:%d", host, port)
-    stop.event = asyncio.Event()
-    stop.loop = asyncio.get_running_loop()
-    if stop.requested.is_set():
-        stop.event.set()
-    await stop.event.wait()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Through the loop: a signal lands on whichever thread the kernel picks (the engine's,
+    # MLX's, the BLAS's, the native pool's), and Python runs a handler in the main thread only
+    # when that thread runs; an idle server's sleeps in select() until the loop's wakeup fd,
+    # which add_signal_handler sets, wakes it (with a plain handler: seen alive 10 s after a
+    # SIGINT, tests/test_subprocess.py).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    if stop.requested.is_set():  # a signal before the loop's handlers
+        stopping.set()
+    try:
+        await stopping.wait()
+    finally:  # the loop's handlers out, Stop's back: a second signal while stopping is caught
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        stop.install()
+    stop.requested.set()
     log.info("stopping: cancelling work")
     runner.engine.stop(timeout=0)  # cancel flags now; the worker ends after its chunk
     await app_runner.cleanup()

@@ -9,9 +9,12 @@ Fatal start-up errors are one `Error: ` line on stderr and exit 1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import platform
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -180,6 +183,45 @@ def test_a_signal_while_loading_exits_0_without_a_traceback(ollama_store, delay)
                 process.wait(timeout=10)
             log = process.output()[-8000:]
             pytest.fail(f"alive 10 s after SIGINT at {delay} s; its log:\n{log}")
+        assert_clean(process, 0)
+
+
+# tgkill's system call number, where the test knows it
+TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+
+
+def _unblocked_threads(pid: int, sig: int) -> list[int]:
+    """The threads of process `pid` but its main one that do not block `sig` (Linux)."""
+    tids = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines())
+        if int(task.name) != pid and not int(fields["SigBlk"], 16) >> (sig - 1) & 1:
+            tids.append(int(task.name))
+    return tids
+
+
+@pytest.mark.skipif(sys.platform != "linux" or TGKILL is None, reason="tgkill: Linux")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_on_any_thread_of_an_idle_runner_stops_it(ollama_store, sig):
+    """A supervisor's signal goes to the process, and the kernel hands it to any thread that
+    does not block it: the engine's, MLX's, the BLAS's, the native pool's as well as the main
+    one. Python runs the handler in the main thread only, when that thread next runs, and an
+    idle server's main thread sleeps in select(): the signal must wake it (the event loop's
+    wakeup fd), or the runner lives on (seen: alive 10 s after a SIGINT, its main thread in
+    select). Each idle runner here gets the signal on another thread (tgkill) and exits 0
+    within 5 s."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with spawned(ollama_store, "--model", "tiny-llama") as process:
+        process.wait_ready(timeout=120)
+        pid = process.process.pid
+        time.sleep(0.5)  # idle: the main thread asleep in the event loop
+        tids = _unblocked_threads(pid, sig)
+        assert tids, "no thread but the main one takes the signal"
+        assert libc.syscall(TGKILL, pid, tids[-1], sig) == 0, ctypes.get_errno()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"alive 5 s after {sig.name} on thread {tids[-1]} of {tids}")
         assert_clean(process, 0)
 
 
