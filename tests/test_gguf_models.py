@@ -203,9 +203,10 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     IQ4_XS for those of 256 and 512, a Q8_0 head where it has its own. Every IQ4_NL and
     IQ4_XS tensor stays in its blocks (the file's bytes, not float32's 7.1x) and is read by
     the native step, a layer's q, k, v (IQ4_NL) beside its o and down (IQ4_XS); the logits
-    are the float64 forward's of llama.cpp's values within 1e-4, on the native step (forwards
-    and decode steps, which read IQ4_NL with the float tiles: no limbs), on MLX's own path
-    over the blocks, and from the float32 weights a backend without the native step keeps."""
+    are the float64 forward's of llama.cpp's values within 1e-4, on the native step (forwards,
+    and decode steps, whose IQ4_XS products take limbs where the library has them, IQ4_NL's
+    the float tiles), on MLX's own path over the blocks, and from the float32 weights a
+    backend without the native step keeps."""
     import mlx.nn as nn
 
     from runner.backend import Backend
@@ -253,15 +254,23 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     assert np.abs(logits(model) - want).max() <= 1e-4 * scale
     with model.mlx_only():
         assert np.abs(logits(model) - want).max() <= 1e-4 * scale
-    caches = model.make_caches()
+    caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:4]]), caches)
+    model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
+    differ = []
     for i in range(4, len(SEQUENCE)):
         with model.decode_steps():
-            got = np.array(model.unembed(model.hidden(mx.array([[SEQUENCE[i]]]), caches))[0, -1])
+            hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
+            got = np.array(model.unembed(hidden)[0, -1])
         step_want = llama_forward(
             {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE[: i + 1]
         )
         assert np.abs(got - step_want).max() <= 1e-4 * max(1.0, np.abs(step_want).max())
+        plain = model.hidden(mx.array([[SEQUENCE[i]]]), plain_caches)
+        differ.append(not np.array_equal(np.array(hidden[0, -1]), np.array(plain[0, -1])))
+    # the decode steps' IQ4_XS products by limbs where the library has them (the same steps
+    # outside decode_steps: the float tiles)
+    assert any(differ) == model._native.limb_products
     plain = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
     floats = build_model(load_gguf(path), plain)
     float_modules = dict(floats.module.named_modules())
