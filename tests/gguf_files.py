@@ -109,7 +109,11 @@ F16_FIELDS = {
     12: [0, 2],  # Q4_K
     13: [0, 2],  # Q5_K
     14: [208],  # Q6_K
+    16: [0],  # IQ2_XXS
+    18: [0],  # IQ3_XXS
+    19: [0],  # IQ1_S
     20: [0],  # IQ4_NL
+    21: [0],  # IQ3_S
     23: [0],  # IQ4_XS
     34: [52],  # TQ1_0
     35: [64],  # TQ2_0
@@ -121,8 +125,9 @@ SPECIAL_F16 = [0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x0000, 0
 SPECIAL_E8M0 = [0, 1, 2, 126, 127, 128, 253, 254]
 SPECIAL_UE4M3 = [0x00, 0x01, 0x07, 0x08, 0x7E, 0x7F, 0x80, 0x81, 0xFE, 0x38]
 # The repacks whose values are d * (q - zero): llama.cpp's -0.0 for a negative d and the zero
-# code is MLX's +0.0 (scale * q + bias); everything else matches to the bit.
-SIGNED_ZERO_DIFFERS = {2, 6, 8, 34, 35, 41}
+# code is MLX's +0.0 (scale * q + bias); everything else matches to the bit. The grid i-quants'
+# (IQ2_XXS, IQ3_XXS, IQ1_S, IQ3_S) the same way: a zero scale times a negative grid value.
+SIGNED_ZERO_DIFFERS = {2, 6, 8, 34, 35, 41, 16, 18, 19, 21}
 # The repacks that hold for any float16 scale, infinities and NaNs included.
 ANY_SCALE = {3, 7, 12, 13}
 

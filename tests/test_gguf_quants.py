@@ -59,11 +59,10 @@ def test_every_type_has_a_treatment():
     }  # fmt: skip
     assert {n for n, k in kinds.items() if k == "repack"} == {
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q1_0", "TQ1_0", "TQ2_0",
-        "MXFP4", "NVFP4",
+        "MXFP4", "NVFP4", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S",
     }  # fmt: skip
     assert {n for n, k in kinds.items() if k == "dequantize"} == {
-        "Q2_K", "Q3_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-        "IQ3_S", "IQ1_S", "IQ1_M",
+        "Q2_K", "Q3_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ1_M",
     }  # fmt: skip
     for t in (9, 15):
         with pytest.raises(ModelLoadError, match="activations"):
@@ -184,9 +183,16 @@ def test_the_check_catches_a_wrong_repack(t, mutate):
         (35, lambda b: b[0, 64:66].view("<u2").__setitem__(0, 0x7C00)),  # TQ2_0
         (39, lambda b: b[2].__setitem__(0, 0xFF)),  # MXFP4, exponent 255
         (40, lambda b: b[1].__setitem__(2, 0xFF)),  # NVFP4, scale byte 0xFF
+        (16, lambda b: b[2, 0:2].view("<u2").__setitem__(0, 0x7C00)),  # IQ2_XXS, d = inf
+        (18, lambda b: b[1, 0:2].view("<u2").__setitem__(0, 0xFE00)),  # IQ3_XXS, d = NaN
+        (21, lambda b: b[0, 0:2].view("<u2").__setitem__(0, 0xFC00)),  # IQ3_S, d = -inf
+        (19, lambda b: b[3, 0:2].view("<u2").__setitem__(0, 0x7C00)),  # IQ1_S, d = inf
     ],
-    ids=["q4_0-inf", "q5_0-nan", "q8_0-inf", "q1_0-inf", "tq2_0-inf", "mxfp4-e255", "nvfp4-0xff"],
-)
+    ids=[
+        "q4_0-inf", "q5_0-nan", "q8_0-inf", "q1_0-inf", "tq2_0-inf", "mxfp4-e255", "nvfp4-0xff",
+        "iq2_xxs-inf", "iq3_xxs-nan", "iq3_s-inf", "iq1_s-inf",
+    ],
+)  # fmt: skip
 def test_blocks_no_repack_can_express_are_dequantized(t, spoil):
     rng = np.random.default_rng(5)
     info = quants.TYPES[t]

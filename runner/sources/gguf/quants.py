@@ -9,17 +9,22 @@ Every type gets one of three treatments (`kind`):
   bit, the float32 values llama.cpp's dequantization gives (scales and biases are float32, and
   every product in them is exact). MLX's affine values are `scale * q + bias`, q unsigned,
   packed as one little-endian bit stream per row (element i at bits [i*b, (i+1)*b) of the
-  row's uint32 words, for every b: 3-, 5- and 6-bit codes straddle words).
+  row's uint32 words, for every b: 3-, 5- and 6-bit codes straddle words). The grid i-quants
+  whose values are one scale per 32 weights times a small signed integer (IQ2_XXS, IQ3_XXS,
+  IQ3_S, IQ1_S: a grid value and its sign) become MLX's 8-bit codes, integer + 128, with the
+  scale and -128 times it (10 bits a weight against float32's 32; each value checked).
 - "dequantize": the rest (groups of 16 weights, which MLX cannot group; non-uniform code books)
   become float32 exactly as llama.cpp computes them (`dequantize`): own numpy for Q2_K, Q3_K,
-  Q6_K, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, the `gguf` package's for the grid-based IQ types.
+  Q6_K, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, the `gguf` package's for the grid-based IQ types
+  (IQ2_XS, IQ2_S, IQ1_M; and the values the repacks above are checked against).
 
 `dequantize` accepts every supported type (the repacked ones too), and `convert` picks: the
 repack, or the float32 values where a tensor's own blocks hold something the repack cannot
-express (an infinite or NaN float16 scale in a format whose offset is a multiple of its scale,
-an MXFP4 exponent of 255, an NVFP4 scale byte of 0xFF); llama.cpp's quantizers never write
-them. One difference is left: where llama.cpp's value is a negative zero (a negative scale times
-a zero code), MLX's `scale * q + bias` gives +0.0; the two compare equal.
+express (an infinite or NaN float16 scale in a format whose offset is a multiple of its scale
+or in a grid i-quant, an MXFP4 exponent of 255, an NVFP4 scale byte of 0xFF); llama.cpp's
+quantizers never write them. One difference is left: where llama.cpp's value is a negative zero
+(a negative scale times a zero code, a zero scale times a negative grid value), MLX's
+`scale * q + bias` gives +0.0; the two compare equal.
 
 Shapes are numpy's: the reverse of a GGUF tensor's dims, so the last axis is ne[0], the row
 that blocks run along. `raw` is a tensor's bytes (any uint8 array of exactly that many bytes,
@@ -132,6 +137,11 @@ REPACKS: dict[int, MLXQuant] = {
     35: MLXQuant(128, 2, "affine"),  # TQ2_0: scale d, bias -d
     39: MLXQuant(32, 4, "mxfp4"),  # MXFP4: e8m0 scales as stored
     40: MLXQuant(16, 4, "nvfp4"),  # NVFP4: ue4m3 scales with the sign bit cleared
+    # the grid i-quants with a scale per 32: code (signed grid value) + 128, scale, bias -128 s
+    16: MLXQuant(32, 8, "affine"),  # IQ2_XXS: scale d * (0.5 + ls) / 4
+    18: MLXQuant(32, 8, "affine"),  # IQ3_XXS: scale d * (0.5 + ls) / 2
+    21: MLXQuant(32, 8, "affine"),  # IQ3_S: scale d * (1 + 2 s)
+    19: MLXQuant(32, 8, "affine"),  # IQ1_S: scale d * (2 s + 1) / 8, codes (grid +- 1/8) * 8
 }
 
 
@@ -389,6 +399,57 @@ def _nvfp4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     return _pairs_from_halves(qs).reshape(-1, 32), _UE4M3[d], None
 
 
+def _iq2_xxs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ2_XXS's scale of each 32 weights, as llama.cpp computes it: d * (0.5 + ls) * 0.25 (ls
+    the top 4 bits of the second uint32 of each 8 bytes of qs)."""
+    aux = blocks[:, 2:66].copy().view("<u4").reshape(-1, 8, 2)[..., 1]
+    return _f16(blocks, 0) * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.25)
+
+
+def _iq3_xxs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_XXS's: d * (0.5 + ls) * 0.5 (ls the top 4 bits of each uint32 after qs[64])."""
+    aux = blocks[:, 66:98].copy().view("<u4")
+    return _f16(blocks, 0) * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.5)
+
+
+def _iq3_s_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_S's: d * (1 + 2 s) (s the nibbles of scales[4], the last 4 bytes, low first)."""
+    scales = blocks[:, 106:110]
+    nibbles = np.stack([scales & 15, scales >> 4], axis=-1).reshape(-1, 8)
+    return _f16(blocks, 0) * (1 + 2 * nibbles).astype(np.float32)
+
+
+def _iq1_s_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_S's d * (2 ((qh >> 12) & 7) + 1) / 8 (qh[8], uint16, after qs[32]): its values are
+    that times (grid + delta) * 8, an odd integer (delta +-1/8)."""
+    qh = blocks[:, 34:50].copy().view("<u2")
+    dl = _f16(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)
+    return dl * np.float32(0.125)
+
+
+def _signed_grid(ggml_type: int, scales_of: Callable[[np.ndarray], np.ndarray]) -> _Kernel:
+    """A grid i-quant whose values are one scale per 32 weights times a small signed integer (a
+    grid value with its sign: IQ2_XXS <= 43, IQ3_XXS <= 62, IQ3_S <= 15, IQ1_S's odd <= 9) as
+    MLX's 8-bit affine codes: q = integer + 128, scale, bias -128 scale; exact (24 bits at most
+    in scale * q), checked value by value against llama.cpp's (gguf-py's): NotExact otherwise."""
+
+    def kernel(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        values = _gguf_dequantize(blocks, ggml_type).reshape(len(blocks), -1, 32)
+        scales = scales_of(blocks).astype(np.float32)
+        wide = scales[..., None]
+        integers = np.rint(np.where(wide != 0, values / np.where(wide != 0, wide, 1), 0))
+        if not (np.isfinite(integers).all() and np.abs(integers).max(initial=0) <= 127):
+            raise NotExact(f"a {type_name(ggml_type)} value past 8-bit codes")
+        q = (integers + 128).astype(np.uint8)
+        biases = scales * np.float32(-128)
+        back = wide * q.astype(np.float32) + biases[..., None]  # MLX's float32 roundings
+        if not np.array_equal(back, values):
+            raise NotExact(f"a {type_name(ggml_type)} value no 8-bit code gives")
+        return q.reshape(len(blocks), -1), scales, biases
+
+    return kernel
+
+
 _Kernel = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
 
 _REPACK_KERNELS: dict[int, _Kernel] = {
@@ -404,10 +465,14 @@ _REPACK_KERNELS: dict[int, _Kernel] = {
     35: _tq2_0,
     39: _mxfp4,
     40: _nvfp4,
+    16: _signed_grid(16, _iq2_xxs_scales),
+    18: _signed_grid(18, _iq3_xxs_scales),
+    21: _signed_grid(21, _iq3_s_scales),
+    19: _signed_grid(19, _iq1_s_scales),
 }
 # The affine repacks whose bias is a multiple of the scale, and the code that means zero:
 # llama.cpp computes d * (q - zero), which `scale * q + bias` matches only for finite d.
-_SYMMETRIC_ZERO = {2: 8, 6: 16, 8: 128, 34: 1, 35: 1}
+_SYMMETRIC_ZERO = {2: 8, 6: 16, 8: 128, 34: 1, 35: 1, 16: 128, 18: 128, 21: 128, 19: 128}
 # ... and Q1_0, whose +d is 2d - d: these repacks hold only where every scale is finite.
 _FINITE_ONLY = {*_SYMMETRIC_ZERO, 41}
 
