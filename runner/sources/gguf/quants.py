@@ -34,6 +34,7 @@ temporaries stay small whatever the tensor's size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -427,25 +428,90 @@ def _iq1_s_scales(blocks: np.ndarray) -> np.ndarray:
     return dl * np.float32(0.125)
 
 
-def _signed_grid(ggml_type: int, scales_of: Callable[[np.ndarray], np.ndarray]) -> _Kernel:
-    """A grid i-quant whose values are one scale per 32 weights times a small signed integer (a
-    grid value with its sign: IQ2_XXS <= 43, IQ3_XXS <= 62, IQ3_S <= 15, IQ1_S's odd <= 9) as
-    MLX's 8-bit affine codes: q = integer + 128, scale, bias -128 scale; exact (24 bits at most
-    in scale * q), checked value by value against llama.cpp's (gguf-py's): NotExact otherwise."""
+@functools.cache
+def _grid(name: str) -> np.ndarray:
+    """An i-quant's grid (llama.cpp's iq2xxs_grid, iq3xxs_grid, iq3s_grid, iq1s_grid) as
+    int16 [entries, values], from the gguf package's copy of llama.cpp's tables."""
+    gq = _gguf_quants()
+    cls = getattr(gq, name)
+    cls.init_grid()
+    return np.asarray(cls.grid).reshape(cls.grid_shape).astype(np.int16)
+
+
+@functools.cache
+def _sign_table() -> np.ndarray:
+    """llama.cpp's ksigns_iq2xs as +-1 [128, 8]: bit j of entry i clear, + at j."""
+    ksigns = np.frombuffer(_gguf_quants().IQ2_XXS.ksigns, np.uint8)
+    return (1 - 2 * ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1)).astype(np.int16)
+
+
+def _seven_bit_signs(words: np.ndarray) -> np.ndarray:
+    """+-1 [..., 4, 8] from uint32 words [...] holding four 7-bit indices into ksigns (bits 0,
+    7, 14, 21): IQ2_XXS's and IQ3_XXS's signs."""
+    index = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(127)
+    return _sign_table()[index]
+
+
+def _iq2_xxs_integers(blocks: np.ndarray) -> np.ndarray:
+    """IQ2_XXS's values over their scales [n, 8, 32]: each 8 bytes of qs, two uint32s, hold 4
+    grid indices (bytes of the first) and 4 sign indices with the scale (the second)."""
+    n = len(blocks)
+    qs = blocks[:, 2:66].copy().view("<u4").reshape(n, 8, 2)
+    index = np.ascontiguousarray(qs[..., 0]).view(np.uint8).reshape(n, 8, 4)
+    grid = _grid("IQ2_XXS")[index]  # [n, 8, 4, 8]
+    return (grid * _seven_bit_signs(qs[..., 1])).reshape(n, 8, 32)
+
+
+def _iq3_xxs_integers(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_XXS's [n, 8, 32]: qs[64] grid indices (4 values each), then a uint32 a 32 weights
+    of 4 sign indices and the scale."""
+    n = len(blocks)
+    grid = _grid("IQ3_XXS")[blocks[:, 2:66]].reshape(n, 8, 4, 8)
+    signs = _seven_bit_signs(blocks[:, 66:98].copy().view("<u4"))
+    return (grid * signs).reshape(n, 8, 32)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """The bits of bytes x [..., m] as [..., m * 8], low first."""
+    return np.unpackbits(x, axis=-1, bitorder="little")
+
+
+def _iq3_s_integers(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_S's [n, 8, 32]: grid index i is qs[i] with bit i of qh as its ninth (4 values
+    each), value j's sign bit j of signs[32]."""
+    n = len(blocks)
+    index = blocks[:, 2:66].astype(np.uint16) | _bits(blocks[:, 66:74]).astype(np.uint16) << 8
+    grid = _grid("IQ3_S")[index].reshape(n, 256)
+    signs = 1 - 2 * _bits(blocks[:, 74:106]).astype(np.int16)
+    return (grid * signs).reshape(n, 8, 32)
+
+
+def _iq1_s_integers(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_S's (grid + delta) * 8 [n, 8, 32]: grid index 4b + l is qs[4b + l] with bits 3l ..
+    3l + 2 of qh[b] as its top three (8 values of -1, 0, 1 each), delta -1/8 where bit 15 of
+    qh[b] is set, else +1/8."""
+    n = len(blocks)
+    qh = blocks[:, 34:50].copy().view("<u2")  # [n, 8]
+    top = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)  # [n, 8, 4]
+    index = blocks[:, 2:34].reshape(n, 8, 4).astype(np.uint16) | top << 8
+    delta = np.where(qh & np.uint16(0x8000), -1, 1).astype(np.int16)  # [n, 8]
+    return (8 * _grid("IQ1_S")[index]).reshape(n, 8, 32) + delta[..., None]
+
+
+def _signed_grid(
+    integers_of: Callable[[np.ndarray], np.ndarray], scales_of: Callable[[np.ndarray], np.ndarray]
+) -> _Kernel:
+    """A grid i-quant whose values are one scale per 32 weights times a small signed integer
+    (the grid value with its sign: IQ2_XXS <= 43, IQ3_XXS <= 62, IQ3_S <= 15, IQ1_S's odd <=
+    9) as MLX's 8-bit affine codes: q = integer + 128, the scale, bias -128 scale. Exact:
+    scale * q needs 24 bits at most (an 11-bit d times 5 bits of scale times 8 of code), so
+    mx.dequantize gives scale times the integer, llama.cpp's value (the tests check every
+    code and special scale against gguf-py's dequantization)."""
 
     def kernel(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        values = _gguf_dequantize(blocks, ggml_type).reshape(len(blocks), -1, 32)
+        q = (integers_of(blocks) + 128).astype(np.uint8).reshape(len(blocks), -1)
         scales = scales_of(blocks).astype(np.float32)
-        wide = scales[..., None]
-        integers = np.rint(np.where(wide != 0, values / np.where(wide != 0, wide, 1), 0))
-        if not (np.isfinite(integers).all() and np.abs(integers).max(initial=0) <= 127):
-            raise NotExact(f"a {type_name(ggml_type)} value past 8-bit codes")
-        q = (integers + 128).astype(np.uint8)
-        biases = scales * np.float32(-128)
-        back = wide * q.astype(np.float32) + biases[..., None]  # MLX's float32 roundings
-        if not np.array_equal(back, values):
-            raise NotExact(f"a {type_name(ggml_type)} value no 8-bit code gives")
-        return q.reshape(len(blocks), -1), scales, biases
+        return q, scales, scales * np.float32(-128)
 
     return kernel
 
@@ -465,10 +531,10 @@ _REPACK_KERNELS: dict[int, _Kernel] = {
     35: _tq2_0,
     39: _mxfp4,
     40: _nvfp4,
-    16: _signed_grid(16, _iq2_xxs_scales),
-    18: _signed_grid(18, _iq3_xxs_scales),
-    21: _signed_grid(21, _iq3_s_scales),
-    19: _signed_grid(19, _iq1_s_scales),
+    16: _signed_grid(_iq2_xxs_integers, _iq2_xxs_scales),
+    18: _signed_grid(_iq3_xxs_integers, _iq3_xxs_scales),
+    21: _signed_grid(_iq3_s_integers, _iq3_s_scales),
+    19: _signed_grid(_iq1_s_integers, _iq1_s_scales),
 }
 # The affine repacks whose bias is a multiple of the scale, and the code that means zero:
 # llama.cpp computes d * (q - zero), which `scale * q + bias` matches only for finite d.
@@ -692,16 +758,28 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     return out.reshape(shape)
 
 
-def _gguf_dequantize(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+def _gguf_quants() -> Any:
+    """The gguf package's quants module (its grids, its dequantization of the grid types)."""
     try:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize as gguf_dequantize
+        import gguf.quants
     except ImportError:
         raise ModelLoadError(
-            f"{type_name(ggml_type)} tensors need the gguf package (pip install gguf)"
+            "the grid-based IQ types need the gguf package (pip install gguf)"
         ) from None
-    out = gguf_dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType(ggml_type))
-    return np.asarray(out, np.float32)
+    return gguf.quants
+
+
+def _gguf_dequantize(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    gguf_dequantize = _gguf_quants().dequantize
+    from gguf import GGMLQuantizationType
+
+    # as one row: gguf-py decodes a row's blocks at once, but rows 16 at a time (blocks as rows
+    # of one block each took 16 s for Qwen3-0.6B's IQ3_S file, 107,520 calls)
+    n = blocks.shape[0]
+    out = gguf_dequantize(
+        np.ascontiguousarray(blocks).reshape(1, -1), GGMLQuantizationType(ggml_type)
+    )
+    return np.asarray(out, np.float32).reshape(n, -1)
 
 
 def convert(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Repacked | np.ndarray:
