@@ -95,6 +95,23 @@ K_QUANT_LLAMA = {
 }  # fmt: skip
 
 
+def llama_file(
+    tmp_path: Path, dims: dict[str, Any], rule: Any, tied: bool | None = None
+) -> tuple[dict[str, Any], Path, dict[str, np.ndarray]]:
+    """A tiny Llama of `dims` (tied: as the config says where None) written as a GGUF by
+    `rule`: its config, the file, and the checkpoint of the file's own values (what a float64
+    reference computes from)."""
+    from tests.tiny import edit_text_config, tiny_config
+
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), dims)
+    checkpoint = write_tiny_model(
+        "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
+    )
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
+    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    return config, path, weights
+
+
 # Each K-quant file's GGML type per layer of the checkpoint (the rules of tests/gguf_models.py;
 # None: every other matrix)
 Q6_K_MOST = {"embed_tokens": "Q6_K", "v_proj": "Q6_K", "down_proj": "Q6_K"}
@@ -143,15 +160,9 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
 
     from runner.backend import Backend
     from runner.models.quantized import GGMLEmbedding, GGMLLinear
-    from tests.tiny import edit_text_config, tiny_config
 
     rule, kinds = K_FILES[file]
-    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
-    checkpoint = write_tiny_model(
-        "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
-    )
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
-    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    config, path, weights = llama_file(tmp_path, K_QUANT_LLAMA, rule, tied)
     source = load_gguf(path)
     kept = {k for k in source.weights if k.endswith(".blocks")}
     head = "model.embed_tokens.blocks" if tied else "lm_head.blocks"
@@ -212,14 +223,8 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     from runner.backend import Backend
     from runner.models.quantized import GGMLEmbedding, GGMLLinear
     from tests.gguf_models import iq4_fallback
-    from tests.tiny import edit_text_config, tiny_config
 
-    config = edit_text_config(tiny_config("LlamaForCausalLM"), IQ4_NL_LLAMA)
-    checkpoint = write_tiny_model(
-        "LlamaForCausalLM", tmp_path / "hf", config=config, tie_word_embeddings=tied
-    )
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", iq4_fallback)
-    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    config, path, weights = llama_file(tmp_path, IQ4_NL_LLAMA, iq4_fallback, tied)
     source = load_gguf(path)
     types = {
         name.removesuffix(".blocks"): source.quantization[name.removesuffix(".blocks")]["ggml_type"]
@@ -308,12 +313,9 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
     from runner.generate.pipeline import GenerateOptions, Generator, Stats
     from runner.generate.sampling import SamplerOptions
     from runner.text.tokenizer import Tokenizer
-    from tests.tiny import edit_text_config, prefix_cache, tiny_config
+    from tests.tiny import prefix_cache
 
-    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
-    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", rule)
-    weights = load_file(str(checkpoint_of(path, checkpoint, tmp_path / "x") / "model.safetensors"))
+    _, path, weights = llama_file(tmp_path, K_QUANT_LLAMA, rule)
     w64 = {k: v.astype(np.float64) for k, v in weights.items()}
     source = load_gguf(path)
     model = build_model(source)
