@@ -223,7 +223,6 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         stop.install()
-    stop.requested.set()
     log.info("stopping: cancelling work")
     runner.engine.stop(timeout=0)  # cancel flags now; the worker ends after its chunk
     await app_runner.cleanup()

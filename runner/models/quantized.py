@@ -38,6 +38,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.utils import infer_quant_config
 
+from runner.sources.gguf import quants
 from runner.sources.gguf.quants import IQ4_NL_VALUES
 from runner.sources.source import ModelLoadError
 
@@ -353,14 +354,14 @@ BLOCK_BYTES = {
 
 def block_columns(ggml_type: str, width: int) -> int:
     """The columns of a matrix whose rows are `width` bytes of `ggml_type` blocks."""
-    weights = IQ4_NL_WEIGHTS if ggml_type == IQ4_NL else BLOCK_WEIGHTS
-    return width // BLOCK_BYTES[ggml_type] * weights
+    info = quants.BY_NAME[ggml_type]
+    return width // info.type_size * info.block_size
 
 
 def block_width(ggml_type: str, columns: int) -> int:
     """The bytes of a row of `columns` weights in `ggml_type` blocks."""
-    weights = IQ4_NL_WEIGHTS if ggml_type == IQ4_NL else BLOCK_WEIGHTS
-    return columns // weights * BLOCK_BYTES[ggml_type]
+    info = quants.BY_NAME[ggml_type]
+    return columns // info.block_size * info.type_size
 
 
 class _GGMLBlocks(nn.Module):

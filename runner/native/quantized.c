@@ -1096,19 +1096,14 @@ S16_INSTANCES(iq4xs, S16_IQ4XS)
  * blocks of 32 need not fill the limbs' runs of 256). */
 enum { IQ4NL_WEIGHTS = 32, IQ4NL_BYTES = 18 };
 
-#if QPATH != 256
-/* IQ4_VALUES as float32 (a table the tiles scale by d; AVX2 looks the int8 values up). */
-static const float IQ4_FLOATS[16] __attribute__((aligned(64))) = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                                  1,    13,   25,  38,  53,  69,  89,  113};
-#endif
-
 /* v[0 .. 32 / QL) = the values of IQ4_NL block x, QL at a time in order of k. */
 ALWAYS void iq4nl_values(const unsigned char *x, qv *v) {
     unsigned short half;
     memcpy(&half, x, 2);
     const float d = half_to_float(half);
 #if QPATH == 512 /* the block's 16 values in a register, each index looking one up (vpermps) */
-    const __m512 table = (__m512)(qload(IQ4_FLOATS) * d);
+    const qv values = (qv)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
+    const __m512 table = (__m512)(values * d);
     const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + 2)));
     v[0] = (qv)_mm512_permutexvar_ps(raw, table); /* vpermps reads an index's low 4 bits */
     v[1] = (qv)_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
@@ -1123,7 +1118,7 @@ ALWAYS void iq4nl_values(const unsigned char *x, qv *v) {
     for (int i = 0; i < IQ4NL_WEIGHTS / QL; i++)
         for (int l = 0; l < QL; l++) {
             const int t = i * QL + l, index = t < 16 ? x[2 + t] & 15 : x[2 + t - 16] >> 4;
-            v[i][l] = IQ4_FLOATS[index] * d;
+            v[i][l] = (float)IQ4_VALUES[index] * d;
         }
 #endif
 }

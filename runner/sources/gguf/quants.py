@@ -12,11 +12,11 @@ Every type gets one of three treatments (`kind`):
   row's uint32 words, for every b: 3-, 5- and 6-bit codes straddle words). The grid i-quants
   whose values are one scale per 32 weights times a small signed integer (IQ2_XXS, IQ3_XXS,
   IQ3_S, IQ1_S: a grid value and its sign) become MLX's 8-bit codes, integer + 128, with the
-  scale and -128 times it (10 bits a weight against float32's 32; each value checked).
+  scale and -128 times it (10 bits a weight against float32's 32; every product in it exact).
 - "dequantize": the rest (groups of 16 weights, which MLX cannot group; non-uniform code books)
   become float32 exactly as llama.cpp computes them (`dequantize`): own numpy for Q2_K, Q3_K,
   Q6_K, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, the `gguf` package's for the grid-based IQ types
-  (IQ2_XS, IQ2_S, IQ1_M; and the values the repacks above are checked against).
+  (IQ2_XS, IQ2_S, IQ1_M; and the other four's values where `dequantize` is asked for them).
 
 `dequantize` accepts every supported type (the repacked ones too), and `convert` picks: the
 repack, or the float32 values where a tensor's own blocks hold something the repack cannot
