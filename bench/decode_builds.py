@@ -6,7 +6,9 @@ A build is the library compiled from this checkout's sources for a `-march` (`x8
 what an AVX2-only CPU builds; `native`: this CPU's, as the runner builds it), or a library
 file given by its path (another checkout's build). One runner is spawned per build with that
 library preloaded (runner/native/preload.py leaves a preset LD_PRELOAD as it is), and each
-round asks every runner in turn for the same greedy completion, after one untimed. The model:
+round asks every runner in turn for the same greedy completion, after one untimed; the turn
+order rotates a place each round (`turns`), as the runner asked later in a round measured
+~4-5% faster than the same library asked first (an A/A run: `--builds native,native`). The model:
 `--model` (a directory or a GGUF file), by default a Qwen3-0.6B-shaped Q4_K_M-like GGUF
 (random weights, bench/models.py; Q4_K and Q6_K blocks in llama.cpp's layout from
 tests/gguf_models.py's quantizers) written once into the cache.
@@ -67,11 +69,18 @@ def default_model() -> Path:
     return path
 
 
+def turns(round_: int, count: int) -> list[int]:
+    """The order round `round_` asks `count` runners in: rotated a place each round, so over
+    any `count` rounds in a row each runner is asked at each place once."""
+    return [(round_ + i) % count for i in range(count)]
+
+
 def measure(
     model: Path, libraries: list[str], rounds: int, tokens: int, text: str
-) -> dict[str, list[float]]:
-    """ms a decode token of each library's runner, one completion a round each; SystemExit
-    when the runners' texts differ (the same greedy tokens are expected of every build)."""
+) -> list[list[float]]:
+    """ms a decode token of each library's runner (in the order of `libraries`, which may
+    repeat one), one completion a round each, in `turns` order; SystemExit when the runners'
+    texts differ (the same greedy tokens are expected of every build)."""
     from bench.ours import completion_body, completion_lines
     from runner.native import preload
     from tools.spawned import SpawnedRunner
@@ -90,13 +99,13 @@ def measure(
             runner.wait_ready()
         for runner in runners:  # untimed: the first generation maps the weights in
             completion_lines(runner.url, completion_body(text, tokens))
-        times: dict[str, list[float]] = {library: [] for library in libraries}
+        times: list[list[float]] = [[] for _ in libraries]
         texts = set()
-        for _ in range(rounds):
-            for library, runner in zip(libraries, runners, strict=True):
-                lines = completion_lines(runner.url, completion_body(text, tokens))
+        for round_ in range(rounds):
+            for i in turns(round_, len(runners)):
+                lines = completion_lines(runners[i].url, completion_body(text, tokens))
                 done = lines[-1]
-                times[library].append(done["EvalDuration"] / 1e6 / max(1, done["EvalCount"]))
+                times[i].append(done["EvalDuration"] / 1e6 / max(1, done["EvalCount"]))
                 texts.add("".join(line.get("Content", "") for line in lines))
     finally:
         for runner in runners:
@@ -119,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         libraries = [library_for(build, Path(tmp)) for build in builds]
         model = args.model or default_model()
         times = measure(model, libraries, args.rounds, args.tokens, prompt(args.prompt_words))
-    first = statistics.median(times[libraries[0]])
-    print(f"model {model}; {args.rounds} rounds of {args.tokens} greedy tokens; the same text")
-    for build, library in zip(builds, libraries, strict=True):
-        median = statistics.median(times[library])
-        each = " ".join(f"{t:.2f}" for t in times[library])
+    first = statistics.median(times[0])
+    print(
+        f"model {model}; {args.rounds} rounds of {args.tokens} greedy tokens, the order "
+        "rotating; the same text"
+    )
+    for build, each_time in zip(builds, times, strict=True):
+        median = statistics.median(each_time)
+        each = " ".join(f"{t:.2f}" for t in each_time)
         print(f"{build:>24}  {median:7.2f} ms a token  ({first / median:.2f}x the first)  [{each}]")
     return 0
 

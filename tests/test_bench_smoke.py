@@ -423,9 +423,25 @@ def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
     model = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
     builds = ["native", "x86-64-v3"] if platform.machine() == "x86_64" else ["native"]
     libraries = [decode_builds.library_for(b, tmp_path) for b in builds]
-    times = decode_builds.measure(model, libraries, 1, 4, decode_builds.prompt(20))
-    assert set(times) == set(libraries)
-    assert all(len(t) == 1 and t[0] > 0 for t in times.values())
+    libraries.append(libraries[0])  # the same build twice: an A/A control, timed apart
+    times = decode_builds.measure(model, libraries, 2, 4, decode_builds.prompt(20))
+    assert len(times) == len(libraries)
+    assert all(len(t) == 2 and min(t) > 0 for t in times)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_decode_builds_rotate_their_turns(count):
+    """Each round of `python -m bench.decode_builds` asks every runner once, and over `count`
+    rounds each runner is asked at each place once: a runner asked later in a round measured
+    ~4-5% faster than the same library asked first, which a fixed order credits to one build."""
+    from bench.decode_builds import turns
+
+    orders = [turns(r, count) for r in range(count)]
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    for runner in range(count):
+        assert sorted(order.index(runner) for order in orders) == list(range(count))
+    if count > 1:
+        assert turns(0, count) != turns(1, count)
 
 
 def test_families_bench_says_which_families_take_the_native_step():
