@@ -1230,23 +1230,34 @@ ALWAYS void q4k_scales(const unsigned char *x, float *sb) {
 #endif
 }
 
+#if QPATH == 512 || QPATH == 256
+/* What unpacks a block's 6-bit fields in a 128-bit lane holding its first 16 bytes (field
+ * byte i at 4 + i): sc_0-3 = q0-3, sc_4-7 = q8-11 (low nibbles) with q0-3's top 2 bits above,
+ * m_0-3 = q4-7, m_4-7 = q8-11 (high nibbles) with q4-7's. Byte shuffles a = [q0-3 q8-11 q4-7
+ * q8-11] and b = [- q0-3 - q4-7], then (a & keep) | ((a >> 4) & nibble) | ((b >> 2) & top)
+ * is sc_0-7 then m_0-7 (q4k_scales' order). */
+static const signed char Q4K_FIELDS[5][16] __attribute__((aligned(16))) = {
+    {4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15},      /* a */
+    {-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11},      /* b */
+    {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0},    /* keep */
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15},            /* nibble */
+    {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48},        /* top */
+};
+#define Q4K_FIELD(i) _mm_load_si128((const __m128i *)Q4K_FIELDS[i])
+#endif
+
 #if QPATH == 512
 /* q4k_scales of 4 blocks at once (x[r]: row r's), into sb[r]: the 6-bit fields of each in a
- * 128-bit lane, unpacked by byte shuffles and masks, then the same products. */
+ * 128-bit lane, unpacked by Q4K_FIELDS, then the same products. */
 ALWAYS void q4k_scales4(const unsigned char *const *x, __m512 *sb) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)x[0]));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[1]), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[2]), 2);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)x[3]), 3);
-    /* field byte i of a lane is at 4 + i: sc_0-3 = q0-3, sc_4-7 = q8-11 (low nibbles) with
-     * q0-3's top 2 bits above, m_0-3 = q4-7, m_4-7 = q8-11 (high nibbles) with q4-7's */
-    const __m512i a = _mm512_shuffle_epi8(
-        v, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-    const __m512i b = _mm512_shuffle_epi8(
-        v, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
-    const __m512i keep = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m512i nibble = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-    const __m512i top = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+    const __m512i a = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(Q4K_FIELD(0)));
+    const __m512i b = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(Q4K_FIELD(1)));
+    const __m512i keep = _mm512_broadcast_i32x4(Q4K_FIELD(2)), nibble = _mm512_broadcast_i32x4(Q4K_FIELD(3));
+    const __m512i top = _mm512_broadcast_i32x4(Q4K_FIELD(4));
     const __m512i six = _mm512_or_si512(
         _mm512_or_si512(_mm512_and_si512(a, keep), _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble)),
         _mm512_and_si512(_mm512_srli_epi16(b, 2), top));
@@ -1263,19 +1274,16 @@ ALWAYS void q4k_scales4(const unsigned char *const *x, __m512 *sb) {
     }
 }
 #elif QPATH == 256
-/* q4k_scales of 2 blocks at once (x[0], x[1]), each in a 128-bit lane, unpacked as
- * q4k_scales4 does: scale[r] = d * sc_j, bias[r] = (-dmin) * m_j = -(dmin * m_j) (exact:
+/* q4k_scales of 2 blocks at once (x[0], x[1]), each in a 128-bit lane, unpacked by
+ * Q4K_FIELDS as q4k_scales4 does: scale[r] = d * sc_j, bias[r] = (-dmin) * m_j = -(dmin * m_j) (exact:
  * the same products). */
 ALWAYS void q4k_scales2(const unsigned char *const *x, __m256 *scale, __m256 *bias) {
     const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x[0])),
                                               _mm_loadu_si128((const __m128i *)x[1]), 1);
-    const __m256i a = _mm256_shuffle_epi8(
-        v, _mm256_broadcastsi128_si256(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-    const __m256i b = _mm256_shuffle_epi8(
-        v, _mm256_broadcastsi128_si256(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
-    const __m256i keep = _mm256_broadcastsi128_si256(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m256i nibble = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-    const __m256i top = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+    const __m256i a = _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(Q4K_FIELD(0)));
+    const __m256i b = _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(Q4K_FIELD(1)));
+    const __m256i keep = _mm256_broadcastsi128_si256(Q4K_FIELD(2)), nibble = _mm256_broadcastsi128_si256(Q4K_FIELD(3));
+    const __m256i top = _mm256_broadcastsi128_si256(Q4K_FIELD(4));
     const __m256i six = _mm256_or_si256(
         _mm256_or_si256(_mm256_and_si256(a, keep), _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble)),
         _mm256_and_si256(_mm256_srli_epi16(b, 2), top));
