@@ -327,10 +327,8 @@ def k_quant_affine(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array
     seconds a 1B)."""
     import numpy as np
 
-    from runner.sources.gguf import quants
-
     raw = np.asarray(blocks)
-    rows, k = raw.shape[0], raw.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS
+    rows, k = raw.shape[0], block_columns(ggml_type, raw.shape[1])
     kind = quants.Q4_K if ggml_type == Q4_K else quants.Q5_K
     repacked = quants.repack(raw.reshape(-1), kind, (rows, k))
     assert repacked.biases is not None
