@@ -8,9 +8,10 @@
  *
  *   cc -O3 -march=native -ffp-contract=fast -pthread -Irunner/native -o /tmp/attention_decode \
  *      bench/attention_decode.c $(ls runner/native/*.c | grep -v abi.c) -ldl -lm
- *   /tmp/attention_decode HEADS KV_HEADS HEAD_DIM CACHED LAYERS
+ *   /tmp/attention_decode HEADS KV_HEADS HEAD_DIM CACHED LAYERS [TOKENS]
  *   /tmp/attention_decode 16 8 128 640 28     # Qwen3-0.6B's shapes
  *   /tmp/attention_decode 9 3 64 640 30       # SmolLM2-135M's
+ *   /tmp/attention_decode 16 8 128 968 28 13  # a scoring suffix of 13 tokens over 968 cached
  *
  * RUNNER_BLAS_THREADS=1 runs it on one thread (the library's pool).
  */
@@ -31,14 +32,15 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s HEADS KV_HEADS HEAD_DIM CACHED LAYERS\n", argv[0]);
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: %s HEADS KV_HEADS HEAD_DIM CACHED LAYERS [TOKENS]\n", argv[0]);
         return 2;
     }
     const int heads = atoi(argv[1]), kv_heads = atoi(argv[2]), d = atoi(argv[3]);
     const int cached = atoi(argv[4]), layers = atoi(argv[5]), capacity = cached + 64;
+    const int tokens = argc == 7 ? atoi(argv[6]) : 1;
     struct step_args a = {0};
-    a.batch = 1, a.tokens = 1, a.heads = heads, a.kv_heads = kv_heads, a.head_dim = d;
+    a.batch = 1, a.tokens = tokens, a.heads = heads, a.kv_heads = kv_heads, a.head_dim = d;
     a.offset = cached, a.scale = 0.1f;
     struct step_cache *caches = calloc(layers, sizeof *caches);
     const long per_layer = (long)kv_heads * capacity * d;
@@ -50,10 +52,11 @@ int main(int argc, char **argv) {
         }
         caches[l] = (struct step_cache){k, v, (long)capacity * d, 0, 0, NULL, NULL};
     }
-    float *q = malloc(sizeof(float) * heads * d), *out = malloc(sizeof(float) * heads * d);
-    float *nk = malloc(sizeof(float) * kv_heads * d), *nv = malloc(sizeof(float) * kv_heads * d);
-    for (int i = 0; i < heads * d; i++) q[i] = (float)(i % 13) / 13.0f;
-    for (int i = 0; i < kv_heads * d; i++) nk[i] = 0.1f, nv[i] = 0.2f;
+    const long rows = (long)tokens * heads * d, own = (long)tokens * kv_heads * d;
+    float *q = malloc(sizeof(float) * rows), *out = malloc(sizeof(float) * rows);
+    float *nk = malloc(sizeof(float) * own), *nv = malloc(sizeof(float) * own);
+    for (long i = 0; i < rows; i++) q[i] = (float)(i % 13) / 13.0f;
+    for (long i = 0; i < own; i++) nk[i] = 0.1f, nv[i] = 0.2f;
     float *scratch = aligned_alloc(64, sizeof(float) * ((attention_scratch_floats(&a) + 15) / 16 * 16));
     double best = 1e9;
     for (int pass = 0; pass < 30; pass++) {
@@ -63,7 +66,9 @@ int main(int argc, char **argv) {
         best = took < best ? took : best;
     }
     const double bytes = 2.0 * layers * kv_heads * (double)cached * d * sizeof(float);
-    printf("heads %d over %d, head %d, %d cached, %d layers: %.3f ms, %.1f GB/s (out[0] %g)\n",
-           heads, kv_heads, d, cached, layers, best * 1e3, bytes / best / 1e9, out[0]);
+    const double flops = 4.0 * layers * heads * tokens * (cached + (tokens + 1) / 2.0) * d;
+    printf("heads %d over %d, head %d, %d cached, %d tokens, %d layers: %.3f ms, %.1f GB/s, "
+           "%.1f GFLOP/s (out[0] %g)\n", heads, kv_heads, d, cached, tokens, layers, best * 1e3,
+           bytes / best / 1e9, flops / best / 1e9, out[0]);
     return 0;
 }

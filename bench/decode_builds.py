@@ -13,16 +13,27 @@ order rotates a place each round (`turns`), as the runner asked later in a round
 (random weights, bench/models.py; Q4_K and Q6_K blocks in llama.cpp's layout from
 tests/gguf_models.py's quantizers) written once into the cache.
 
+`--workload decisions` times scoring instead: each round, `--requests` one-decision requests
+(POST /v1/score, one row, " Yes" / " No") whose prompts share the text as a system prompt the
+runner keeps in its prefix cache (stored by an untimed request first), so each computes a
+short question's tokens over the cached text: median ms a request per round, and every
+build must pick the same candidate for every request.
+
     python -m bench.decode_builds --builds x86-64-v3,native --rounds 4 --tokens 64
     python -m bench.decode_builds --builds /tmp/head-v3.so,x86-64-v3
+    python -m bench.decode_builds --builds /tmp/before.so,native,/tmp/before.so --workload decisions
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import random
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PROMPT_WORDS = 300
@@ -75,13 +86,10 @@ def turns(round_: int, count: int) -> list[int]:
     return [(round_ + i) % count for i in range(count)]
 
 
-def measure(
-    model: Path, libraries: list[str], rounds: int, tokens: int, text: str
-) -> list[list[float]]:
-    """ms a decode token of each library's runner (in the order of `libraries`, which may
-    repeat one), one completion a round each, in `turns` order; SystemExit when the runners'
-    texts differ (the same greedy tokens are expected of every build)."""
-    from bench.ours import completion_body, completion_lines
+@contextlib.contextmanager
+def spawned(model: Path, libraries: list[str]) -> Iterator[list]:
+    """One runner per library (which may repeat), each with it preloaded, ready; stopped on
+    exit."""
     from runner.native import preload
     from tools.spawned import SpawnedRunner
 
@@ -97,21 +105,94 @@ def measure(
             )
             runners.append(runner)
             runner.wait_ready()
+        yield runners
+    finally:
+        for runner in runners:
+            runner.stop()
+
+
+def measure(
+    model: Path, libraries: list[str], rounds: int, tokens: int, text: str
+) -> list[list[float]]:
+    """ms a decode token of each library's runner (in the order of `libraries`, which may
+    repeat one), one completion a round each, in `turns` order; SystemExit when the runners'
+    texts differ (the same greedy tokens are expected of every build)."""
+    from bench.ours import completion_body, completion_lines
+
+    times: list[list[float]] = [[] for _ in libraries]
+    texts = set()
+    with spawned(model, libraries) as runners:
         for runner in runners:  # untimed: the first generation maps the weights in
             completion_lines(runner.url, completion_body(text, tokens))
-        times: list[list[float]] = [[] for _ in libraries]
-        texts = set()
         for round_ in range(rounds):
             for i in turns(round_, len(runners)):
                 lines = completion_lines(runners[i].url, completion_body(text, tokens))
                 done = lines[-1]
                 times[i].append(done["EvalDuration"] / 1e6 / max(1, done["EvalCount"]))
                 texts.add("".join(line.get("Content", "") for line in lines))
-    finally:
-        for runner in runners:
-            runner.stop()
     if len(texts) != 1:
         raise SystemExit(f"the builds generated {len(texts)} different texts")
+    return times
+
+
+CANDIDATES = (" Yes", " No")
+
+
+def questions(round_: int, count: int) -> list[str]:
+    """Round `round_`'s `count` questions (the same for every runner in the round)."""
+    rng = random.Random(round_)
+    return [" ".join(rng.choice(WORDS) for _ in range(4)) for _ in range(count)]
+
+
+def decision_prompt(text: str, question: str) -> str:
+    return f"Answer Yes or No.\n{text}\nQuestion: {question}?\nAnswer:"
+
+
+def measure_decisions(
+    model: Path,
+    libraries: list[str],
+    rounds: int,
+    requests: int,
+    text: str,
+    max_tokens: int = 4096,
+) -> list[list[float]]:
+    """Median ms of a one-decision request of each library's runner, a round each: `requests`
+    requests over `text` as their cached system prompt, the runners in `turns` order;
+    SystemExit when a runner's best candidate for a request differs from the first's.
+    `max_tokens`: the requests' (at most the model's context)."""
+    from bench.http import KeptConnection
+
+    times: list[list[float]] = [[] for _ in libraries]
+    with spawned(model, libraries) as runners:
+        connections = [KeptConnection(runner.url) for runner in runners]
+        try:
+
+            def best(i: int, question: str) -> tuple[int, float]:
+                body = {
+                    "rows": [
+                        {"prompt": decision_prompt(text, question), "candidates": list(CANDIDATES)}
+                    ],
+                    "max_tokens": max_tokens,
+                }
+                started = time.perf_counter()
+                logits = connections[i].post_json("/v1/score", body)["logits"][0]
+                took = (time.perf_counter() - started) * 1e3
+                return max(range(len(CANDIDATES)), key=lambda c: logits[c]), took
+
+            for i in range(len(runners)):  # untimed: maps the weights in, stores the prefix
+                best(i, "untimed")
+            for round_ in range(rounds):
+                asked = questions(round_, requests)
+                picks: list[list[int]] = []
+                for i in turns(round_, len(runners)):
+                    answers = [best(i, q) for q in asked]
+                    times[i].append(statistics.median(took for _, took in answers))
+                    picks.append([pick for pick, _ in answers])
+                if any(p != picks[0] for p in picks):
+                    raise SystemExit(f"the builds picked different candidates in round {round_}")
+        finally:
+            for connection in connections:
+                connection.close()
     return times
 
 
@@ -119,24 +200,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode_builds", description=__doc__)
     p.add_argument("--builds", default="x86-64-v3,native", help="-march names or library paths")
     p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--workload", choices=("decode", "decisions"), default="decode")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="decode: tokens a completion")
+    p.add_argument("--requests", type=int, default=8, help="decisions: requests a round")
     p.add_argument("--prompt-words", type=int, default=PROMPT_WORDS)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="decode-builds-") as tmp:
         builds = args.builds.split(",")
         libraries = [library_for(build, Path(tmp)) for build in builds]
         model = args.model or default_model()
-        times = measure(model, libraries, args.rounds, args.tokens, prompt(args.prompt_words))
+        text = prompt(args.prompt_words)
+        if args.workload == "decode":
+            times = measure(model, libraries, args.rounds, args.tokens, text)
+            what, unit = f"{args.tokens} greedy tokens", "ms a token"
+        else:
+            times = measure_decisions(model, libraries, args.rounds, args.requests, text)
+            what, unit = f"{args.requests} one-decision requests", "ms a request"
     first = statistics.median(times[0])
-    print(
-        f"model {model}; {args.rounds} rounds of {args.tokens} greedy tokens, the order "
-        "rotating; the same text"
-    )
+    agreed = "the same text" if args.workload == "decode" else "the same picks"
+    print(f"model {model}; {args.rounds} rounds of {what}, the order rotating; {agreed}")
     for build, each_time in zip(builds, times, strict=True):
         median = statistics.median(each_time)
         each = " ".join(f"{t:.2f}" for t in each_time)
-        print(f"{build:>24}  {median:7.2f} ms a token  ({first / median:.2f}x the first)  [{each}]")
+        print(f"{build:>24}  {median:7.2f} {unit}  ({first / median:.2f}x the first)  [{each}]")
     return 0
 
 

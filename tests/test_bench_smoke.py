@@ -429,6 +429,32 @@ def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
     assert all(len(t) == 2 and min(t) > 0 for t in times)
 
 
+def test_decode_builds_bench_times_decision_requests(tmp_path):
+    """`python -m bench.decode_builds --workload decisions`: one-decision requests over a
+    cached system prompt, each runner's median ms a round, the picks checked alike (a build
+    listed twice: an A/A control); the questions of a round are the same for every runner
+    and differ between rounds."""
+    from bench import decode_builds
+    from runner.native import build, preload
+    from tests.gguf_models import k_mixed, write_gguf
+    from tests.test_gguf_models import K_QUANT_LLAMA
+    from tests.tiny import edit_text_config, tiny_config, write_tiny_model
+
+    assert decode_builds.questions(3, 4) == decode_builds.questions(3, 4)
+    assert decode_builds.questions(3, 4) != decode_builds.questions(4, 4)
+    if not preload.dispatch_active() or build.compiler() is None:
+        pytest.skip("needs the runner's dispatch library preloaded and a C compiler")
+    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
+    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
+    model = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    library = decode_builds.library_for("native", tmp_path)
+    times = decode_builds.measure_decisions(
+        model, [library, library], 2, 3, decode_builds.prompt(20), max_tokens=2048
+    )
+    assert len(times) == 2
+    assert all(len(t) == 2 and min(t) > 0 for t in times)
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_decode_builds_rotate_their_turns(count):
     """Each round of `python -m bench.decode_builds` asks every runner once, and over `count`
