@@ -482,7 +482,11 @@ static void attention_merge(const void *arg, int index, int count) {
 enum { ROW_ITEM_ROWS = 3 * VL, ROW_ITEM_KEYS = 64 };
 
 /* st[i][0, NV VL) = sum_d keys[i][d] qt[d][0, NV VL) for keys i < n: KB keys at a time
- * (KB * NV accumulators; the NV vectors of qt loaded once for the KB keys). */
+ * (KB * NV accumulators; the NV vectors of qt loaded once for the KB keys). Meanwhile the
+ * rows of `ahead` (the chunk's values, the next chunk's keys: 64 KB of Qwen3-0.6B's, twice
+ * L1) are fetched into L2, as few_rows_scores fetches its own: into L1, 13 tokens over 968
+ * cached of Qwen3-0.6B's shapes (bench/attention_decode.c, attention alone, 28 layers) took
+ * 30.3-31.5 ms against 25.6-25.8 (bench/RESULTS.md, "Row items' prefetch into L2"). */
 #define KEYS_TIMES(NAME, NV, KB)                                                             \
     static void NAME(const float *keys, int n, int d_, const float *qt, float *st,          \
                      const float *const *ahead, const int *ahead_rows) {                    \
@@ -491,7 +495,7 @@ enum { ROW_ITEM_ROWS = 3 * VL, ROW_ITEM_KEYS = 64 };
             for (int s = 0; s < 2; s++)                                                     \
                 for (int k = i; k < i + KB && k < ahead_rows[s]; k++)                       \
                     for (int c = 0; c < d_; c += 64 / sizeof(float))                        \
-                        __builtin_prefetch(ahead[s] + (size_t)k * d_ + c);                  \
+                        __builtin_prefetch(ahead[s] + (size_t)k * d_ + c, 0, 2);            \
             vf acc[KB * NV], zero = {0};                                                    \
             PIN(zero);                                                                      \
             _Pragma("GCC unroll 16") for (int q = 0; q < KB * NV; q++) acc[q] = zero;       \
