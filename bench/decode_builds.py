@@ -13,7 +13,9 @@ order rotates a place each round (`turns`), as the runner asked later in a round
 (random weights, bench/models.py; Q4_K and Q6_K blocks in llama.cpp's layout from
 tests/gguf_models.py's quantizers) written once into the cache.
 
-`--workload decisions` times scoring instead: each round, `--requests` one-decision requests
+`--workload prefill` times the prompt instead (ms a prompt token; each round's prompt starts
+with its round, so no runner finds it in its prefix cache). `--workload decisions` times
+scoring: each round, `--requests` one-decision requests
 (POST /v1/score, one row, " Yes" / " No") whose prompts share the text as a system prompt the
 runner keeps in its prefix cache (stored by an untimed request first), so each computes a
 short question's tokens over the cached text: median ms a request per round, and every
@@ -112,26 +114,33 @@ def spawned(model: Path, libraries: list[str]) -> Iterator[list]:
 
 
 def measure(
-    model: Path, libraries: list[str], rounds: int, tokens: int, text: str
+    model: Path, libraries: list[str], rounds: int, tokens: int, text: str, prefill: bool = False
 ) -> list[list[float]]:
     """ms a decode token of each library's runner (in the order of `libraries`, which may
     repeat one), one completion a round each, in `turns` order; SystemExit when the runners'
-    texts differ (the same greedy tokens are expected of every build)."""
+    texts differ (the same greedy tokens are expected of every build). `prefill`: ms a prompt
+    token instead, each round's prompt new to the runners' prefix caches (its round first)."""
     from bench.ours import completion_body, completion_lines
 
     times: list[list[float]] = [[] for _ in libraries]
-    texts = set()
+    texts: list[set[str]] = [set() for _ in range(rounds)]
     with spawned(model, libraries) as runners:
         for runner in runners:  # untimed: the first generation maps the weights in
             completion_lines(runner.url, completion_body(text, tokens))
         for round_ in range(rounds):
+            asked = f"Round {round_}. {text}" if prefill else text
             for i in turns(round_, len(runners)):
-                lines = completion_lines(runners[i].url, completion_body(text, tokens))
+                lines = completion_lines(runners[i].url, completion_body(asked, tokens))
                 done = lines[-1]
-                times[i].append(done["EvalDuration"] / 1e6 / max(1, done["EvalCount"]))
-                texts.add("".join(line.get("Content", "") for line in lines))
-    if len(texts) != 1:
-        raise SystemExit(f"the builds generated {len(texts)} different texts")
+                if prefill:
+                    took = done["PromptEvalDuration"] / max(1, done["PromptEvalCount"])
+                else:
+                    took = done["EvalDuration"] / max(1, done["EvalCount"])
+                times[i].append(took / 1e6)
+                texts[round_].add("".join(line.get("Content", "") for line in lines))
+    for round_, generated in enumerate(texts):
+        if len(generated) != 1:
+            raise SystemExit(f"the builds generated {len(generated)} texts in round {round_}")
     return times
 
 
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode_builds", description=__doc__)
     p.add_argument("--builds", default="x86-64-v3,native", help="-march names or library paths")
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--workload", choices=("decode", "decisions"), default="decode")
+    p.add_argument("--workload", choices=("decode", "prefill", "decisions"), default="decode")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64, help="decode: tokens a completion")
     p.add_argument("--requests", type=int, default=8, help="decisions: requests a round")
@@ -211,14 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         libraries = [library_for(build, Path(tmp)) for build in builds]
         model = args.model or default_model()
         text = prompt(args.prompt_words)
-        if args.workload == "decode":
-            times = measure(model, libraries, args.rounds, args.tokens, text)
-            what, unit = f"{args.tokens} greedy tokens", "ms a token"
+        if args.workload in ("decode", "prefill"):
+            prefill = args.workload == "prefill"
+            times = measure(model, libraries, args.rounds, args.tokens, text, prefill)
+            what = "prompts" if prefill else f"{args.tokens} greedy tokens"
+            unit = "ms a prompt token" if prefill else "ms a token"
         else:
             times = measure_decisions(model, libraries, args.rounds, args.requests, text)
             what, unit = f"{args.requests} one-decision requests", "ms a request"
     first = statistics.median(times[0])
-    agreed = "the same text" if args.workload == "decode" else "the same picks"
+    agreed = {"decode": "the same text", "prefill": "new prompts", "decisions": "the same picks"}[
+        args.workload
+    ]
     print(f"model {model}; {args.rounds} rounds of {what}, the order rotating; {agreed}")
     for build, each_time in zip(builds, times, strict=True):
         median = statistics.median(each_time)

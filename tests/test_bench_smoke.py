@@ -427,6 +427,9 @@ def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
     times = decode_builds.measure(model, libraries, 2, 4, decode_builds.prompt(20))
     assert len(times) == len(libraries)
     assert all(len(t) == 2 and min(t) > 0 for t in times)
+    # --workload prefill: ms a prompt token, each round's prompt new to every prefix cache
+    prefill = decode_builds.measure(model, libraries[:1], 2, 1, decode_builds.prompt(20), True)
+    assert len(prefill) == 1 and len(prefill[0]) == 2 and min(prefill[0]) > 0
 
 
 def test_decode_builds_bench_times_decision_requests(tmp_path):
