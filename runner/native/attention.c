@@ -486,7 +486,8 @@ enum { ROW_ITEM_ROWS = 3 * VL, ROW_ITEM_KEYS = 64 };
  * rows of `ahead` (the chunk's values, the next chunk's keys: 64 KB of Qwen3-0.6B's, twice
  * L1) are fetched into L2, as few_rows_scores fetches its own: into L1, 13 tokens over 968
  * cached of Qwen3-0.6B's shapes (bench/attention_decode.c, attention alone, 28 layers) took
- * 30.3-31.5 ms against 25.6-25.8 (bench/RESULTS.md, "Row items' prefetch into L2"). */
+ * 30.3-31.5 ms against 25.6-25.8 (bench/RESULTS.md, "Row items' and block tiles' prefetch
+ * into L2"). */
 #define KEYS_TIMES(NAME, NV, KB)                                                             \
     static void NAME(const float *keys, int n, int d_, const float *qt, float *st,          \
                      const float *const *ahead, const int *ahead_rows) {                    \

@@ -568,11 +568,14 @@ static void block_columns(const struct product *p, int j0, int j1, size_t row_by
         for (int j = j0; j < j1; j += BLOCK_RW) {
             const int nj = j1 - j < BLOCK_RW ? j1 - j : BLOCK_RW;
             /* the rows PREFETCH_BLOCKS blocks ahead (the first chunk's pass reads them from
-             * memory; later chunks find them in L3 if at all) */
+             * memory; later chunks find them in L3 if at all), into L2: into L1 (a block's
+             * rows all at once), one-decision requests on Qwen3-0.6B's Q4_K_M file took
+             * 1.06-1.09x as long, prefill the same (bench/RESULTS.md, "Row items' and block
+             * tiles' prefetch into L2") */
             const int ahead = j + PREFETCH_BLOCKS * BLOCK_RW;
             if (ahead + BLOCK_RW <= j1) {
                 const char *next = (const char *)(base + (size_t)ahead * row_bytes);
-                for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+                for (size_t o = 0; o < BLOCK_RW * row_bytes; o += 64) __builtin_prefetch(next + o, 0, 2);
             }
             fill(p, j, nj, w, ctx);
             for (int r = nj; r < BLOCK_RW; r++) wr[r] = wr[0];
