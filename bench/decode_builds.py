@@ -1,6 +1,7 @@
-"""`python -m bench.decode_builds`: whole generations alternating between builds of the native
-library on one model, ms a decode token each: one instruction-set path (an x86-64 level's
-build) against another on the same machine, in the same minutes.
+"""`python -m bench.decode_builds`: whole generations (or prompts, or decision requests)
+alternating between builds of the native library on one model, ms a decode token each: one
+instruction-set path (an x86-64 level's build), or one library's change, against another on
+the same machine, in the same minutes.
 
 A build is the library compiled from this checkout's sources for a `-march` (`x86-64-v3`:
 what an AVX2-only CPU builds; `native`: this CPU's, as the runner builds it), or a library
@@ -15,11 +16,11 @@ tests/gguf_models.py's quantizers) written once into the cache.
 
 `--workload prefill` times the prompt instead (ms a prompt token; each round's prompt starts
 with its round, so no runner finds it in its prefix cache). `--workload decisions` times
-scoring: each round, `--requests` one-decision requests
-(POST /v1/score, one row, " Yes" / " No") whose prompts share the text as a system prompt the
-runner keeps in its prefix cache (stored by an untimed request first), so each computes a
-short question's tokens over the cached text: median ms a request per round, and every
-build must pick the same candidate for every request.
+scoring: each round, `--requests` one-decision requests (POST /v1/score, one row, " Yes" /
+" No") whose prompts share the text as a system prompt the runner keeps in its prefix cache
+(stored by an untimed request first), so each computes a short question's tokens over the
+cached text: median ms a request per round, and every build must pick the same candidate
+for every request.
 
     python -m bench.decode_builds --builds x86-64-v3,native --rounds 4 --tokens 64
     python -m bench.decode_builds --builds /tmp/head-v3.so,x86-64-v3
