@@ -19,8 +19,8 @@ with its round, so no runner finds it in its prefix cache). `--workload decision
 scoring: each round, `--requests` one-decision requests (POST /v1/score, one row, " Yes" /
 " No") whose prompts share the text as a system prompt the runner keeps in its prefix cache
 (stored by an untimed request first), so each computes a short question's tokens over the
-cached text: median ms a request per round, and every build must pick the same candidate
-for every request.
+cached text (`--rows N`: N such questions a request, each a row): median ms a request per
+round, and every build must pick the same candidate for every row.
 
     python -m bench.decode_builds --builds x86-64-v3,native --rounds 4 --tokens 64
     python -m bench.decode_builds --builds /tmp/head-v3.so,x86-64-v3
@@ -165,11 +165,12 @@ def measure_decisions(
     requests: int,
     text: str,
     max_tokens: int = 4096,
+    rows: int = 1,
 ) -> list[list[float]]:
-    """Median ms of a one-decision request of each library's runner, a round each: `requests`
-    requests over `text` as their cached system prompt, the runners in `turns` order;
-    SystemExit when a runner's best candidate for a request differs from the first's.
-    `max_tokens`: the requests' (at most the model's context)."""
+    """Median ms of a decision request of each library's runner, a round each: `requests`
+    requests of `rows` rows (one decision each) over `text` as their cached system prompt,
+    the runners in `turns` order; SystemExit when a runner's best candidate for a row differs
+    from the first's. `max_tokens`: the requests' (at most the model's context)."""
     from bench.http import KeptConnection
 
     times: list[list[float]] = [[] for _ in libraries]
@@ -177,27 +178,31 @@ def measure_decisions(
         connections = [KeptConnection(runner.url) for runner in runners]
         try:
 
-            def best(i: int, question: str) -> tuple[int, float]:
+            def best(i: int, asked: list[str]) -> tuple[list[int], float]:
+                candidates = list(CANDIDATES)
                 body = {
                     "rows": [
-                        {"prompt": decision_prompt(text, question), "candidates": list(CANDIDATES)}
+                        {"prompt": decision_prompt(text, q), "candidates": candidates}
+                        for q in asked
                     ],
                     "max_tokens": max_tokens,
                 }
                 started = time.perf_counter()
-                logits = connections[i].post_json("/v1/score", body)["logits"][0]
+                logits = connections[i].post_json("/v1/score", body)["logits"]
                 took = (time.perf_counter() - started) * 1e3
-                return max(range(len(CANDIDATES)), key=lambda c: logits[c]), took
+                picks = [max(range(len(CANDIDATES)), key=lambda c: row[c]) for row in logits]
+                return picks, took
 
             for i in range(len(runners)):  # untimed: maps the weights in, stores the prefix
-                best(i, "untimed")
+                best(i, ["untimed"])
             for round_ in range(rounds):
-                asked = questions(round_, requests)
+                asked = questions(round_, requests * rows)
+                batches = [asked[r * rows : (r + 1) * rows] for r in range(requests)]
                 picks: list[list[int]] = []
                 for i in turns(round_, len(runners)):
-                    answers = [best(i, q) for q in asked]
+                    answers = [best(i, batch) for batch in batches]
                     times[i].append(statistics.median(took for _, took in answers))
-                    picks.append([pick for pick, _ in answers])
+                    picks.append([pick for each, _ in answers for pick in each])
                 if any(p != picks[0] for p in picks):
                     raise SystemExit(f"the builds picked different candidates in round {round_}")
         finally:
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64, help="decode: tokens a completion")
     p.add_argument("--requests", type=int, default=8, help="decisions: requests a round")
+    p.add_argument("--rows", type=int, default=1, help="decisions: rows (decisions) a request")
     p.add_argument("--prompt-words", type=int, default=PROMPT_WORDS)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="decode-builds-") as tmp:
@@ -227,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             what = "prompts" if prefill else f"{args.tokens} greedy tokens"
             unit = "ms a prompt token" if prefill else "ms a token"
         else:
-            times = measure_decisions(model, libraries, args.rounds, args.requests, text)
-            what, unit = f"{args.requests} one-decision requests", "ms a request"
+            times = measure_decisions(
+                model, libraries, args.rounds, args.requests, text, rows=args.rows
+            )
+            what, unit = f"{args.requests} requests of {args.rows} decisions", "ms a request"
     first = statistics.median(times[0])
     agreed = {"decode": "the same text", "prefill": "new prompts", "decisions": "the same picks"}[
         args.workload

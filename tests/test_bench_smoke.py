@@ -456,6 +456,11 @@ def test_decode_builds_bench_times_decision_requests(tmp_path):
     )
     assert len(times) == 2
     assert all(len(t) == 2 and min(t) > 0 for t in times)
+    # --rows: several decisions a request (one row each)
+    batched = decode_builds.measure_decisions(
+        model, [library], 1, 2, decode_builds.prompt(20), max_tokens=2048, rows=3
+    )
+    assert len(batched) == 1 and len(batched[0]) == 1 and batched[0][0] > 0
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
