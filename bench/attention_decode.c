@@ -7,7 +7,7 @@
  * library's sources, as the runner builds them (bench/README.md):
  *
  *   cc -O3 -march=native -ffp-contract=fast -pthread -Irunner/native -o /tmp/attention_decode \
- *      bench/attention_decode.c $(ls runner/native/*.c | grep -v abi.c) -ldl -lm
+ *      bench/attention_decode.c $(ls runner/native/[a-z]*.c | grep -v abi.c) -ldl -lm
  *   /tmp/attention_decode HEADS KV_HEADS HEAD_DIM CACHED LAYERS [TOKENS]
  *   /tmp/attention_decode 16 8 128 640 28     # Qwen3-0.6B's shapes
  *   /tmp/attention_decode 9 3 64 640 30       # SmolLM2-135M's
@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
             k[i] = (float)((i * 7919) % 1000) / 1000.0f - 0.5f;
             v[i] = (float)((i * 31) % 1000) / 1000.0f;
         }
-        caches[l] = (struct step_cache){k, v, (long)capacity * d, 0, 0, NULL, NULL};
+        caches[l] = (struct step_cache){.keys = k, .values = v, .head_stride = (long)capacity * d};
     }
     const long rows = (long)tokens * heads * d, own = (long)tokens * kv_heads * d;
     float *q = malloc(sizeof(float) * rows), *out = malloc(sizeof(float) * rows);
