@@ -403,14 +403,9 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         sgemm.child("tiny", [1], "q4k")
 
 
-def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
-    """`python -m bench.decode_builds`' measurement: a runner spawned per build of the native
-    library (this CPU's, and an x86-64-v3 one: what AVX2-only CPUs build) on a tiny
-    Q4_K_M-like GGUF, each timing its decode tokens, and all generating the same greedy text
-    (measure raises otherwise)."""
-    import platform
-
-    from bench import decode_builds
+def _decode_builds_model(tmp_path):
+    """A tiny Q4_K_M-like GGUF for bench.decode_builds' runners; skips where the runner's
+    dispatch library is not preloaded or there is no C compiler."""
     from runner.native import build, preload
     from tests.gguf_models import k_mixed, write_gguf
     from tests.test_gguf_models import K_QUANT_LLAMA
@@ -420,7 +415,19 @@ def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
         pytest.skip("needs the runner's dispatch library preloaded and a C compiler")
     config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
     checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
-    model = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    return write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+
+
+def test_decode_builds_bench_times_each_build_on_the_same_text(tmp_path):
+    """`python -m bench.decode_builds`' measurement: a runner spawned per build of the native
+    library (this CPU's, and an x86-64-v3 one: what AVX2-only CPUs build) on a tiny
+    Q4_K_M-like GGUF, each timing its decode tokens, and all generating the same greedy text
+    (measure raises otherwise)."""
+    import platform
+
+    from bench import decode_builds
+
+    model = _decode_builds_model(tmp_path)
     builds = ["native", "x86-64-v3"] if platform.machine() == "x86_64" else ["native"]
     libraries = [decode_builds.library_for(b, tmp_path) for b in builds]
     libraries.append(libraries[0])  # the same build twice: an A/A control, timed apart
@@ -438,18 +445,10 @@ def test_decode_builds_bench_times_decision_requests(tmp_path):
     listed twice: an A/A control); the questions of a round are the same for every runner
     and differ between rounds."""
     from bench import decode_builds
-    from runner.native import build, preload
-    from tests.gguf_models import k_mixed, write_gguf
-    from tests.test_gguf_models import K_QUANT_LLAMA
-    from tests.tiny import edit_text_config, tiny_config, write_tiny_model
 
     assert decode_builds.questions(3, 4) == decode_builds.questions(3, 4)
     assert decode_builds.questions(3, 4) != decode_builds.questions(4, 4)
-    if not preload.dispatch_active() or build.compiler() is None:
-        pytest.skip("needs the runner's dispatch library preloaded and a C compiler")
-    config = edit_text_config(tiny_config("LlamaForCausalLM"), K_QUANT_LLAMA)
-    checkpoint = write_tiny_model("LlamaForCausalLM", tmp_path / "hf", config=config)
-    model = write_gguf(checkpoint, tmp_path / "model.gguf", k_mixed)
+    model = _decode_builds_model(tmp_path)
     library = decode_builds.library_for("native", tmp_path)
     times = decode_builds.measure_decisions(
         model, [library, library], 2, 3, decode_builds.prompt(20), max_tokens=2048
