@@ -22,7 +22,8 @@ MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, sc
 biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs`, `iq4nl` and their `-1t` (GGML's Q4_K,
 Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks as a GGUF stores them, read by the same
 library; random blocks, rows of whole blocks only: the Qwen3 shape, and SmolLM2's for IQ4_NL's
-blocks of 32), `q4k-decode`, `q5k-decode`, `q6k-decode`,
+blocks of 32), `iq2xxs`, `iq2xs`, `iq2s`, `iq3xxs`, `iq3s`, `iq1s`, `iq1m` and their `-1t`
+(the grid i-quants' blocks, the same way), `q4k-decode`, `q5k-decode`, `q6k-decode`,
 `q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode` and their `-1t` (the same products as
 a decode step's rows: by integer limbs where the library has them, runner_limb_products), and
 `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
@@ -62,19 +63,23 @@ EXTRA_SETTINGS = (
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
     *("mlx-q4", "mlx-q8"),
-)
+    *(f"{g}{end}" for g in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m")
+      for end in ("", "-1t")),
+)  # fmt: skip
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
 # GGML blocks: bytes a block of 256 weights (IQ4_NL: of 32, GGML_BLOCK_WEIGHTS)
 GGML_BLOCK_BYTES = {
     "q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136, "iq4nl": 18,
+    "iq2xxs": 66, "iq2xs": 74, "iq2s": 82, "iq3xxs": 98, "iq3s": 110, "iq1s": 50, "iq1m": 56,
 }  # fmt: skip
 GGML_BLOCK_WEIGHTS = {"iq4nl": 32}  # where a block is not 256 weights
 # where each keeps its float16 d (and dmin) in a block
 GGML_HALVES = {
     "q4k": (0, 2), "q5k": (0, 2), "q6k": (208,), "q3k": (108,), "q2k": (80, 82), "iq4xs": (0,),
-    "iq4nl": (0,),
+    "iq4nl": (0,), "iq2xxs": (0,), "iq2xs": (0,), "iq2s": (0,), "iq3xxs": (0,), "iq3s": (0,),
+    "iq1s": (0,), "iq1m": (),  # IQ1_M's d: the scale words' top nibbles (random: any d)
 }  # fmt: skip
 
 
@@ -173,9 +178,9 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
 
 
 def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
-    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS or IQ4_NL blocks of `shape` (their
-    float16 d, dmin set to 0.01, the rest random bytes: any codes and scales take the tiles'
-    time), as a step_weight with its array."""
+    """Random GGML Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL or grid i-quant blocks of
+    `shape` (their float16 d, dmin set to 0.01, the rest random bytes: any codes and scales
+    take the tiles' time), as a step_weight with its array."""
     import numpy as np
 
     from runner.native import abi
@@ -191,7 +196,9 @@ def _ggml_blocks(kind: str, shape: tuple[int, int], rng: Any) -> Any:
         blocks[:, :, at : at + 2] = half
     form = {
         "q4k": abi.Q4K, "q5k": abi.Q5K, "q6k": abi.Q6K, "q3k": abi.Q3K, "q2k": abi.Q2K,
-        "iq4xs": abi.IQ4XS, "iq4nl": abi.IQ4NL,
+        "iq4xs": abi.IQ4XS, "iq4nl": abi.IQ4NL, "iq2xxs": abi.IQ2XXS, "iq2xs": abi.IQ2XS,
+        "iq2s": abi.IQ2S, "iq3xxs": abi.IQ3XXS, "iq3s": abi.IQ3S, "iq1s": abi.IQ1S,
+        "iq1m": abi.IQ1M,
     }[kind]  # fmt: skip
     return abi.Weight(format=form, data=blocks.ctypes.data), blocks
 

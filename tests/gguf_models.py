@@ -23,10 +23,12 @@ compute.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,6 +378,26 @@ def iq4_fallback(name: str, shape: tuple[int, ...], arch: str) -> T:
     return iq4_mixed(name, shape, arch)
 
 
+# Every grid i-quant in one file (grid_types): the GGUF names' parts that pick each
+GRID_FILE = {
+    "attn_q.": T.IQ2_XXS, "attn_k.": T.IQ2_XS, "attn_v.": T.IQ2_S, "attn_output.": T.IQ3_XXS,
+    "ffn_gate.": T.IQ3_S, "ffn_up.": T.IQ1_S, "ffn_down.": T.IQ1_M, "token_embd.": T.IQ3_S,
+}  # fmt: skip
+
+
+def grid_types(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """A file of the grid i-quants (random blocks: grid_blocks): each of a layer's matrices
+    one of the seven (GRID_FILE), the embedding IQ3_S, a head of its own IQ2_XS, where a row is
+    whole blocks of 256; `mixed` elsewhere."""
+    if len(shape) == 2 and shape[-1] % 256 == 0:
+        if name == "output.weight":
+            return T.IQ2_XS
+        for part, kind in GRID_FILE.items():
+            if name.startswith(part) or f".{part}" in name:
+                return kind
+    return mixed(name, shape, arch)
+
+
 def _k_file(
     name: str, shape: tuple[int, ...], arch: str, by_name: list[tuple[str, T]], rest: T
 ) -> T:
@@ -592,10 +614,41 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 32 * 18)
 
 
+# The grid i-quants: bytes a block, and about the largest value a block holds in units of d
+GRID_BLOCKS = {
+    T.IQ2_XXS: (66, 160), T.IQ2_XS: (74, 160), T.IQ2_S: (82, 160), T.IQ3_XXS: (98, 480),
+    T.IQ3_S: (110, 460), T.IQ1_S: (50, 17), T.IQ1_M: (56, 17),
+}  # fmt: skip
+
+
+def grid_blocks(values: np.ndarray, ggml_type: T) -> np.ndarray:
+    """Blocks of a grid i-quant (GRID_BLOCKS) the shape of `values` [..., k] (k a multiple of
+    256) as bytes [..., k / 256 * bytes a block]: random grid indices, signs and scales
+    (seeded by the values' bytes), each block's d sized to its largest |value|. Not a
+    quantization of the values (llama.cpp's quantizers for these types want an importance
+    matrix): the products and models are tested on whatever values the blocks hold, as
+    llama.cpp's dequantization gives them."""
+    size, reach = GRID_BLOCKS[ggml_type]
+    lead, k = values.shape[:-1], values.shape[-1]
+    x = values.reshape(-1, 256).astype(np.float32)
+    rng = np.random.default_rng(zlib.crc32(x.tobytes()))
+    out = rng.integers(0, 256, size=(len(x), size), dtype=np.uint8)
+    d = (np.abs(x).max(-1) / reach).astype(np.float16).view(np.uint16)
+    if ggml_type == T.IQ1_M:  # d's nibbles the top ones of the four scale words
+        words = out[:, 48:56].copy().view("<u2")
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((d >> (4 * i)) & 15) << 12)
+        out[:, 48:56] = words.view(np.uint8)
+    else:
+        out[:, 0:2] = d.astype("<u2").reshape(-1, 1).view(np.uint8)
+    return out.reshape(*lead, k // 256 * size)
+
+
 QUANTIZERS = {
     T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
     T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k, T.IQ4_XS: quantize_iq4_xs,
     T.IQ4_NL: quantize_iq4_nl,
+    **{t: functools.partial(grid_blocks, ggml_type=t) for t in GRID_BLOCKS},
 }  # fmt: skip
 
 

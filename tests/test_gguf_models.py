@@ -285,6 +285,76 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     assert np.abs(logits(floats) - want).max() <= 1e-4 * scale
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_grid_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+    """A file of the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: a
+    layer's seven matrices one of each, the embedding IQ3_S, a head of its own IQ2_XS): every
+    one stays in its blocks (2.06 to 3.44 bits a weight, where they were 8-bit codes or
+    float32) and is read by the native step; the logits are the float64 forward's of
+    llama.cpp's values within 1e-4 on the native step (forwards and decode steps: the float
+    tiles, the same bits), on MLX's own path over the blocks, and from what a backend without
+    the native step keeps (IQ2_XXS, IQ3_XXS, IQ3_S and IQ1_S MLX's 8-bit codes, the others
+    float32)."""
+    import mlx.nn as nn
+
+    from runner.backend import Backend
+    from runner.models.quantized import AFFINE_REPACKS, GGMLEmbedding, GGMLLinear
+    from tests.gguf_models import GRID_FILE, grid_types
+
+    config, path, weights = llama_file(tmp_path, K_QUANT_LLAMA, grid_types, tied)
+    source = load_gguf(path)
+    types = {
+        name.removesuffix(".blocks"): source.quantization[name.removesuffix(".blocks")]["ggml_type"]
+        for name in source.weights
+        if name.endswith(".blocks")
+    }
+    matrices = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for i in range(config["num_hidden_layers"]):
+        layer = {
+            m: types[k]
+            for k in types
+            for m in matrices
+            if k.startswith(f"model.layers.{i}.") and k.endswith(m)
+        }
+        assert len(layer) == 7 and set(layer.values()) == {t.name for t in GRID_FILE.values()}
+    assert types["model.embed_tokens"] == "IQ3_S"
+    assert types.get("lm_head") == (None if tied else "IQ2_XS")
+    for name in types:  # as stored
+        rows, width = weights[f"{name}.weight"].shape
+        info = quants.TYPES[getattr(quants, types[name])]
+        assert source.weights[f"{name}.blocks"].shape == (rows, width // 256 * info.type_size)
+    want = llama_forward(
+        {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
+    )
+    scale = max(1.0, np.abs(want).max())
+    model = build_model(source)
+    modules = dict(model.module.named_modules())
+    assert all(isinstance(modules[k], GGMLLinear | GGMLEmbedding) for k in types)
+    assert model._native is not None and model._native.quantized  # the step reads the blocks
+    native = logits(model)
+    assert np.abs(native - want).max() <= 1e-4 * scale
+    with model.mlx_only():
+        assert np.abs(logits(model) - want).max() <= 1e-4 * scale
+    caches, plain_caches = model.make_caches(), model.make_caches()
+    model.hidden(mx.array([SEQUENCE[:4]]), caches)
+    model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
+    for i in range(4, len(SEQUENCE)):
+        with model.decode_steps():
+            hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
+        plain = model.hidden(mx.array([[SEQUENCE[i]]]), plain_caches)
+        np.testing.assert_array_equal(np.array(hidden), np.array(plain))  # no limbs
+    plain_backend = dataclasses.replace(Backend.cpu(), native_step_max_tokens=None)
+    floats = build_model(load_gguf(path), plain_backend)
+    float_modules = dict(floats.module.named_modules())
+    for name, kind in types.items():
+        if kind in AFFINE_REPACKS:
+            assert isinstance(float_modules[name], nn.QuantizedLinear | nn.QuantizedEmbedding)
+            assert float_modules[name].bits == 8, name
+        else:
+            assert type(float_modules[name]) in (nn.Linear, nn.Embedding), name
+    assert np.abs(logits(floats) - want).max() <= 1e-4 * scale
+
+
 def five_bits(name: str, shape: tuple[int, ...], arch: str) -> T:
     """Q5_0 for the layers' matrices (the runner maps them onto MLX's 5-bit affine codes, as
     most of the default model's "Q4_K_M" file), `mixed` elsewhere."""
@@ -681,14 +751,19 @@ def test_unsupported_architectures_and_broken_files_are_refused_naming_them(tmp_
         load_gguf(cut)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "ggml_type",
+    ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+     "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"],
+)  # fmt: skip
 def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_type: str) -> None:
-    """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX to llama.cpp's values bit
-    for bit (runner/sources/gguf/quants.py's, checked against gguf-py's), for a quantizer's
-    blocks and for random ones (every code, extreme and subnormal float16 scales); where no
-    native step reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit) and
-    the others float32 layers of the very same values, and `adopt_blocks` without
-    `keep` does the same before the load."""
+    """A GGMLLinear / GGMLEmbedding dequantizes its blocks with MLX (the grid i-quants with
+    numpy) to llama.cpp's values bit for bit (runner/sources/gguf/quants.py's, checked against
+    gguf-py's), for a quantizer's blocks (the grid types': random ones of finite scales) and
+    for random ones (every code, extreme and subnormal float16 scales); where no native step
+    reads them, `release_blocks` makes Q4_K (Q5_K) MLX's affine 4-bit (5-bit), IQ2_XXS,
+    IQ3_XXS, IQ3_S and IQ1_S its 8-bit codes, and the others float32 layers of the very same
+    values, and `adopt_blocks` without `keep` does the same before the load."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -699,7 +774,9 @@ def test_ggml_block_layers_compute_llama_cpp_values_and_fall_back_exactly(ggml_t
 
     kind = getattr(quants, ggml_type)
     quantize = QUANTIZERS[getattr(T, ggml_type)]
-    bits = {"Q4_K": 4, "Q5_K": 5}.get(ggml_type, 0)
+    bits = {"Q4_K": 4, "Q5_K": 5, "IQ2_XXS": 8, "IQ3_XXS": 8, "IQ3_S": 8, "IQ1_S": 8}.get(
+        ggml_type, 0
+    )
     rng = np.random.default_rng(3)
     rows, width = 24, 512
     blocks = quantize(rng.normal(size=(rows, width)).astype(np.float32))

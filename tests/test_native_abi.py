@@ -14,6 +14,7 @@ instruction-set paths.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -42,6 +43,8 @@ from tests.test_native_step import WINDOWED, windowed_config
 from tests.tiny import load_tiny_model
 
 COMPILER = build.compiler()
+# GGML's grid i-quants (their blocks random: tests/gguf_models.py's grid_blocks)
+GRID_NAMES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
 X86 = platform.machine() == "x86_64"
 
@@ -317,6 +320,8 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
     `ggml_type`'s quants kind, weight format and quantizer (tests/gguf_models.py)."""
     from runner.sources.gguf import quants
     from tests.gguf_models import (
+        T,
+        grid_blocks,
         quantize_iq4_nl,
         quantize_iq4_xs,
         quantize_q2_k,
@@ -339,19 +344,29 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
         "Q2_K": (quants.Q2_K, abi.Q2K, quantize_q2_k),
         "IQ4_XS": (quants.IQ4_XS, abi.IQ4XS, quantize_iq4_xs),
         "IQ4_NL": (quants.IQ4_NL, abi.IQ4NL, quantize_iq4_nl),
+        **{
+            name: (getattr(quants, name), getattr(abi, name.replace("_", "")), None)
+            for name in GRID_NAMES
+        },
     }[ggml_type]
+    if quantize is None:  # random blocks (tests/gguf_models.py: grid_blocks)
+        quantize = functools.partial(grid_blocks, ggml_type=getattr(T, ggml_type))
     return march, functions, kind, form, quantize
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", *GRID_NAMES]
+)
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
-    """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks as a
-    GGUF stores them: exactly the sums the level's block tiles define (the values in order of
+    """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks and
+    the grid i-quants' (random blocks: every index, sign and scale bit) as a GGUF stores
+    them: exactly the sums the level's block tiles define (the values in order of
     k, its lanes, fused or not), the same bits for any number of rows (the stream tiles of one
     and two rows, the block tiles of more), and within 1e-4 of the float64 product of
     llama.cpp's values (runner/sources/gguf/quants.py's dequantization, checked against
     gguf-py's). A decode step's rows take the same tiles where the build has no limbs, and
-    always for IQ4_NL (which has none); IQ4_NL's rows need only be whole 32s (576: SmolLM2's)."""
+    always for IQ4_NL and the grid types (which have none); IQ4_NL's rows need only be whole
+    32s (576: SmolLM2's)."""
     from runner.sources.gguf import quants
 
     march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
@@ -378,7 +393,8 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
     assert not functions.weight_supported(ctypes.byref(short), n, 300)
     decode = weight_times(functions, weight, (n, k), a, decode=True)
-    if not functions.limb_products or ggml_type == "IQ4_NL":  # the float tiles: the same bits
+    if not functions.limb_products or ggml_type == "IQ4_NL" or ggml_type in GRID_NAMES:
+        # the float tiles: the same bits
         np.testing.assert_array_equal(decode, c)
 
 

@@ -224,13 +224,17 @@ GGML_BLOCKS = "blocks"
 GGML_FORMATS = {
     "Q6_K": (abi.Q6K, 210, 256), "Q4_K": (abi.Q4K, 144, 256), "Q5_K": (abi.Q5K, 176, 256),
     "Q3_K": (abi.Q3K, 110, 256), "Q2_K": (abi.Q2K, 84, 256), "IQ4_XS": (abi.IQ4XS, 136, 256),
-    "IQ4_NL": (abi.IQ4NL, 18, 32),
+    "IQ4_NL": (abi.IQ4NL, 18, 32), "IQ2_XXS": (abi.IQ2XXS, 66, 256), "IQ2_XS": (abi.IQ2XS, 74, 256),
+    "IQ2_S": (abi.IQ2S, 82, 256), "IQ3_XXS": (abi.IQ3XXS, 98, 256), "IQ3_S": (abi.IQ3S, 110, 256),
+    "IQ1_S": (abi.IQ1S, 50, 256), "IQ1_M": (abi.IQ1M, 56, 256),
 }  # fmt: skip
 # `_Matrix.values`' dequantizing
 GGML_TYPE_IDS = {
     abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K,
     abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K, abi.IQ4XS: quants.IQ4_XS,
-    abi.IQ4NL: quants.IQ4_NL,
+    abi.IQ4NL: quants.IQ4_NL, abi.IQ2XXS: quants.IQ2_XXS, abi.IQ2XS: quants.IQ2_XS,
+    abi.IQ2S: quants.IQ2_S, abi.IQ3XXS: quants.IQ3_XXS, abi.IQ3S: quants.IQ3_S,
+    abi.IQ1S: quants.IQ1_S, abi.IQ1M: quants.IQ1_M,
 }  # fmt: skip
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).

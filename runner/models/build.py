@@ -55,8 +55,9 @@ def build_model(
         raise ModelLoadError(f"cannot build {architecture} from config.json: {e!r}") from e
     weights = dict(source.weights)
     quantization, blocks = quantized.block_layers(source.quantization)
-    # GGML blocks (Q2_K to Q6_K, IQ4_XS): kept where a native step will read them; elsewhere
-    # Q4_K / Q5_K MLX's affine 4- / 5-bit, the others float32
+    # GGML blocks (Q2_K to Q6_K, IQ4_XS, IQ4_NL, the grid i-quants): kept where a native step
+    # will read them; elsewhere Q4_K / Q5_K MLX's affine 4- / 5-bit, IQ2_XXS / IQ3_XXS / IQ3_S /
+    # IQ1_S 8-bit, the others float32
     keep_blocks = (
         bool(blocks)
         and backend.native_step_max_tokens is not None

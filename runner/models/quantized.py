@@ -17,14 +17,16 @@ matrices whose rows are not whole 256s: most of SmolLM2's) a table of 16 values 
 makes; their exact float32 values take 4.9x, 9.3x, 12.2x, 7.5x and 7.1x the file's bytes. Q4_K
 and Q5_K repack exactly onto MLX's affine 4- and 5-bit groups of 32, but only with float32
 scales and biases (6 and 7 bits a weight, against the file's 4.5 and 5.5), which a decode step,
-bound by the bytes it reads, pays for. A GGUF source names such layers in its quantization
-config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, `"Q5_K"`, `"Q3_K"`, `"Q2_K"`, `"IQ4_XS"` or
-`"IQ4_NL"`, runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps
-them as `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
-(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes Q4_K / Q5_K the
-affine repack and the others float32 weights, as before. The layers' own forward (MLX's path)
-dequantizes the blocks with MLX operations, to the values llama.cpp's dequantization gives, bit
-for bit.
+bound by the bytes it reads, pays for. The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S, IQ1_S, IQ1_M: 1.56 to 3.44 bits a weight) become 8-bit affine codes where their scale
+covers 32 weights (10 bits a weight), float32 where it covers 16. A GGUF source names such
+layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, ..., `"IQ1_M"`,
+runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps them as
+`GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
+(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes the types
+AFFINE_REPACKS names the affine repack and the others float32 weights, as before. The layers'
+own forward (MLX's path) dequantizes the blocks with MLX operations (the grid types with
+numpy), to the values llama.cpp's dequantization gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ GGML_TYPE = "ggml_type"
 BLOCKS = "blocks"
 Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS = "Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"
 IQ4_NL = "IQ4_NL"
+# the grid i-quants (blocks of 256: a scale per 32 or 16 weights times grid values)
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS = "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"
+IQ3_S, IQ1_S, IQ1_M = "IQ3_S", "IQ1_S", "IQ1_M"
+GRID_TYPES = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
 BLOCK_WEIGHTS = 256  # weights a block, of all these types but IQ4_NL
 IQ4_NL_WEIGHTS = 32
 Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
@@ -320,19 +326,32 @@ def dequantize_k_quant(blocks: mx.array, ggml_type: str) -> mx.array:
     return (scales * codes.astype(mx.float32) + biases).reshape(*lead, n * BLOCK_WEIGHTS)
 
 
-def k_quant_affine(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
-    """Q4_K (Q5_K) blocks [rows, k / 256 * bytes a block] as MLX's affine quantization (group
-    32, 4 (5) bits, float32 scales d * sc_j and biases -(dmin * m_j)): the same values
-    exactly, by GGUF loading's own repack (numpy: MLX's element-wise CPU operations take
-    seconds a 1B)."""
+def affine_repack(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array]:
+    """Blocks [rows, k / 256 * bytes a block] of a type AFFINE_REPACKS names as MLX's affine
+    quantization: Q4_K (Q5_K) 4 (5) bits, float32 scales d * sc_j and biases -(dmin * m_j);
+    IQ2_XXS, IQ3_XXS, IQ3_S and IQ1_S 8 bits (the signed grid value + 128), their scale and
+    -128 times it: the same values exactly, by GGUF loading's own repack (numpy: MLX's
+    element-wise CPU operations take seconds a 1B). quants.NotExact where a grid block's
+    scale is not finite (llama.cpp's values are then not an affine map's)."""
     import numpy as np
 
     raw = np.asarray(blocks)
     rows, k = raw.shape[0], block_columns(ggml_type, raw.shape[1])
-    kind = quants.Q4_K if ggml_type == Q4_K else quants.Q5_K
-    repacked = quants.repack(raw.reshape(-1), kind, (rows, k))
+    repacked = quants.repack(raw.reshape(-1), quants.BY_NAME[ggml_type].id, (rows, k))
     assert repacked.biases is not None
     return mx.array(repacked.weight), mx.array(repacked.scales), mx.array(repacked.biases)
+
+
+def dequantize_grid(blocks: mx.array, ggml_type: str) -> mx.array:
+    """float32 [..., k] from blocks of a grid i-quant (GRID_TYPES) [..., k / 256 * bytes a
+    block] (uint8): llama.cpp's values, by GGUF loading's own dequantization (numpy: the grids'
+    lookups, checked against gguf-py's and llama.cpp's values)."""
+    import numpy as np
+
+    raw = np.asarray(blocks)
+    shape = (*raw.shape[:-1], block_columns(ggml_type, raw.shape[-1]))
+    kind = quants.BY_NAME[ggml_type].id
+    return mx.array(quants.dequantize(np.ascontiguousarray(raw).reshape(-1), kind, shape))
 
 
 DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
@@ -343,10 +362,12 @@ DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
     Q2_K: dequantize_q2_k,
     IQ4_XS: dequantize_iq4_xs,
     IQ4_NL: dequantize_iq4_nl,
+    **{t: partial(dequantize_grid, ggml_type=t) for t in GRID_TYPES},
 }
 BLOCK_BYTES = {
     Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q3_K: Q3_K_BYTES, Q2_K: Q2_K_BYTES,
     IQ4_XS: IQ4_XS_BYTES, IQ4_NL: IQ4_NL_BYTES,
+    **{t: quants.BY_NAME[t].type_size for t in GRID_TYPES},
 }  # fmt: skip
 
 
@@ -419,9 +440,23 @@ def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | 
     return (rest or None), paths
 
 
-# How a Q4_K (Q5_K) layer whose blocks are not kept is quantized instead (k_quant_affine)
+# How a layer of these types whose blocks are not kept is quantized instead (affine_repack)
 Q4_K_AFFINE: dict[str, Any] = {"group_size": 32, "bits": 4, "mode": "affine"}
-K_QUANT_AFFINE: dict[str, dict[str, Any]] = {Q4_K: Q4_K_AFFINE, Q5_K: {**Q4_K_AFFINE, "bits": 5}}
+AFFINE_REPACKS: dict[str, dict[str, Any]] = {
+    Q4_K: Q4_K_AFFINE,
+    Q5_K: {**Q4_K_AFFINE, "bits": 5},
+    **{t: {**Q4_K_AFFINE, "bits": 8} for t in (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S)},
+}
+
+
+def _affine_or_none(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array] | None:
+    """affine_repack of a matrix of blocks where its type has one and it holds; else None."""
+    if ggml_type not in AFFINE_REPACKS or blocks.ndim != 2:
+        return None
+    try:
+        return affine_repack(blocks, ggml_type)
+    except quants.NotExact:
+        return None
 
 
 def adopt_blocks(
@@ -434,9 +469,10 @@ def adopt_blocks(
     """The layers at `paths`, whose weights are GGML blocks (`P.blocks` in `weights`, their
     type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
     GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
-    ...) Q4_K and Q5_K become MLX's affine quantization of the same values (`P.weight`,
-    `P.scales`, `P.biases`, quantized as K_QUANT_AFFINE says) and the others (Q6_K, Q3_K, Q2_K,
-    IQ4_XS, IQ4_NL) float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
+    ...) the types AFFINE_REPACKS names become MLX's affine quantization of the same values
+    (`P.weight`, `P.scales`, `P.biases`, quantized as it says) and the others (Q6_K, Q3_K, Q2_K,
+    IQ4_XS, IQ4_NL, IQ2_XS, IQ2_S, IQ1_M, and a grid block with a scale that is not finite)
+    float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
     and load. Returns the source's quantization config without the block entries and with the
     affine layers' entries added (None if it is empty)."""
     layers = dict(module.named_modules())
@@ -454,11 +490,11 @@ def adopt_blocks(
             kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
         elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
             kept.append((path, GGMLEmbedding(rows, width, ggml_type)))
-        elif ggml_type in K_QUANT_AFFINE and blocks.ndim == 2:
-            packed, scales, biases = k_quant_affine(weights.pop(name), ggml_type)
-            weights[f"{path}.weight"], weights[f"{path}.scales"] = packed, scales
-            weights[f"{path}.biases"] = biases
-            affine[path] = dict(K_QUANT_AFFINE[ggml_type])
+        elif (repacked := _affine_or_none(blocks, ggml_type)) is not None:
+            del weights[name]
+            weights[f"{path}.weight"], weights[f"{path}.scales"] = repacked[0], repacked[1]
+            weights[f"{path}.biases"] = repacked[2]
+            affine[path] = dict(AFFINE_REPACKS[ggml_type])
         else:
             weights[f"{path}.weight"] = DEQUANTIZE[ggml_type](weights.pop(name))
     if kept:
@@ -471,10 +507,10 @@ def adopt_blocks(
 
 def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
-    native step reads the blocks: MLX's path would dequantize them in every forward): Q4_K
-    and Q5_K an affine QuantizedLinear / QuantizedEmbedding of the same values (4 and 5
-    bits), the others an nn.Linear / nn.Embedding of their float32 values; whether there was
-    one."""
+    native step reads the blocks: MLX's path would dequantize them in every forward): the
+    types AFFINE_REPACKS names an affine QuantizedLinear / QuantizedEmbedding of the same
+    values (Q4_K and Q5_K 4 and 5 bits, the grid i-quants with a scale per 32 weights 8), the
+    others an nn.Linear / nn.Embedding of their float32 values; whether there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
         if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):
@@ -484,9 +520,10 @@ def release_blocks(module: nn.Module) -> bool:
         width = block_columns(layer.ggml_type, blocks.shape[1])
         bias = "bias" in layer
         new: nn.Module
-        if layer.ggml_type in K_QUANT_AFFINE:
-            packed, scales, biases = k_quant_affine(blocks, layer.ggml_type)
-            bits = K_QUANT_AFFINE[layer.ggml_type]["bits"]
+        repacked = _affine_or_none(blocks, layer.ggml_type)
+        if repacked is not None:
+            packed, scales, biases = repacked
+            bits = AFFINE_REPACKS[layer.ggml_type]["bits"]
             if isinstance(layer, GGMLLinear):
                 new = nn.QuantizedLinear(width, rows, bias, group_size=32, bits=bits)
             else:

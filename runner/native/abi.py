@@ -20,12 +20,14 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 20  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 21  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
 # The weight formats of runner_native.h (struct step_weight's `format`, and `scale_format`).
 F32_FORMAT, AFFINE, Q6K, Q4K, Q5K, Q3K, Q2K, IQ4XS, IQ4NL = 0, 3, 4, 5, 6, 7, 8, 9, 10
+# GGML's grid i-quants (W_IQ2XXS .. W_IQ1M)
+IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M = 11, 12, 13, 14, 15, 16, 17
 # The half-precision formats (W_F16, W_BF16): those tried, in order, for exact copies of float32
 # weights, and the formats of an affine quantization's scales and biases beside float32.
 HALF_FORMATS = {"float16": 1, "bfloat16": 2}

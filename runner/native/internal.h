@@ -202,10 +202,12 @@ int affine_block(const struct product *p);
 int affine_reordered(int bits);
 void affine_rows(int bits, int m, int k, const float *a, int lda, float *into);
 int affine_supported(const struct step_weight *w, int n, int k);
+/* Whether a weight format is one of GGML's grid i-quants (W_IQ2XXS .. W_IQ1M). */
+static inline int grid_format(int format) { return format >= W_IQ2XXS && format <= W_IQ1M; }
 /* Whether a weight format is one of GGML's blocks (ggml_columns reads them). */
 static inline int ggml_format(int format) {
     return format == W_Q6K || format == W_Q4K || format == W_Q5K || format == W_Q3K || format == W_Q2K ||
-           format == W_IQ4XS || format == W_IQ4NL;
+           format == W_IQ4XS || format == W_IQ4NL || grid_format(format);
 }
 /* quantized.c: the same for the GGML block formats (ggml_format; A in order of k). */
 void ggml_columns(const struct product *p, int j0, int j1);

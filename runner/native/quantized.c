@@ -764,8 +764,11 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles: all but IQ4_NL, where the build has limbs. */
-static int limb_format(int format) { return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL; }
+/* Whether a GGML block format has limb tiles: all but IQ4_NL and the grid i-quants, where the
+ * build has limbs. */
+static int limb_format(int format) {
+    return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL && !grid_format(format);
+}
 
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format);
@@ -810,7 +813,8 @@ int limbs_read(const struct step_weight *w, int k) {
  * never a float32 copy of W. */
 enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210, Q3K_BYTES = 110, Q2K_BYTES = 84, IQ4XS_BYTES = 136 };
 /* the formats the 16-weight tiles read: a compile-time constant of each instance */
-enum { S16_Q6K, S16_Q3K, S16_Q2K, S16_IQ4XS };
+enum { S16_Q6K, S16_Q3K, S16_Q2K, S16_IQ4XS, S16_IQ2XXS, S16_IQ2XS, S16_IQ2S, S16_IQ3XXS, S16_IQ3S, S16_IQ1S,
+       S16_IQ1M };
 
 typedef unsigned char u8x32 __attribute__((vector_size(32)));
 typedef unsigned short u16x16 __attribute__((vector_size(32)));
@@ -979,9 +983,269 @@ ALWAYS void iq4xs_codes(const unsigned char *x, signed char *codes) {
 #endif
 }
 
+/* --- GGML's grid i-quants (W_IQ2XXS .. W_IQ1M) ------------------------------------------- */
+
+/* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M (what llama.cpp's quantizer writes
+ * for its IQ1 to IQ3 files): 256 weights a block, each 8 (IQ3: 4) of them an index into a
+ * fixed grid of small integers (iq_grids.h, llama.cpp's tables), with eight signs (IQ1: an
+ * offset delta of +-1/8 instead) and a scale per 32 or 16 weights. The tiles take them as the
+ * 16-weight formats' codes and scales (s16_codes): IQ2 and IQ3 a code the grid value with its
+ * sign and llama.cpp's scale (d * (0.5 + s) / 4, d * (0.5 + s) / 2, d * (1 + 2s)); IQ1 the
+ * code 8 * grid + 8 * delta (an odd integer, -9 .. 9) and the scale dl / 8, whose product is
+ * dl * (grid + delta) before its one rounding. So every value is llama.cpp's
+ * dequantize_row_iq*'s (the scale times the grid value, times the sign: exact) bit for bit,
+ * and a block is read from its own bytes (2.06 to 3.44 bits a weight), never a copy of W. No
+ * limb tiles: a decode step reads these with the float tiles. */
+#include "iq_grids.h"
+
+enum { IQ2XXS_BYTES = 66, IQ2XS_BYTES = 74, IQ2S_BYTES = 82, IQ3XXS_BYTES = 98, IQ3S_BYTES = 110,
+       IQ1S_BYTES = 50, IQ1M_BYTES = 56 };
+
+/* A block's codes are made 32 (a sub-block) at a time: with AVX2 (and AVX-512) the 4 or 8 grid
+ * entries loaded into a 256-bit register, the 32 signs applied at once (AVX-512's masked
+ * subtract, AVX2's byte mask); elsewhere 8 at a time in the same order. */
+#if QPATH == 512 || QPATH == 256
+#define GRID_VECTORS 1
+#else
+#define GRID_VECTORS 0
+#endif
+
+/* The sign bytes of four 7-bit sign indices (bits 0-6 of each byte of `b`, the eighth clear):
+ * llama.cpp's ksigns_iq2xs, each byte's bit 7 the parity of its seven, so that the eight signs
+ * have an even number of minuses. */
+static inline unsigned with_parity(unsigned b) {
+    unsigned p = b ^ (b >> 4); /* bit 8i of p ends as the parity of byte i */
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return b | (p & 0x01010101u) << 7;
+}
+
+/* Four 7-bit sign indices packed at bits 0, 7, 14, 21 of `a` (IQ2_XXS's, IQ3_XXS's), as bytes. */
+static inline unsigned seven_bit_fields(unsigned a) {
+    return (a & 0x7fu) | ((a << 1) & 0x7f00u) | ((a << 2) & 0x7f0000u) | ((a << 3) & 0x7f000000u);
+}
+
+#if GRID_VECTORS
+/* g with byte i negated where bit i of `signs` is set. */
+ALWAYS __m256i signed_bytes(__m256i g, unsigned signs) {
+#if QPATH == 512 && defined(__AVX512VL__)
+    return _mm256_mask_sub_epi8(g, (__mmask32)signs, _mm256_setzero_si256(), g);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)signs),
+                                               _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
+                                                                 0x0101010101010101ll, 0));
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i minus = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits); /* -1 where negated */
+    return _mm256_sub_epi8(_mm256_xor_si256(g, minus), minus);
+#endif
+}
+
+/* Four 8-value entries of `grid` (32 bytes). */
+ALWAYS __m256i entries_8(const unsigned long long *grid, unsigned i0, unsigned i1, unsigned i2, unsigned i3) {
+    return _mm256_set_epi64x((long long)grid[i3], (long long)grid[i2], (long long)grid[i1], (long long)grid[i0]);
+}
+
+/* Eight 4-value entries of `grid` (32 bytes), at indices ix[0 .. 8). */
+ALWAYS __m256i entries_4(const unsigned *grid, const unsigned *ix) {
+    return _mm256_set_epi32((int)grid[ix[7]], (int)grid[ix[6]], (int)grid[ix[5]], (int)grid[ix[4]],
+                            (int)grid[ix[3]], (int)grid[ix[2]], (int)grid[ix[1]], (int)grid[ix[0]]);
+}
+
+/* IQ1's codes: 8 * g (g's bytes -1, 0, 1; shifted in 16-bit lanes, the bits a low byte
+ * pushes into the high one masked off) plus delta's bytes (+-1). */
+ALWAYS __m256i offset_bytes(__m256i g, __m256i delta) {
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(g, 3), _mm256_set1_epi8((char)0xf8)), delta);
+}
+#else
+typedef signed char s8x8 __attribute__((vector_size(8)));
+
+/* out[0 .. 8) = grid entry e's values (bytes, low first), negated where bit j of `signs` is. */
+ALWAYS void signed_entry(signed char *out, unsigned long long e, unsigned signs) {
+    const s8x8 bit = {1, 2, 4, 8, 16, 32, 64, -128};
+    s8x8 g;
+    memcpy(&g, &e, 8);
+    const s8x8 minus = (((s8x8){0} + (signed char)signs) & bit) != 0; /* -1 where negated */
+    const s8x8 code = (g ^ minus) - minus;
+    memcpy(out, &code, 8);
+}
+
+/* IQ1's out[0 .. 8): 8 * grid entry e's values (-1, 0, 1) plus `delta` (+-1). */
+ALWAYS void offset_entry(signed char *out, unsigned long long e, int delta) {
+    s8x8 g;
+    memcpy(&g, &e, 8);
+    const s8x8 code = g * 8 + (signed char)delta;
+    memcpy(out, &code, 8);
+}
+#endif
+
+/* 32 codes at out from four 8-value entries (indices i[0 .. 4)) and 32 signs. */
+ALWAYS void signed_32(signed char *out, const unsigned long long *grid, const unsigned *i, unsigned signs) {
+#if GRID_VECTORS
+    _mm256_storeu_si256((__m256i *)out, signed_bytes(entries_8(grid, i[0], i[1], i[2], i[3]), signs));
+#else
+    for (int l = 0; l < 4; l++) signed_entry(out + 8 * l, grid[i[l]], signs >> 8 * l);
+#endif
+}
+
+/* 32 codes at out from eight 4-value entries (indices i[0 .. 8)) and 32 signs. */
+ALWAYS void signed_32_of_4(signed char *out, const unsigned *grid, const unsigned *i, unsigned signs) {
+#if GRID_VECTORS
+    _mm256_storeu_si256((__m256i *)out, signed_bytes(entries_4(grid, i), signs));
+#else
+    for (int l = 0; l < 4; l++)
+        signed_entry(out + 8 * l, grid[i[2 * l]] | (unsigned long long)grid[i[2 * l + 1]] << 32, signs >> 8 * l);
+#endif
+}
+
+/* IQ1's 32 codes at out from four entries of IQ1S_GRID and the sign of each 8's delta (bit l
+ * of `minus`: -1/8, else +1/8). */
+ALWAYS void offset_32(signed char *out, const unsigned *i, unsigned minus) {
+#if GRID_VECTORS
+    const long long plus = 0x0101010101010101ll, less = -1;
+    const __m256i delta = _mm256_set_epi64x(minus & 8 ? less : plus, minus & 4 ? less : plus,
+                                            minus & 2 ? less : plus, minus & 1 ? less : plus);
+    _mm256_storeu_si256((__m256i *)out, offset_bytes(entries_8(IQ1S_GRID, i[0], i[1], i[2], i[3]), delta));
+#else
+    for (int l = 0; l < 4; l++) offset_entry(out + 8 * l, IQ1S_GRID[i[l]], minus >> l & 1 ? -1 : 1);
+#endif
+}
+
+/* The d (float16) at x. */
+ALWAYS float half_at(const unsigned char *x) {
+    unsigned short half;
+    memcpy(&half, x, 2);
+    return half_to_float(half);
+}
+
+/* IQ2_XXS (66 bytes): d, then per 32 weights two uint32: four grid indices (bytes), and four
+ * 7-bit sign indices (bits 0, 7, 14, 21) with the scale s (bits 28-31). */
+ALWAYS void iq2xxs_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        unsigned aux[2];
+        memcpy(aux, x + 2 + 8 * b, 8);
+        scale[2 * b] = scale[2 * b + 1] = d * (0.5f + (float)(aux[1] >> 28)) * 0.25f;
+        const unsigned i[4] = {aux[0] & 255, (aux[0] >> 8) & 255, (aux[0] >> 16) & 255, aux[0] >> 24};
+        signed_32(codes + 32 * b, IQ2XXS_GRID, i, with_parity(seven_bit_fields(aux[1])));
+    }
+}
+
+/* IQ2_XS (74 bytes): d, qs[32] (uint16: a 9-bit grid index, a 7-bit sign index), scales[8]
+ * (a 4-bit s per 16 weights, the low nibble first). */
+ALWAYS void iq2xs_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        scale[2 * b] = d * (0.5f + (float)(x[66 + b] & 15)) * 0.25f;
+        scale[2 * b + 1] = d * (0.5f + (float)(x[66 + b] >> 4)) * 0.25f;
+        unsigned short q[4];
+        memcpy(q, x + 2 + 8 * b, 8);
+        const unsigned i[4] = {q[0] & 511u, q[1] & 511u, q[2] & 511u, q[3] & 511u};
+        const unsigned signs = (unsigned)(q[0] >> 9) | (unsigned)(q[1] >> 9) << 8 | (unsigned)(q[2] >> 9) << 16 |
+                               (unsigned)(q[3] >> 9) << 24;
+        signed_32(codes + 32 * b, IQ2XS_GRID, i, with_parity(signs));
+    }
+}
+
+/* IQ2_S (82 bytes): d, qs[32] (grid indices' low 8 bits), signs[32] (a byte per 8 weights),
+ * qh[8] (per 32 weights the indices' top 2 bits, 2 a group of 8), scales[8] (as IQ2_XS's). */
+ALWAYS void iq2s_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        scale[2 * b] = d * (0.5f + (float)(x[74 + b] & 15)) * 0.25f;
+        scale[2 * b + 1] = d * (0.5f + (float)(x[74 + b] >> 4)) * 0.25f;
+        const unsigned char *q = x + 2 + 4 * b;
+        const unsigned high = x[66 + b];
+        const unsigned i[4] = {q[0] | ((high << 8) & 0x300), q[1] | ((high << 6) & 0x300),
+                               q[2] | ((high << 4) & 0x300), q[3] | ((high << 2) & 0x300)};
+        unsigned signs;
+        memcpy(&signs, x + 34 + 4 * b, 4);
+        signed_32(codes + 32 * b, IQ2S_GRID, i, signs);
+    }
+}
+
+/* IQ3_XXS (98 bytes): d, qs[64] (grid indices, 4 values each), then per 32 weights a uint32
+ * of four 7-bit sign indices and the scale s (bits 28-31). */
+ALWAYS void iq3xxs_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        unsigned aux;
+        memcpy(&aux, x + 66 + 4 * b, 4);
+        scale[2 * b] = scale[2 * b + 1] = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        const unsigned char *q = x + 2 + 8 * b;
+        const unsigned i[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+        signed_32_of_4(codes + 32 * b, IQ3XXS_GRID, i, with_parity(seven_bit_fields(aux)));
+    }
+}
+
+/* IQ3_S (110 bytes): d, qs[64] (grid indices' low 8 bits), qh[8] (their ninth bits, a byte per
+ * 32 weights), signs[32], scales[4] (a 4-bit s per 32 weights, the low nibble first). */
+ALWAYS void iq3s_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        scale[2 * b] = scale[2 * b + 1] = d * (float)(1 + 2 * ((x[106 + b / 2] >> 4 * (b % 2)) & 15));
+        unsigned signs;
+        memcpy(&signs, x + 74 + 4 * b, 4);
+        const unsigned char *q = x + 2 + 8 * b;
+        const unsigned high = x[66 + b];
+        unsigned i[8];
+        for (int l = 0; l < 8; l++) i[l] = q[l] | ((high << (8 - l)) & 256);
+        signed_32_of_4(codes + 32 * b, IQ3S_GRID, i, signs);
+    }
+}
+
+/* IQ1_S (50 bytes): d, qs[32] (grid indices' low 8 bits), qh[8] (uint16 per 32 weights: the
+ * indices' top 3 bits, 3 a group of 8, then s in bits 12-14 and delta's sign in bit 15). */
+ALWAYS void iq1s_codes(const unsigned char *x, signed char *codes, float *scale) {
+    const float d = half_at(x);
+    for (int b = 0; b < 8; b++) {
+        unsigned short h;
+        memcpy(&h, x + 34 + 2 * b, 2);
+        const float dl = d * (float)(2 * ((h >> 12) & 7) + 1);
+        scale[2 * b] = scale[2 * b + 1] = dl * 0.125f;
+        const unsigned char *q = x + 2 + 4 * b;
+        const unsigned i[4] = {q[0] | (h & 7u) << 8, q[1] | (h >> 3 & 7u) << 8, q[2] | (h >> 6 & 7u) << 8,
+                               q[3] | (h >> 9 & 7u) << 8};
+        offset_32(codes + 32 * b, i, h & 0x8000 ? 15 : 0);
+    }
+}
+
+/* IQ1_M (56 bytes): qs[32] (grid indices' low 8 bits), qh[16] (a nibble per 8 weights: the
+ * index's top 3 bits, delta's sign in the fourth), scales[8] (uint16 x 4: a 3-bit s per 16
+ * weights, 4 a word, and d (float16) in the words' top nibbles). */
+ALWAYS void iq1m_codes(const unsigned char *x, signed char *codes, float *scale) {
+    unsigned short sc[4];
+    memcpy(sc, x + 48, 8);
+    const unsigned short half = (unsigned short)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) |
+                                                 (sc[3] & 0xf000));
+    const float d = half_to_float(half);
+    for (int g = 0; g < 16; g++) {
+        const float dl = d * (float)(2 * ((sc[g / 4] >> 3 * (g % 4)) & 7) + 1);
+        scale[g] = dl * 0.125f;
+    }
+    for (int b = 0; b < 8; b++) {
+        const unsigned char *q = x + 4 * b;
+        unsigned short h; /* the four nibbles of these 32 weights, low first */
+        memcpy(&h, x + 32 + 2 * b, 2);
+        const unsigned i[4] = {q[0] | (h & 7u) << 8, q[1] | (h >> 4 & 7u) << 8, q[2] | (h >> 8 & 7u) << 8,
+                               q[3] | (h >> 12 & 7u) << 8};
+        const unsigned minus = (h >> 3 & 1) | (h >> 6 & 2) | (h >> 9 & 4) | (h >> 12 & 8);
+        offset_32(codes + 32 * b, i, minus);
+    }
+}
+
 /* Bytes a block of a 16-weight format. */
 #define S16_BYTES(type)                                                                                \
-    ((type) == S16_Q6K ? Q6K_BYTES : (type) == S16_Q3K ? Q3K_BYTES : (type) == S16_Q2K ? Q2K_BYTES : IQ4XS_BYTES)
+    ((type) == S16_Q6K      ? Q6K_BYTES                                                                \
+     : (type) == S16_Q3K    ? Q3K_BYTES                                                                \
+     : (type) == S16_Q2K    ? Q2K_BYTES                                                                \
+     : (type) == S16_IQ4XS  ? IQ4XS_BYTES                                                              \
+     : (type) == S16_IQ2XXS ? IQ2XXS_BYTES                                                             \
+     : (type) == S16_IQ2XS  ? IQ2XS_BYTES                                                              \
+     : (type) == S16_IQ2S   ? IQ2S_BYTES                                                               \
+     : (type) == S16_IQ3XXS ? IQ3XXS_BYTES                                                             \
+     : (type) == S16_IQ3S   ? IQ3S_BYTES                                                               \
+     : (type) == S16_IQ1S   ? IQ1S_BYTES                                                               \
+                            : IQ1M_BYTES)
 
 /* Block x's 16 scales (and Q2_K's 16 biases), as the tiles take them: the float tiles with
  * their codes (s16_codes), the limb tiles alone. */
@@ -998,6 +1262,16 @@ ALWAYS void s16_scales(const int type, const unsigned char *x, float *scale, flo
 
 /* Block x of a 16-weight format: its codes, scales and (Q2_K) biases. */
 ALWAYS void s16_codes(const int type, const unsigned char *x, signed char *codes, float *scale, float *bias) {
+    switch (type) { /* the grid i-quants: their codes and scales at once */
+    case S16_IQ2XXS: iq2xxs_codes(x, codes, scale); return;
+    case S16_IQ2XS: iq2xs_codes(x, codes, scale); return;
+    case S16_IQ2S: iq2s_codes(x, codes, scale); return;
+    case S16_IQ3XXS: iq3xxs_codes(x, codes, scale); return;
+    case S16_IQ3S: iq3s_codes(x, codes, scale); return;
+    case S16_IQ1S: iq1s_codes(x, codes, scale); return;
+    case S16_IQ1M: iq1m_codes(x, codes, scale); return;
+    default: break;
+    }
     if (type == S16_Q6K)
         q6k_codes(x, codes);
     else if (type == S16_Q3K)
@@ -1085,6 +1359,13 @@ S16_INSTANCES(q6k, S16_Q6K)
 S16_INSTANCES(q3k, S16_Q3K)
 S16_INSTANCES(q2k, S16_Q2K)
 S16_INSTANCES(iq4xs, S16_IQ4XS)
+S16_INSTANCES(iq2xxs, S16_IQ2XXS)
+S16_INSTANCES(iq2xs, S16_IQ2XS)
+S16_INSTANCES(iq2s, S16_IQ2S)
+S16_INSTANCES(iq3xxs, S16_IQ3XXS)
+S16_INSTANCES(iq3s, S16_IQ3S)
+S16_INSTANCES(iq1s, S16_IQ1S)
+S16_INSTANCES(iq1m, S16_IQ1M)
 
 /* --- GGML's IQ4_NL blocks (W_IQ4NL) -------------------------------------------------------- */
 
@@ -2293,6 +2574,16 @@ static const struct block_format *block_format_of(int format) {
     static const struct block_format iq4xs = {IQ4XS_BYTES, 256, iq4xs_stream_1, iq4xs_stream_2, iq4xs_dequantize_row};
     static const struct block_format iq4nl = {IQ4NL_BYTES, IQ4NL_WEIGHTS, iq4nl_stream_1, iq4nl_stream_2,
                                               iq4nl_dequantize_row};
+#define GRID_FORMAT(name, bytes) \
+    static const struct block_format name = {bytes, 256, name##_stream_1, name##_stream_2, name##_dequantize_row}
+    GRID_FORMAT(iq2xxs, IQ2XXS_BYTES);
+    GRID_FORMAT(iq2xs, IQ2XS_BYTES);
+    GRID_FORMAT(iq2s, IQ2S_BYTES);
+    GRID_FORMAT(iq3xxs, IQ3XXS_BYTES);
+    GRID_FORMAT(iq3s, IQ3S_BYTES);
+    GRID_FORMAT(iq1s, IQ1S_BYTES);
+    GRID_FORMAT(iq1m, IQ1M_BYTES);
+#undef GRID_FORMAT
     switch (format) {
     case W_Q6K: return &q6k;
     case W_Q4K: return &q4k;
@@ -2301,6 +2592,13 @@ static const struct block_format *block_format_of(int format) {
     case W_Q2K: return &q2k;
     case W_IQ4XS: return &iq4xs;
     case W_IQ4NL: return &iq4nl;
+    case W_IQ2XXS: return &iq2xxs;
+    case W_IQ2XS: return &iq2xs;
+    case W_IQ2S: return &iq2s;
+    case W_IQ3XXS: return &iq3xxs;
+    case W_IQ3S: return &iq3s;
+    case W_IQ1S: return &iq1s;
+    case W_IQ1M: return &iq1m;
     default: return NULL;
     }
 }
