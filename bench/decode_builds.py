@@ -4,8 +4,11 @@ instruction-set path (an x86-64 level's build), or one library's change, against
 the same machine, in the same minutes.
 
 A build is the library compiled from this checkout's sources for a `-march` (`x86-64-v3`:
-what an AVX2-only CPU builds; `native`: this CPU's, as the runner builds it), or a library
-file given by its path (another checkout's build). One runner is spawned per build with that
+what an AVX2-only CPU builds; `native`: this CPU's, as the runner builds it), a library
+file given by its path (another checkout's build), or another checkout's directory: its own
+Python and its library as it builds it for this CPU (a change that moves Python as well as C,
+e.g. a weight format, against the commit before it: `git worktree add /tmp/before HEAD~1`).
+One runner is spawned per build with that
 library preloaded (runner/native/preload.py leaves a preset LD_PRELOAD as it is), and each
 round asks every runner in turn for the same greedy completion, after one untimed; the turn
 order rotates a place each round (`turns`), as the runner asked later in a round measured
@@ -25,6 +28,7 @@ round, and every build must pick the same candidate for every row.
     python -m bench.decode_builds --builds x86-64-v3,native --rounds 4 --tokens 64
     python -m bench.decode_builds --builds /tmp/head-v3.so,x86-64-v3
     python -m bench.decode_builds --builds /tmp/before.so,native,/tmp/before.so --workload decisions
+    python -m bench.decode_builds --builds /tmp/before,native,/tmp/before --model F.gguf
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import contextlib
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,11 +52,28 @@ def prompt(words: int = PROMPT_WORDS) -> str:
     return " ".join(f"{WORDS[i % len(WORDS)]}{i % 7}" for i in range(words))
 
 
+def checkout_of(build: str) -> Path | None:
+    """The checkout a build names (a directory holding the runner's package), else None."""
+    path = Path(build)
+    return path.resolve() if (path / "runner" / "native" / "build.py").is_file() else None
+
+
 def library_for(build: str, into: Path) -> str:
-    """The library file of `build`: a path as it is, `native` as the runner builds it, else
-    this checkout's sources compiled with -march=`build`."""
+    """The library file of `build`: a checkout's as it builds it for this CPU, a path as it is,
+    `native` as the runner builds it, else this checkout's sources compiled with
+    -march=`build`."""
     from runner.native import build as native
 
+    checkout = checkout_of(build)
+    if checkout is not None:
+        asked = "from runner.native import build; print(build.library() or '')"
+        done = subprocess.run(
+            [sys.executable, "-c", asked], cwd=checkout, capture_output=True, text=True
+        )
+        built = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        if done.returncode or not Path(built).is_file():
+            raise SystemExit(f"{checkout}: its library did not build: {done.stderr[-500:]}")
+        return built
     if "/" in build:
         if not Path(build).is_file():
             raise SystemExit(f"no library at {build}")
@@ -90,9 +112,11 @@ def turns(round_: int, count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def spawned(model: Path, libraries: list[str]) -> Iterator[list]:
-    """One runner per library (which may repeat), each with it preloaded, ready; stopped on
-    exit."""
+def spawned(
+    model: Path, libraries: list[str], checkouts: list[Path | None] | None = None
+) -> Iterator[list]:
+    """One runner per library (which may repeat), each with it preloaded, ready, run from its
+    checkout (`checkouts[i]`; None: this one); stopped on exit."""
     from runner.native import preload
     from tools.spawned import SpawnedRunner
 
@@ -101,10 +125,13 @@ def spawned(model: Path, libraries: list[str]) -> Iterator[list]:
         raise SystemExit("needs Linux with Debian's libopenblas0-pthread")
     runners = []
     try:
-        for library in libraries:
+        for i, library in enumerate(libraries):
             env = {"LD_PRELOAD": f"{library}:{blas}", preload.MARKER: blas}
             runner = SpawnedRunner(
-                "--model", str(model), env={**env, "OPENBLAS_THREAD_TIMEOUT": "4"}
+                "--model",
+                str(model),
+                env={**env, "OPENBLAS_THREAD_TIMEOUT": "4"},
+                checkout=checkouts[i] if checkouts else None,
             )
             runners.append(runner)
             runner.wait_ready()
@@ -115,17 +142,24 @@ def spawned(model: Path, libraries: list[str]) -> Iterator[list]:
 
 
 def measure(
-    model: Path, libraries: list[str], rounds: int, tokens: int, text: str, prefill: bool = False
+    model: Path,
+    libraries: list[str],
+    rounds: int,
+    tokens: int,
+    text: str,
+    prefill: bool = False,
+    checkouts: list[Path | None] | None = None,
 ) -> list[list[float]]:
     """ms a decode token of each library's runner (in the order of `libraries`, which may
-    repeat one), one completion a round each, in `turns` order; SystemExit when the runners'
-    texts differ (the same greedy tokens are expected of every build). `prefill`: ms a prompt
-    token instead, each round's prompt new to the runners' prefix caches (its round first)."""
+    repeat one; each run from its checkout, `spawned`), one completion a round each, in
+    `turns` order; SystemExit when the runners' texts differ (the same greedy tokens are
+    expected of every build). `prefill`: ms a prompt token instead, each round's prompt new to
+    the runners' prefix caches (its round first)."""
     from bench.ours import completion_body, completion_lines
 
     times: list[list[float]] = [[] for _ in libraries]
     texts: list[set[str]] = [set() for _ in range(rounds)]
-    with spawned(model, libraries) as runners:
+    with spawned(model, libraries, checkouts) as runners:
         for runner in runners:  # untimed: the first generation maps the weights in
             completion_lines(runner.url, completion_body(text, tokens))
         for round_ in range(rounds):
@@ -166,15 +200,17 @@ def measure_decisions(
     text: str,
     max_tokens: int = 4096,
     rows: int = 1,
+    checkouts: list[Path | None] | None = None,
 ) -> list[list[float]]:
-    """Median ms of a decision request of each library's runner, a round each: `requests`
-    requests of `rows` rows (one decision each) over `text` as their cached system prompt,
-    the runners in `turns` order; SystemExit when a runner's best candidate for a row differs
-    from the first's. `max_tokens`: the requests' (at most the model's context)."""
+    """Median ms of a decision request of each library's runner (each run from its checkout,
+    `spawned`), a round each: `requests` requests of `rows` rows (one decision each) over
+    `text` as their cached system prompt, the runners in `turns` order; SystemExit when a
+    runner's best candidate for a row differs from the first's. `max_tokens`: the requests'
+    (at most the model's context)."""
     from bench.http import KeptConnection
 
     times: list[list[float]] = [[] for _ in libraries]
-    with spawned(model, libraries) as runners:
+    with spawned(model, libraries, checkouts) as runners:
         connections = [KeptConnection(runner.url) for runner in runners]
         try:
 
@@ -213,7 +249,11 @@ def measure_decisions(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode_builds", description=__doc__)
-    p.add_argument("--builds", default="x86-64-v3,native", help="-march names or library paths")
+    p.add_argument(
+        "--builds",
+        default="x86-64-v3,native",
+        help="-march names, library paths or other checkouts' directories",
+    )
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--workload", choices=("decode", "prefill", "decisions"), default="decode")
     p.add_argument("--rounds", type=int, default=4)
@@ -225,17 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="decode-builds-") as tmp:
         builds = args.builds.split(",")
         libraries = [library_for(build, Path(tmp)) for build in builds]
+        checkouts = [checkout_of(build) for build in builds]
         model = args.model or default_model()
         text = prompt(args.prompt_words)
         if args.workload in ("decode", "prefill"):
             prefill = args.workload == "prefill"
-            times = measure(model, libraries, args.rounds, args.tokens, text, prefill)
+            times = measure(model, libraries, args.rounds, args.tokens, text, prefill, checkouts)
             what = "prompts" if prefill else f"{args.tokens} greedy tokens"
             unit = "ms a prompt token" if prefill else "ms a token"
         else:
             times = measure_decisions(
-                model, libraries, args.rounds, args.requests, text, rows=args.rows
-            )
+                model, libraries, args.rounds, args.requests, text, rows=args.rows,
+                checkouts=checkouts,
+            )  # fmt: skip
             what, unit = f"{args.requests} requests of {args.rows} decisions", "ms a request"
     first = statistics.median(times[0])
     agreed = {"decode": "the same text", "prefill": "new prompts", "decisions": "the same picks"}[

@@ -17,6 +17,7 @@ import json
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -460,6 +461,27 @@ def test_decode_builds_bench_times_decision_requests(tmp_path):
         model, [library], 1, 2, decode_builds.prompt(20), max_tokens=2048, rows=3
     )
     assert len(batched) == 1 and len(batched[0]) == 1 and batched[0][0] > 0
+
+
+def test_decode_builds_bench_runs_another_checkout(tmp_path):
+    """A build named by a checkout's directory (this one's here, as another commit's worktree
+    would be): the library that checkout builds for this CPU, and a runner spawned from it
+    (its Python), timed beside this checkout's; a directory without the runner's package is
+    no checkout."""
+    from bench import decode_builds
+
+    model = _decode_builds_model(tmp_path)
+    repo = Path(decode_builds.__file__).resolve().parents[1]
+    assert decode_builds.checkout_of(str(repo)) == repo
+    assert decode_builds.checkout_of(str(tmp_path)) is None
+    library = decode_builds.library_for(str(repo), tmp_path)
+    assert library == decode_builds.library_for("native", tmp_path)  # the same sources
+    with decode_builds.spawned(model, [library], [repo]) as runners:
+        assert Path(f"/proc/{runners[0].process.pid}/cwd").resolve() == repo
+    times = decode_builds.measure(
+        model, [library, library], 1, 2, decode_builds.prompt(20), checkouts=[repo, None]
+    )
+    assert len(times) == 2 and all(len(t) == 1 and t[0] > 0 for t in times)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5])

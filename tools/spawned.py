@@ -136,7 +136,9 @@ def _die_with_parent() -> None:
 
 
 class SpawnedRunner:
-    """`python -m runner *flags --port P` (P free, unless `port` is given), output in a log."""
+    """`python -m runner *flags --port P` (P free, unless `port` is given), output in a log;
+    `checkout`: another checkout of the runner to run (a bench comparing two commits), else
+    this one."""
 
     def __init__(
         self,
@@ -145,6 +147,7 @@ class SpawnedRunner:
         log_path: Path | None = None,
         port: int | None = None,
         port_flag: str = "--port",
+        checkout: Path | None = None,
     ):
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
@@ -156,7 +159,7 @@ class SpawnedRunner:
         self._log = open(log_path, "wb")  # noqa: SIM115 (lives as long as the process)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "runner", *flags, port_flag, str(self.port)],
-            cwd=REPO,
+            cwd=checkout or REPO,  # `python -m runner` runs that checkout's package
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             stdout=self._log,
             stderr=subprocess.STDOUT,
