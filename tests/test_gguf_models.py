@@ -207,42 +207,25 @@ def test_k_quant_blocks_are_kept_and_computed_as_stored(
 IQ4_NL_LLAMA = {**K_QUANT_LLAMA, "hidden_size": 160}
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
-def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
-    """An IQ4_XS file of a model whose rows are not all whole 256s, as llama.cpp's quantizer
-    writes one: IQ4_NL (blocks of 32) for the matrices of 160 columns and the embedding,
-    IQ4_XS for those of 256 and 512, a Q8_0 head where it has its own. Every IQ4_NL and
-    IQ4_XS tensor stays in its blocks (the file's bytes, not float32's 7.1x) and is read by
-    the native step, a layer's q, k, v (IQ4_NL) beside its o and down (IQ4_XS); the logits
-    are the float64 forward's of llama.cpp's values within 1e-4, on the native step (forwards,
-    and decode steps, whose IQ4_XS products take limbs where the library has them, IQ4_NL's
-    the float tiles), on MLX's own path over the blocks, and from the float32 weights a
-    backend without the native step keeps."""
-    import mlx.nn as nn
-
-    from runner.backend import Backend
-    from runner.models.quantized import GGMLEmbedding, GGMLLinear
-    from tests.gguf_models import iq4_fallback
-
-    config, path, weights = llama_file(tmp_path, IQ4_NL_LLAMA, iq4_fallback, tied)
-    source = load_gguf(path)
-    types = {
+def block_types(source: Any) -> dict[str, str]:
+    """The GGML type of each layer a GGUF source keeps in blocks, by its path."""
+    return {
         name.removesuffix(".blocks"): source.quantization[name.removesuffix(".blocks")]["ggml_type"]
         for name in source.weights
         if name.endswith(".blocks")
     }
-    layers = config["num_hidden_layers"]
-    nl = {k for k, t in types.items() if t == "IQ4_NL"}
-    assert nl == {"model.embed_tokens"} | {
-        f"model.layers.{i}.{m}"
-        for i in range(layers)
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                  "mlp.up_proj")
-    }  # fmt: skip
-    wide = ("self_attn.o_proj", "mlp.down_proj")  # of 256 and 512 columns
-    assert set(types) - nl == {f"model.layers.{i}.{m}" for i in range(layers) for m in wide}
-    assert all(types[k] == "IQ4_XS" for k in set(types) - nl)
-    for name in types:  # as stored: 18 bytes a 32 weights, 136 a 256
+
+
+def kept_model(
+    source: Any, weights: dict[str, np.ndarray], types: dict[str, str]
+) -> tuple[Any, np.ndarray, float]:
+    """The model of `source`, checked: each layer of `types` holds its blocks as stored and is
+    a GGML layer the native step reads, and the logits are the float64 forward's of
+    `weights` (the file's own values) within 1e-4, on the native step and on MLX's path over
+    the blocks. Returns the model, the float64 logits and their scale."""
+    from runner.models.quantized import GGMLEmbedding, GGMLLinear
+
+    for name in types:  # as stored: bytes a block per weights a block
         rows, width = weights[f"{name}.weight"].shape
         info = quants.TYPES[getattr(quants, types[name])]
         assert source.weights[f"{name}.blocks"].shape == (
@@ -259,6 +242,40 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     assert np.abs(logits(model) - want).max() <= 1e-4 * scale
     with model.mlx_only():
         assert np.abs(logits(model) - want).max() <= 1e-4 * scale
+    return model, want, scale
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool) -> None:
+    """An IQ4_XS file of a model whose rows are not all whole 256s, as llama.cpp's quantizer
+    writes one: IQ4_NL (blocks of 32) for the matrices of 160 columns and the embedding,
+    IQ4_XS for those of 256 and 512, a Q8_0 head where it has its own. Every IQ4_NL and
+    IQ4_XS tensor stays in its blocks (the file's bytes, not float32's 7.1x) and is read by
+    the native step, a layer's q, k, v (IQ4_NL) beside its o and down (IQ4_XS); the logits
+    are the float64 forward's of llama.cpp's values within 1e-4, on the native step (forwards,
+    and decode steps, whose IQ4_XS products take limbs where the library has them, IQ4_NL's
+    the float tiles), on MLX's own path over the blocks, and from the float32 weights a
+    backend without the native step keeps."""
+    import mlx.nn as nn
+
+    from runner.backend import Backend
+    from tests.gguf_models import iq4_fallback
+
+    config, path, weights = llama_file(tmp_path, IQ4_NL_LLAMA, iq4_fallback, tied)
+    source = load_gguf(path)
+    types = block_types(source)
+    layers = config["num_hidden_layers"]
+    nl = {k for k, t in types.items() if t == "IQ4_NL"}
+    assert nl == {"model.embed_tokens"} | {
+        f"model.layers.{i}.{m}"
+        for i in range(layers)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                  "mlp.up_proj")
+    }  # fmt: skip
+    wide = ("self_attn.o_proj", "mlp.down_proj")  # of 256 and 512 columns
+    assert set(types) - nl == {f"model.layers.{i}.{m}" for i in range(layers) for m in wide}
+    assert all(types[k] == "IQ4_XS" for k in set(types) - nl)
+    model, want, scale = kept_model(source, weights, types)  # 18 bytes a 32 weights, 136 a 256
     caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:4]]), caches)
     model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
@@ -298,16 +315,12 @@ def test_grid_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
     import mlx.nn as nn
 
     from runner.backend import Backend
-    from runner.models.quantized import AFFINE_REPACKS, GGMLEmbedding, GGMLLinear
+    from runner.models.quantized import AFFINE_REPACKS
     from tests.gguf_models import GRID_FILE, grid_types
 
     config, path, weights = llama_file(tmp_path, K_QUANT_LLAMA, grid_types, tied)
     source = load_gguf(path)
-    types = {
-        name.removesuffix(".blocks"): source.quantization[name.removesuffix(".blocks")]["ggml_type"]
-        for name in source.weights
-        if name.endswith(".blocks")
-    }
+    types = block_types(source)
     matrices = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for i in range(config["num_hidden_layers"]):
         layer = {
@@ -319,22 +332,7 @@ def test_grid_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
         assert len(layer) == 7 and set(layer.values()) == {t.name for t in GRID_FILE.values()}
     assert types["model.embed_tokens"] == "IQ3_S"
     assert types.get("lm_head") == (None if tied else "IQ2_XS")
-    for name in types:  # as stored
-        rows, width = weights[f"{name}.weight"].shape
-        info = quants.TYPES[getattr(quants, types[name])]
-        assert source.weights[f"{name}.blocks"].shape == (rows, width // 256 * info.type_size)
-    want = llama_forward(
-        {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE
-    )
-    scale = max(1.0, np.abs(want).max())
-    model = build_model(source)
-    modules = dict(model.module.named_modules())
-    assert all(isinstance(modules[k], GGMLLinear | GGMLEmbedding) for k in types)
-    assert model._native is not None and model._native.quantized  # the step reads the blocks
-    native = logits(model)
-    assert np.abs(native - want).max() <= 1e-4 * scale
-    with model.mlx_only():
-        assert np.abs(logits(model) - want).max() <= 1e-4 * scale
+    model, want, scale = kept_model(source, weights, types)
     caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:4]]), caches)
     model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
