@@ -484,6 +484,34 @@ def test_decode_builds_bench_runs_another_checkout(tmp_path):
     assert len(times) == 2 and all(len(t) == 1 and t[0] > 0 for t in times)
 
 
+def test_block_codes_harness_times_a_format_and_its_codes(tmp_path):
+    """bench/block_codes.c builds as its comment says (one unit with runner/native/quantized.c)
+    and times a grid i-quant's one-row product and its codes alone, a K-quant without
+    16-weight codes its product only, and refuses a format that is no GGML block format."""
+    import re
+    import subprocess
+
+    from runner.native import build
+
+    cc = build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    repo = Path(__file__).resolve().parents[1]
+    binary = tmp_path / "block_codes"
+    subprocess.run(
+        [cc, "-O2", "-ffp-contract=fast", "-pthread", f"-I{repo / 'runner' / 'native'}",
+         "-o", str(binary), str(repo / "bench" / "block_codes.c"), "-ldl", "-lm"],
+        check=True,
+    )  # fmt: skip
+    number = r"([0-9.]+)"
+    iq3s = subprocess.run([binary, "15", "8"], capture_output=True, text=True, check=True).stdout
+    found = re.search(rf"product {number} ns .* alone {number} ns", iq3s)
+    assert found and 0 < float(found.group(2)) < float(found.group(1)), iq3s
+    q4k = subprocess.run([binary, "5", "8"], capture_output=True, text=True, check=True).stdout
+    assert re.search(rf"product {number} ns", q4k) and "alone" not in q4k, q4k
+    assert subprocess.run([binary, "3"], capture_output=True).returncode == 2  # W_AFFINE
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_decode_builds_rotate_their_turns(count):
     """Each round of `python -m bench.decode_builds` asks every runner once, and over `count`
