@@ -614,21 +614,21 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, k // 32 * 18)
 
 
-# The grid i-quants: bytes a block, and about the largest value a block holds in units of d
-GRID_BLOCKS = {
-    T.IQ2_XXS: (66, 160), T.IQ2_XS: (74, 160), T.IQ2_S: (82, 160), T.IQ3_XXS: (98, 480),
-    T.IQ3_S: (110, 460), T.IQ1_S: (50, 17), T.IQ1_M: (56, 17),
+# The grid i-quants: about the largest value a block holds, in units of its d
+GRID_REACH = {
+    T.IQ2_XXS: 160, T.IQ2_XS: 160, T.IQ2_S: 160, T.IQ3_XXS: 480, T.IQ3_S: 460, T.IQ1_S: 17,
+    T.IQ1_M: 17,
 }  # fmt: skip
 
 
 def grid_blocks(values: np.ndarray, ggml_type: T) -> np.ndarray:
-    """Blocks of a grid i-quant (GRID_BLOCKS) the shape of `values` [..., k] (k a multiple of
+    """Blocks of a grid i-quant (GRID_REACH) the shape of `values` [..., k] (k a multiple of
     256) as bytes [..., k / 256 * bytes a block]: random grid indices, signs and scales
     (seeded by the values' bytes), each block's d sized to its largest |value|. Not a
     quantization of the values (llama.cpp's quantizers for these types want an importance
     matrix): the products and models are tested on whatever values the blocks hold, as
     llama.cpp's dequantization gives them."""
-    size, reach = GRID_BLOCKS[ggml_type]
+    size, reach = gguf.GGML_QUANT_SIZES[ggml_type][1], GRID_REACH[ggml_type]
     lead, k = values.shape[:-1], values.shape[-1]
     x = values.reshape(-1, 256).astype(np.float32)
     rng = np.random.default_rng(zlib.crc32(x.tobytes()))
@@ -648,7 +648,7 @@ QUANTIZERS = {
     T.Q6_K: quantize_q6_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
     T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k, T.IQ4_XS: quantize_iq4_xs,
     T.IQ4_NL: quantize_iq4_nl,
-    **{t: functools.partial(grid_blocks, ggml_type=t) for t in GRID_BLOCKS},
+    **{t: functools.partial(grid_blocks, ggml_type=t) for t in GRID_REACH},
 }  # fmt: skip
 
 

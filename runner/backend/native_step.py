@@ -218,24 +218,22 @@ def _view(array: Any, what: str) -> np.ndarray:
 # runner/models/quantized.py's parameter for nvfp4's global scale (a layer with one stays on
 # MLX's path; backend sits below models, so the name is repeated here)
 GLOBAL_SCALE = "global_scale"
-# runner/models/quantized.py's layers of GGML blocks: their parameter, and per `ggml_type` the
-# library's format, the bytes a block and its weights (repeated here for the same reason)
+# runner/models/quantized.py's layers of GGML blocks: their parameter (repeated here for the
+# same reason), and per `ggml_type` the library's format, the bytes a block and its weights
+# (the loader's table of GGML types, runner/sources/gguf/quants.py)
 GGML_BLOCKS = "blocks"
+_LIBRARY_FORMATS = {
+    "Q6_K": abi.Q6K, "Q4_K": abi.Q4K, "Q5_K": abi.Q5K, "Q3_K": abi.Q3K, "Q2_K": abi.Q2K,
+    "IQ4_XS": abi.IQ4XS, "IQ4_NL": abi.IQ4NL, "IQ2_XXS": abi.IQ2XXS, "IQ2_XS": abi.IQ2XS,
+    "IQ2_S": abi.IQ2S, "IQ3_XXS": abi.IQ3XXS, "IQ3_S": abi.IQ3S, "IQ1_S": abi.IQ1S,
+    "IQ1_M": abi.IQ1M,
+}  # fmt: skip
 GGML_FORMATS = {
-    "Q6_K": (abi.Q6K, 210, 256), "Q4_K": (abi.Q4K, 144, 256), "Q5_K": (abi.Q5K, 176, 256),
-    "Q3_K": (abi.Q3K, 110, 256), "Q2_K": (abi.Q2K, 84, 256), "IQ4_XS": (abi.IQ4XS, 136, 256),
-    "IQ4_NL": (abi.IQ4NL, 18, 32), "IQ2_XXS": (abi.IQ2XXS, 66, 256), "IQ2_XS": (abi.IQ2XS, 74, 256),
-    "IQ2_S": (abi.IQ2S, 82, 256), "IQ3_XXS": (abi.IQ3XXS, 98, 256), "IQ3_S": (abi.IQ3S, 110, 256),
-    "IQ1_S": (abi.IQ1S, 50, 256), "IQ1_M": (abi.IQ1M, 56, 256),
-}  # fmt: skip
-# `_Matrix.values`' dequantizing
-GGML_TYPE_IDS = {
-    abi.Q6K: quants.Q6_K, abi.Q4K: quants.Q4_K, abi.Q5K: quants.Q5_K,
-    abi.Q3K: quants.Q3_K, abi.Q2K: quants.Q2_K, abi.IQ4XS: quants.IQ4_XS,
-    abi.IQ4NL: quants.IQ4_NL, abi.IQ2XXS: quants.IQ2_XXS, abi.IQ2XS: quants.IQ2_XS,
-    abi.IQ2S: quants.IQ2_S, abi.IQ3XXS: quants.IQ3_XXS, abi.IQ3S: quants.IQ3_S,
-    abi.IQ1S: quants.IQ1_S, abi.IQ1M: quants.IQ1_M,
-}  # fmt: skip
+    name: (form, quants.BY_NAME[name].type_size, quants.BY_NAME[name].block_size)
+    for name, form in _LIBRARY_FORMATS.items()
+}
+# `_Matrix.values`' dequantizing: the GGML type id of each format
+GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in _LIBRARY_FORMATS.items()}
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
