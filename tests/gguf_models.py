@@ -398,6 +398,58 @@ def grid_types(name: str, shape: tuple[int, ...], arch: str) -> T:
     return mixed(name, shape, arch)
 
 
+def expert_types(gate_up: T, down: T) -> Rule:
+    """A rule storing stacked experts' gate and up projections as `gate_up` and their down
+    projections as `down` (Qwen3-MoE's Q4_K_M: Q4_K and Q6_K), the rest as k_mixed does."""
+
+    def rule(name: str, shape: tuple[int, ...], arch: str) -> T:
+        if len(shape) == 3 and "_exps." in name:
+            return down if "ffn_down_exps" in name else gate_up
+        return k_mixed(name, shape, arch)
+
+    return rule
+
+
+# A tiny Qwen3-MoE whose rows are whole blocks of 256 (K-quant and grid experts)
+MOE_DIMS = {
+    "hidden_size": 256, "moe_intermediate_size": 256, "num_local_experts": 6,
+    "num_experts_per_tok": 2, "head_dim": 32, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "num_hidden_layers": 2, "mlp_only_layers": [],
+}  # fmt: skip
+
+
+def moe_checkpoint(path: Path, dims: dict[str, Any] = MOE_DIMS) -> Path:
+    """A Qwen3-MoE checkpoint of tests/tiny.py's config with `dims` (every layer with
+    experts), the experts' weights large enough to move the logits."""
+    config = tiny_config("Qwen3MoeForCausalLM") | dims
+    h, v, d = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    inter, experts = config["moe_intermediate_size"], config["num_local_experts"]
+    norm, small = ("norm", 1.0), ("normal", 0.02)
+    specs: dict[str, Any] = {
+        "model.embed_tokens.weight": ((v, h), small),
+        "lm_head.weight": ((v, h), small),
+        "model.norm.weight": ((h,), norm),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs |= {
+            f"{p}.input_layernorm.weight": ((h,), norm),
+            f"{p}.post_attention_layernorm.weight": ((h,), norm),
+            f"{p}.self_attn.q_proj.weight": ((q, h), ("normal", 0.1)),
+            f"{p}.self_attn.k_proj.weight": ((kv, h), ("normal", 0.1)),
+            f"{p}.self_attn.v_proj.weight": ((kv, h), small),
+            f"{p}.self_attn.o_proj.weight": ((h, q), small),
+            f"{p}.self_attn.q_norm.weight": ((d,), norm),
+            f"{p}.self_attn.k_norm.weight": ((d,), norm),
+            f"{p}.mlp.gate.weight": ((experts, h), ("normal", 0.3)),
+        }
+        for e in range(experts):
+            for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+                specs[f"{p}.mlp.experts.{e}.{proj}_proj.weight"] = (shape, ("normal", 0.1))
+    return write_tiny_model("Qwen3MoeForCausalLM", path, config=config, specs=specs)
+
+
 def _k_file(
     name: str, shape: tuple[int, ...], arch: str, by_name: list[tuple[str, T]], rest: T
 ) -> T:

@@ -222,18 +222,12 @@ GLOBAL_SCALE = "global_scale"
 # same reason), and per `ggml_type` the library's format, the bytes a block and its weights
 # (the loader's table of GGML types, runner/sources/gguf/quants.py)
 GGML_BLOCKS = "blocks"
-_LIBRARY_FORMATS = {
-    "Q6_K": abi.Q6K, "Q4_K": abi.Q4K, "Q5_K": abi.Q5K, "Q3_K": abi.Q3K, "Q2_K": abi.Q2K,
-    "IQ4_XS": abi.IQ4XS, "IQ4_NL": abi.IQ4NL, "IQ2_XXS": abi.IQ2XXS, "IQ2_XS": abi.IQ2XS,
-    "IQ2_S": abi.IQ2S, "IQ3_XXS": abi.IQ3XXS, "IQ3_S": abi.IQ3S, "IQ1_S": abi.IQ1S,
-    "IQ1_M": abi.IQ1M,
-}  # fmt: skip
 GGML_FORMATS = {
     name: (form, quants.BY_NAME[name].type_size, quants.BY_NAME[name].block_size)
-    for name, form in _LIBRARY_FORMATS.items()
+    for name, form in abi.BLOCK_FORMATS.items()
 }
 # `_Matrix.values`' dequantizing: the GGML type id of each format
-GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in _LIBRARY_FORMATS.items()}
+GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in abi.BLOCK_FORMATS.items()}
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)

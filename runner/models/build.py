@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import infer_quant_config
 
-from runner.backend import Backend
+from runner.backend import Backend, expert_products
 from runner.backend.install import install
 from runner.cache.batch import broadcast, forward_suffixes
 from runner.cache.kinds import kind_of
@@ -64,9 +64,11 @@ def build_model(
         and distribute is None
         and getattr(family, "NATIVE_STEP", False)
     )
+    # stacked experts in blocks: kept where the CPU backend's library computes their products
+    experts = expert_products.for_backend(backend) if blocks and distribute is None else None
     if blocks:
         quantization = quantized.adopt_blocks(
-            module, weights, source.quantization or {}, blocks, keep_blocks
+            module, weights, source.quantization or {}, blocks, keep_blocks, experts
         )
     if hasattr(module, "sanitize"):
         weights = module.sanitize(weights)
@@ -209,6 +211,7 @@ def _quantized(module: nn.Module) -> bool:
         nn.QuantizedEmbedding,
         quantized.GGMLLinear,
         quantized.GGMLEmbedding,
+        quantized.GGMLSwitchLinear,
     )
     return any(isinstance(m, kinds) for _, m in module.named_modules())
 

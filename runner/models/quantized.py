@@ -27,13 +27,19 @@ runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` ke
 AFFINE_REPACKS names the affine repack and the others float32 weights, as before. The layers'
 own forward (MLX's path) dequantizes the blocks with MLX operations (the grid types with
 numpy), to the values llama.cpp's dequantization gives, bit for bit.
+
+A mixture of experts' stacked projections ([experts, out, bytes a row] of blocks: Qwen3-MoE's
+Q4_K_M holds Q4_K and Q6_K experts, nearly all its bytes) become `GGMLSwitchLinear`s in
+place of mlx-lm's switch layers where the CPU backend's library computes their products
+(runner/backend/expert_products.py), for any family: Q6_K experts as float32 would take ~5x
+the file. Elsewhere they become MLX's formats as the other layers do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -427,6 +433,63 @@ class GGMLEmbedding(_GGMLBlocks):
         return x @ self.dequantized().astype(x.dtype).T
 
 
+class ExpertProducts(Protocol):
+    """Products over experts' GGML blocks computed elsewhere than MLX's graph (the CPU
+    backend's native library: runner/backend/expert_products.py)."""
+
+    def reads(self, ggml_type: str, rows: int, columns: int) -> bool:
+        """Whether it computes products of experts [rows, columns] of `ggml_type`."""
+        ...
+
+    def __call__(
+        self, x: mx.array, indices: mx.array, blocks: mx.array, ggml_type: str
+    ) -> mx.array:
+        """`mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)` for the experts W of
+        `blocks` [experts, rows, bytes a row]: [batch..., m, rows] in x's dtype."""
+        ...
+
+
+class GGMLSwitchLinear(nn.Module):
+    """mlx-lm's `SwitchLinear` (a mixture of experts' stacked projections) whose experts are
+    GGML blocks [experts, out, in / weights * bytes a block], as a GGUF stores them:
+    `products` computes the routed tokens' products from the blocks where it is set (the CPU
+    backend's native library); otherwise MLX's path dequantizes the experts a call chooses,
+    and only those, and multiplies with `mx.gather_mm`."""
+
+    def __init__(
+        self, input_dims: int, output_dims: int, num_experts: int, bias: bool, ggml_type: str
+    ):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.products: ExpertProducts | None = None
+        width = block_width(ggml_type, input_dims)
+        self.blocks = mx.zeros((num_experts, output_dims, width), mx.uint8)
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if self.products is not None:
+            y = self.products(x, indices, self[BLOCKS], self.ggml_type)
+        else:
+            import numpy as np
+
+            mx.eval(indices)
+            chosen = np.asarray(indices)
+            ids = np.unique(chosen)
+            local = mx.array(np.searchsorted(ids, chosen).astype(np.uint32))
+            experts = DEQUANTIZE[self.ggml_type](self[BLOCKS][mx.array(ids)])
+            # MLX's CPU gather_mm multiplies float32 only (runner/models/moe.py)
+            y = mx.gather_mm(
+                x.astype(mx.float32),
+                experts.swapaxes(-1, -2),
+                rhs_indices=local,
+                sorted_indices=sorted_indices,
+            ).astype(x.dtype)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
 def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
     """A source's quantization config without its GGML block entries (what mlx-lm's
     quantization reads; None when nothing is left), and the paths of those entries."""
@@ -450,13 +513,28 @@ AFFINE_REPACKS: dict[str, dict[str, Any]] = {
 
 
 def _affine_or_none(blocks: mx.array, ggml_type: str) -> tuple[mx.array, mx.array, mx.array] | None:
-    """affine_repack of a matrix of blocks where its type has one and it holds; else None."""
-    if ggml_type not in AFFINE_REPACKS or blocks.ndim != 2:
+    """affine_repack of a matrix of blocks (or of stacked experts' [experts, rows, bytes])
+    where its type has one and it holds; else None."""
+    if ggml_type not in AFFINE_REPACKS or blocks.ndim not in (2, 3):
         return None
+    lead = blocks.shape[:-1]
     try:
-        return affine_repack(blocks, ggml_type)
+        parts = affine_repack(blocks.reshape(-1, blocks.shape[-1]), ggml_type)
     except quants.NotExact:
         return None
+    weight, scales, biases = (p.reshape(*lead, p.shape[-1]) for p in parts)
+    return weight, scales, biases
+
+
+def _switch_layer(layers: dict[str, nn.Module], path: str) -> str | None:
+    """Where the module holds the stacked experts a GGUF names `path` (`<p>.mlp.experts.<proj>`:
+    mlx-lm's switch layer `<p>.mlp.switch_mlp.<proj>`, runner/models/moe.py's renaming), when
+    that is an mlx-lm `SwitchLinear`; else None."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    prefix, sep, proj = path.rpartition(".mlp.experts.")
+    target = f"{prefix}.mlp.switch_mlp.{proj}"
+    return target if sep and type(layers.get(target)) is SwitchLinear else None
 
 
 def adopt_blocks(
@@ -465,16 +543,18 @@ def adopt_blocks(
     quantization: dict[str, Any],
     paths: Iterable[str],
     keep: bool,
+    experts: ExpertProducts | None = None,
 ) -> dict[str, Any] | None:
     """The layers at `paths`, whose weights are GGML blocks (`P.blocks` in `weights`, their
     type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
-    GGMLLinear / GGMLEmbedding reading them; otherwise (or another kind of layer: experts,
-    ...) the types AFFINE_REPACKS names become MLX's affine quantization of the same values
-    (`P.weight`, `P.scales`, `P.biases`, quantized as it says) and the others (Q6_K, Q3_K, Q2_K,
-    IQ4_XS, IQ4_NL, IQ2_XS, IQ2_S, IQ1_M, and a grid block with a scale that is not finite)
-    float32 `P.weight`, as a dequantized tensor's were. Before the module's sanitize
-    and load. Returns the source's quantization config without the block entries and with the
-    affine layers' entries added (None if it is empty)."""
+    GGMLLinear / GGMLEmbedding reading them; stacked experts (`<p>.mlp.experts.<proj>`, [E,
+    out, bytes]) whose switch layer `experts` computes become a GGMLSwitchLinear there, with
+    `experts` as its products; otherwise the types AFFINE_REPACKS names become MLX's affine
+    quantization of the same values (`P.weight`, `P.scales`, `P.biases`, quantized as it says)
+    and the others (Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XS, IQ2_S, IQ1_M, and a grid block
+    with a scale that is not finite) float32 `P.weight`, as a dequantized tensor's were. Before
+    the module's sanitize and load. Returns the source's quantization config without the block
+    entries and with the affine layers' entries added (None if it is empty)."""
     layers = dict(module.named_modules())
     kept: list[tuple[str, nn.Module]] = []
     affine: dict[str, Any] = {}
@@ -484,12 +564,20 @@ def adopt_blocks(
             raise ModelLoadError(f"tensor {name} is missing")
         ggml_type = quantization[path][GGML_TYPE]
         blocks, layer = weights[name], layers.get(path)
-        rows = blocks.shape[0]
+        rows = blocks.shape[-2] if blocks.ndim > 1 else 0
         width = block_columns(ggml_type, blocks.shape[-1])
+        switch = _switch_layer(layers, path) if blocks.ndim == 3 else None
         if keep and blocks.ndim == 2 and type(layer) is nn.Linear:
             kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
         elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
             kept.append((path, GGMLEmbedding(rows, width, ggml_type)))
+        elif switch is not None and experts is not None and experts.reads(ggml_type, rows, width):
+            stacked = GGMLSwitchLinear(
+                width, rows, blocks.shape[0], "bias" in layers[switch], ggml_type
+            )
+            stacked.products = experts
+            kept.append((switch, stacked))
+            weights[f"{switch}.{BLOCKS}"] = weights.pop(name)
         elif (repacked := _affine_or_none(blocks, ggml_type)) is not None:
             del weights[name]
             weights[f"{path}.weight"], weights[f"{path}.scales"] = repacked[0], repacked[1]

@@ -28,6 +28,13 @@ F32 = ctypes.POINTER(ctypes.c_float)
 F32_FORMAT, AFFINE, Q6K, Q4K, Q5K, Q3K, Q2K, IQ4XS, IQ4NL = 0, 3, 4, 5, 6, 7, 8, 9, 10
 # GGML's grid i-quants (W_IQ2XXS .. W_IQ1M)
 IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M = 11, 12, 13, 14, 15, 16, 17
+# Each GGML type whose blocks products read, by its name (runner/sources/gguf/quants.py): its
+# weight format
+BLOCK_FORMATS = {
+    "Q6_K": Q6K, "Q4_K": Q4K, "Q5_K": Q5K, "Q3_K": Q3K, "Q2_K": Q2K, "IQ4_XS": IQ4XS,
+    "IQ4_NL": IQ4NL, "IQ2_XXS": IQ2XXS, "IQ2_XS": IQ2XS, "IQ2_S": IQ2S, "IQ3_XXS": IQ3XXS,
+    "IQ3_S": IQ3S, "IQ1_S": IQ1S, "IQ1_M": IQ1M,
+}  # fmt: skip
 # The half-precision formats (W_F16, W_BF16): those tried, in order, for exact copies of float32
 # weights, and the formats of an affine quantization's scales and biases beside float32.
 HALF_FORMATS = {"float16": 1, "bfloat16": 2}

@@ -2,10 +2,10 @@
 (`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
 tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
 kept as stored where they are floats or blocks the runner computes with (Q2_K to Q6_K, IQ4_XS,
-IQ4_NL and the grid i-quants' layer weights: runner/models/quantized.py decides what each
-becomes), dequantized
-to float32 otherwise; never through MLX's own GGUF reader (which corrupts Q4_K). Every tensor
-of the file is accounted for: one the architecture does not map fails the load, naming it.
+IQ4_NL and the grid i-quants' layer weights, and stacked experts' [experts, rows, bytes]:
+runner/models/quantized.py decides what each becomes), dequantized to float32 otherwise;
+never through MLX's own GGUF reader (which corrupts Q4_K). Every tensor of the file is
+accounted for: one the architecture does not map fails the load, naming it.
 
 The tensors are read through the file's memory map one at a time, so the peak is the model
 plus one tensor's conversion. A log line says which types were repacked, which kept, which
@@ -165,13 +165,17 @@ def _tensors(
 
 
 def _whole_weights(parts: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
-    """Whether a tensor's targets are all matrices' weights as stored (not a norm's 1 + w)."""
+    """Whether a tensor's targets are all matrices' weights as stored (not a norm's 1 + w):
+    a matrix's, or stacked experts' [experts, rows, columns] taken whole."""
+    if len(shape) == 3:
+        return all(t.name.endswith(".weight") and t.rows is None and not t.minus_one for t in parts)
     return len(shape) == 2 and all(t.name.endswith(".weight") and not t.minus_one for t in parts)
 
 
 def _raw_rows(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A block-quantized matrix's bytes as [rows, bytes a row] (blocks run along rows)."""
-    return np.asarray(raw).reshape(shape[0], -1)
+    """A block-quantized matrix's bytes as [rows, bytes a row] (blocks run along rows), or
+    stacked experts' as [experts, rows, bytes a row]."""
+    return np.asarray(raw).reshape(*shape[:-1], -1)
 
 
 def _rows(repacked: quants.Repacked, rows: np.ndarray | None) -> quants.Repacked:

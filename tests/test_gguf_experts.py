@@ -1,0 +1,206 @@
+"""A mixture of experts' GGUF keeps its experts in their GGML blocks (runner/models/quantized.py's
+GGMLSwitchLinear) where the CPU backend's library computes their products
+(runner/backend/expert_products.py): resident at the file's bytes, computing what MLX's
+`gather_mm` computes over llama.cpp's dequantized values; where it does not, they become MLX's
+formats of the same values, as they were (Q4_K and the 8-bit grid types affine, the others
+float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from runner.backend import Backend, expert_products
+from runner.models import build_model, quantized
+from runner.sources.gguf import quants
+from runner.sources.gguf.model import load_gguf
+from runner.sources.loader import load_local_dir
+from tests.gguf_models import QUANTIZERS, T, checkpoint_of, expert_types, moe_checkpoint, write_gguf
+
+TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS",
+         "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]  # fmt: skip
+# gate_up_proj, down_proj: a call's input [..., m, k] and its expert indices
+CALLS = {
+    "decode": ((1, 1, 1, 1), (1, 1, 3)),  # SwitchGLU's gate / up of one token
+    "prefill": ((1, 9, 1, 1), (1, 9, 3)),
+    "down": ((2, 4, 3, 1), (2, 4, 3)),  # its down projection: a row per chosen expert
+    "sorted": ((40, 1), (40,)),  # its sorted path (64 or more choices): flat, in order
+}
+
+
+def _products() -> expert_products.BlockExperts:
+    products = expert_products.for_backend(Backend.for_device())
+    if products is None:
+        pytest.skip("no native library preloaded (runner/native/preload.py)")
+    return products
+
+
+def _expert_blocks(ggml_type: str, experts: int, rows: int, width: int) -> np.ndarray:
+    """Experts' blocks [experts, rows, bytes a row] of a quantizer of random normals."""
+    rng = np.random.default_rng(11)
+    values = rng.normal(size=(experts, rows, width)).astype(np.float32)
+    return QUANTIZERS[getattr(T, ggml_type)](values)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "mlx"])
+def test_a_switch_layer_over_blocks_is_gather_mm_over_their_values(
+    ggml_type: str, native: bool
+) -> None:
+    """GGMLSwitchLinear's products (the library's, or MLX's path over the chosen experts)
+    equal a float64 gather of llama.cpp's values for the shapes mlx-lm's SwitchGLU calls with
+    (a decode step's token, a prefill's, the down projection's rows, the sorted flat path),
+    its bias added; experts no token chose are never read (theirs are NaN scales here)."""
+    kind = getattr(quants, ggml_type)
+    experts, rows = 6, 40
+    width = 256 if ggml_type == "IQ4_NL" else 512
+    blocks = _expert_blocks(ggml_type, experts, rows, width)
+    blocks[4] = 0xFF  # expert 4: every scale NaN, never chosen
+    values = quants.dequantize(blocks.reshape(-1), kind, (experts, rows, width)).astype(np.float64)
+    layer = quantized.GGMLSwitchLinear(width, rows, experts, True, ggml_type)
+    layer.blocks = mx.array(blocks)
+    rng = np.random.default_rng(5)
+    bias = rng.normal(size=(experts, rows)).astype(np.float32)
+    layer.bias = mx.array(bias)
+    layer.products = _products() if native else None
+    for name, (x_lead, index_shape) in CALLS.items():
+        x = rng.normal(size=(*x_lead, width)).astype(np.float32)
+        indices = rng.choice([0, 1, 2, 3, 5], size=index_shape).astype(np.uint32)
+        if name == "sorted":
+            indices.sort()
+        got = np.array(layer(mx.array(x), mx.array(indices), sorted_indices=name == "sorted"))
+        batch = np.broadcast_shapes(x.shape[:-2], indices.shape)
+        xs = np.broadcast_to(x, (*batch, *x.shape[-2:])).astype(np.float64)
+        w = values[np.broadcast_to(indices, batch)]  # [batch..., rows, width]
+        want = (
+            np.einsum("...mk,...nk->...mn", xs, w)
+            + bias[np.broadcast_to(indices, batch)][..., None, :]
+        )
+        scale = np.einsum("...mk,...nk->...mn", np.abs(xs), np.abs(w)).max()
+        assert got.shape == want.shape, name
+        assert np.abs(got - want).max() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "IQ3_S"])
+def test_experts_not_kept_become_mlx_formats_of_the_same_values(ggml_type: str) -> None:
+    """Without products (another backend, a sharded model), stacked experts' blocks become
+    MLX's affine quantization where their type has one (Q4_K: 4 bits in groups of 32; IQ3_S:
+    8 bits), else float32: the very same values."""
+    kind = getattr(quants, ggml_type)
+    experts, rows, width = 3, 16, 512
+    blocks = _expert_blocks(ggml_type, experts, rows, width)
+    want = quants.dequantize(blocks.reshape(-1), kind, (experts, rows, width))
+    module = nn.Module()
+    module.mlp = nn.Module()
+    module.mlp.switch_mlp = nn.Module()
+    module.mlp.switch_mlp.gate_proj = SwitchLinear(width, rows, experts, bias=False)
+    weights = {"mlp.experts.gate_proj.blocks": mx.array(blocks)}
+    config = {"mlp.experts.gate_proj": {"ggml_type": ggml_type}}
+    paths = ["mlp.experts.gate_proj"]
+    quantized.adopt_blocks(module, weights, config, paths, keep=True, experts=None)
+    assert type(module.mlp.switch_mlp.gate_proj) is SwitchLinear  # not kept
+    if ggml_type == "Q6_K":
+        assert set(weights) == {"mlp.experts.gate_proj.weight"}
+        got = weights["mlp.experts.gate_proj.weight"]
+    else:
+        bits = 4 if ggml_type == "Q4_K" else 8
+        got = mx.dequantize(
+            weights["mlp.experts.gate_proj.weight"],
+            weights["mlp.experts.gate_proj.scales"],
+            weights["mlp.experts.gate_proj.biases"],
+            32,
+            bits,
+        )
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+SEQUENCE = [(7 * i + 3) % 300 for i in range(37)]  # 37 tokens: 74 choices, the sorted path
+# Experts' types of each file: (gate and up, down)
+FILES = {
+    "q4_k_m": (T.Q4_K, T.Q6_K),
+    "q3_k_m": (T.Q3_K, T.Q4_K),
+    "iq4_xs": (T.IQ4_XS, T.IQ4_XS),
+    "grid": (T.IQ3_S, T.IQ2_XXS),
+}
+
+
+def _logits(model: Any, tokens: list[int] = SEQUENCE) -> np.ndarray:
+    ids = mx.array([tokens], dtype=mx.int32)
+    return np.array(model.unembed(model.hidden(ids, model.make_caches()))[0])
+
+
+def _decoded(model: Any, tokens: list[int] = SEQUENCE, prompt: int = 30) -> np.ndarray:
+    """The logits of `tokens[prompt:]` by decode steps (one token a forward) after a prompt."""
+    caches = model.make_caches()
+    mx.eval(model.hidden(mx.array([tokens[:prompt]], dtype=mx.int32), caches))
+    rows = []
+    for token in tokens[prompt:]:
+        hidden = model.hidden(mx.array([[token]], dtype=mx.int32), caches)
+        rows.append(np.array(model.unembed(hidden)[0, -1]))
+    return np.stack(rows)
+
+
+def _switch_layers(model: Any) -> dict[str, nn.Module]:
+    return {
+        p: m for p, m in model.module.named_modules() if ".switch_mlp." in p and p.endswith("_proj")
+    }
+
+
+@pytest.mark.parametrize("file", list(FILES))
+def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
+    tmp_path: Path, file: str
+) -> None:
+    """A Qwen3-MoE GGUF's stacked experts (a Q4_K_M file's Q4_K gate and up and Q6_K down, a
+    Q3_K_M's, an IQ4_XS's, grid i-quants') stay in their blocks on the CPU: every switch layer
+    a GGMLSwitchLinear holding the file's very bytes, computed by the library; the logits
+    (a prefill, and decode steps after a prompt) are those of the checkpoint of the file's
+    values through the directory loader within 1e-4, as are those of MLX's path over the
+    blocks and of the backend without the library's paths (MLX's formats)."""
+    products = _products()
+    gate_up, down = FILES[file]
+    checkpoint = moe_checkpoint(tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", expert_types(gate_up, down))
+    reference = build_model(load_local_dir(checkpoint_of(path, checkpoint, tmp_path / "x")))
+    want = _logits(reference)
+    assert np.abs(want).max() > 0.5  # (the experts' weights move the logits)
+
+    model = build_model(load_gguf(path))
+    layers = _switch_layers(model)
+    assert len(layers) == 6
+    stored = {n: a for n, a in _file_tensors(path).items() if "_exps." in n}
+    for name, layer in layers.items():
+        assert isinstance(layer, quantized.GGMLSwitchLinear) and layer.products is not None
+        layer_index, proj = name.split(".")[2], name.rsplit(".", 1)[1].removesuffix("_proj")
+        blocks = stored[f"blk.{layer_index}.ffn_{proj}_exps.weight"]
+        assert layer.ggml_type == (down if proj == "down" else gate_up).name
+        np.testing.assert_array_equal(np.array(layer.blocks).reshape(-1), blocks.reshape(-1))
+    assert np.abs(_logits(model) - want).max() <= 1e-4
+    assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+
+    for layer in layers.values():  # MLX's path over the same blocks
+        layer.products = None
+    assert np.abs(_logits(model) - want).max() <= 1e-4
+    for layer in layers.values():
+        layer.products = products
+
+    mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
+    converted = build_model(load_gguf(path), mlx_only)
+    kinds = {type(m).__mro__[1] if type(m).__name__ == "Float32SwitchLinear" else type(m)
+             for m in _switch_layers(converted).values()}  # fmt: skip
+    affine = {t.name for t in (gate_up, down)} & set(quantized.AFFINE_REPACKS)
+    assert (QuantizedSwitchLinear in kinds) == bool(affine)
+    assert not any(issubclass(k, quantized.GGMLSwitchLinear) for k in kinds)
+    assert np.abs(_logits(converted) - want).max() <= 1e-4
+
+
+def _file_tensors(path: Path) -> dict[str, np.ndarray]:
+    import gguf
+
+    return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
