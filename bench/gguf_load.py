@@ -3,11 +3,16 @@
 Writes a Llama-shaped GGUF of random blocks in llama.cpp's Q4_K_M mix (Q4_K for the attention
 and MLP weights, Q6_K for `ffn_down`, `attn_v` and the embedding, F32 norms; the scales made
 finite, as llama.cpp's quantizer writes them) for a shape (`--shape 1b`: Llama 3.2 1B's
-sizes; `135m`: SmolLM2-135M's), then times `load_gguf` (metadata, tokenizer, every tensor
-converted) and `build_model`, and reports the resident size of the loaded weights against the
-file's. `--file PATH` times an existing GGUF instead (the default model's, a store's blob).
+sizes; `135m`: SmolLM2-135M's; `30b-a3b`: a Qwen3-MoE of Qwen3-30B-A3B's sizes, 128 experts
+a layer, its `attn_v` and `ffn_down_exps` Q6_K in the layers llama.cpp's Q4_K_M gives more
+bits, the others Q4_K, the head Q6_K), then times `load_gguf` (metadata, tokenizer, every
+tensor converted) and `build_model`, and reports the resident size of the built model's
+weights (its parameters: what the runner holds once the load's own arrays are gone) against
+the file's. `--layers N` writes only the first N layers (the 30B's 48 would take 18.6 GB of
+disk). `--file PATH` times an existing GGUF instead (the default model's, a store's blob).
 
     python -m bench.gguf_load --shape 1b
+    python -m bench.gguf_load --shape 30b-a3b --layers 4
     python -m bench.gguf_load --file PATH.gguf
 """
 
@@ -24,20 +29,33 @@ import numpy as np
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "135m": (576, 30, 9, 3, 1536, 49152),
     "1b": (2048, 16, 32, 8, 8192, 128256),
+    "30b-a3b": (2048, 48, 32, 4, 6144, 151936),
 }
+# Mixture-of-experts shapes: head dim, experts, experts a token, an expert's intermediate size
+EXPERTS = {"30b-a3b": (128, 128, 8, 768)}
 Q4_K, Q6_K, F32 = 12, 14, 0
 
 
-def write_gguf(shape: str, path: Path) -> Path:
-    """A random GGUF of `shape` in Q4_K_M's mix, with a small tokenizer (`gpt2`, byte tokens)."""
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the layers whose attn_v and ffn_down Q4_K_M stores Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def write_gguf(shape: str, path: Path, cut: int | None = None) -> Path:
+    """A random GGUF of `shape` (its first `cut` layers) in Q4_K_M's mix, with a small
+    tokenizer (`gpt2`, byte tokens)."""
     import gguf
 
     from runner.sources.gguf import quants
 
     hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    layers = layers if cut is None else min(cut, layers)
     head_dim = hidden // heads
+    moe = EXPERTS.get(shape)
+    if moe is not None:
+        head_dim = moe[0]
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if moe else "llama")
     writer.add_block_count(layers)
     writer.add_context_length(8192)
     writer.add_embedding_length(hidden)
@@ -46,6 +64,12 @@ def write_gguf(shape: str, path: Path) -> Path:
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
+    if moe is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(moe[1])
+        writer.add_expert_used_count(moe[2])
+        writer.add_expert_feed_forward_length(moe[3])
     tokens = ["a", "b", "ab", *(f"<{i}>" for i in range(3, vocab))]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
@@ -55,18 +79,17 @@ def write_gguf(shape: str, path: Path) -> Path:
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
 
-    def blocks(kind: int, rows: int, cols: int) -> np.ndarray:
+    def blocks(kind: int, rows: int, cols: int, lead: tuple[int, ...] = ()) -> np.ndarray:
         info = quants.TYPES[kind]
-        data = rng.integers(
-            0, 256, size=(rows * cols // info.block_size, info.type_size), dtype=np.uint8
-        )
+        count = int(np.prod(lead, dtype=np.int64)) * rows * cols // info.block_size
+        data = rng.integers(0, 256, size=(count, info.type_size), dtype=np.uint8)
         # finite fp16 scales (d, dmin) as a quantizer writes them: exponent below 0x7C00
         for at in (0, 2) if kind == Q4_K else (info.type_size - 2,):
             half = data[:, at : at + 2].view("<u2")
             half &= 0x3BFF  # |d| < 1
-        return data.reshape(rows, cols // info.block_size * info.type_size)
+        return data.reshape(*lead, rows, cols // info.block_size * info.type_size)
 
-    def add(name: str, kind: int, rows: int, cols: int) -> None:
+    def add(name: str, kind: int, rows: int, cols: int, lead: tuple[int, ...] = ()) -> None:
         if kind == F32:
             writer.add_tensor(
                 name, np.ones(cols, np.float32) if rows == 1 else np.zeros((rows, cols), np.float32)
@@ -74,23 +97,38 @@ def write_gguf(shape: str, path: Path) -> Path:
             return
         writer.add_tensor(
             name,
-            blocks(kind, rows, cols),
+            blocks(kind, rows, cols, lead),
             raw_dtype=gguf.GGMLQuantizationType(kind),
         )
 
-    add("token_embd.weight", Q6_K, vocab, hidden)
+    add("token_embd.weight", Q4_K if moe else Q6_K, vocab, hidden)
     add("output_norm.weight", F32, 1, hidden)
+    if moe:
+        add("output.weight", Q6_K, vocab, hidden)
     for i in range(layers):
         p = f"blk.{i}."
+        more = Q6_K if moe is None or more_bits(i, layers) else Q4_K
         add(p + "attn_norm.weight", F32, 1, hidden)
         add(p + "ffn_norm.weight", F32, 1, hidden)
         add(p + "attn_q.weight", Q4_K, heads * head_dim, hidden)
         add(p + "attn_k.weight", Q4_K, kv_heads * head_dim, hidden)
-        add(p + "attn_v.weight", Q6_K, kv_heads * head_dim, hidden)
+        add(p + "attn_v.weight", more, kv_heads * head_dim, hidden)
         add(p + "attn_output.weight", Q4_K, hidden, heads * head_dim)
-        add(p + "ffn_gate.weight", Q4_K, inter, hidden)
-        add(p + "ffn_up.weight", Q4_K, inter, hidden)
-        add(p + "ffn_down.weight", Q6_K, hidden, inter)
+        if moe is None:
+            add(p + "ffn_gate.weight", Q4_K, inter, hidden)
+            add(p + "ffn_up.weight", Q4_K, inter, hidden)
+            add(p + "ffn_down.weight", Q6_K, hidden, inter)
+            continue
+        _, experts, _, expert_inter = moe
+        add(p + "attn_q_norm.weight", F32, 1, head_dim)
+        add(p + "attn_k_norm.weight", F32, 1, head_dim)
+        writer.add_tensor(
+            p + "ffn_gate_inp.weight",
+            rng.normal(0, 0.02, (experts, hidden)).astype(np.float32),
+        )
+        add(p + "ffn_gate_exps.weight", Q4_K, expert_inter, hidden, (experts,))
+        add(p + "ffn_up_exps.weight", Q4_K, expert_inter, hidden, (experts,))
+        add(p + "ffn_down_exps.weight", more, hidden, expert_inter, (experts,))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -99,6 +137,8 @@ def write_gguf(shape: str, path: Path) -> Path:
 
 
 def measure(path: Path) -> None:
+    from mlx.utils import tree_flatten
+
     from runner.models import build_model
     from runner.sources.gguf.model import load_gguf
 
@@ -107,7 +147,8 @@ def measure(path: Path) -> None:
     loaded = time.perf_counter()
     model = build_model(source)
     built = time.perf_counter()
-    resident = sum(int(w.nbytes) for w in source.weights.values())
+    del source  # what the model holds: its parameters (kept blocks, or their conversions)
+    resident = sum(int(w.nbytes) for _, w in tree_flatten(model.module.parameters()))
     size = path.stat().st_size
     print(f"{path.name}: {size / 1e6:.1f} MB file")
     print(f"  load_gguf {loaded - started:.2f} s, build_model {built - loaded:.2f} s")
@@ -123,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     preload.reexec_preloaded("bench.gguf_load", argv)
     p = argparse.ArgumentParser(prog="python -m bench.gguf_load", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--layers", type=int, help="write only the shape's first LAYERS layers")
     p.add_argument("--file", type=Path, help="time this GGUF instead of a random one")
     args = p.parse_args(argv)
     if args.file:
@@ -130,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         started = time.perf_counter()
-        path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf")
+        path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf", args.layers)
         print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
         measure(path)
     return 0

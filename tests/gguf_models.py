@@ -400,9 +400,12 @@ def grid_types(name: str, shape: tuple[int, ...], arch: str) -> T:
 
 def expert_types(gate_up: T, down: T) -> Rule:
     """A rule storing stacked experts' gate and up projections as `gate_up` and their down
-    projections as `down` (Qwen3-MoE's Q4_K_M: Q4_K and Q6_K), the rest as k_mixed does."""
+    projections as `down` (Qwen3-MoE's Q4_K_M: Q4_K and Q6_K), the router F32 (as llama.cpp's
+    quantizer keeps it), the rest as k_mixed does."""
 
     def rule(name: str, shape: tuple[int, ...], arch: str) -> T:
+        if "ffn_gate_inp" in name:
+            return T.F32
         if len(shape) == 3 and "_exps." in name:
             return down if "ffn_down_exps" in name else gate_up
         return k_mixed(name, shape, arch)

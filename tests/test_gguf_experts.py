@@ -1,9 +1,10 @@
-"""A mixture of experts' GGUF keeps its experts in their GGML blocks (runner/models/quantized.py's
-GGMLSwitchLinear) where the CPU backend's library computes their products
-(runner/backend/expert_products.py): resident at the file's bytes, computing what MLX's
-`gather_mm` computes over llama.cpp's dequantized values; where it does not, they become MLX's
-formats of the same values, as they were (Q4_K and the 8-bit grid types affine, the others
-float32)."""
+"""GGML blocks computed from MLX's graph by the CPU backend's library
+(runner/backend/block_products.py): a mixture of experts' GGUF keeps its stacked experts in
+their blocks (runner/models/quantized.py's GGMLSwitchLinear), and a family without a native
+step its matrices (GGMLLinear, GGMLEmbedding): resident at the file's bytes, computing what
+MLX's products compute over llama.cpp's dequantized values. Where the library does not
+compute them, they become MLX's formats of the same values, as they were (Q4_K and the 8-bit
+grid types affine, the others float32)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from runner.backend import Backend, expert_products
+from runner.backend import Backend, block_products
 from runner.models import build_model, quantized
 from runner.sources.gguf import quants
 from runner.sources.gguf.model import load_gguf
@@ -35,8 +37,8 @@ CALLS = {
 }
 
 
-def _products() -> expert_products.BlockExperts:
-    products = expert_products.for_backend(Backend.for_device())
+def _products() -> block_products.LibraryProducts:
+    products = block_products.for_backend(Backend.for_device())
     if products is None:
         pytest.skip("no native library preloaded (runner/native/preload.py)")
     return products
@@ -51,13 +53,14 @@ def _expert_blocks(ggml_type: str, experts: int, rows: int, width: int) -> np.nd
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "mlx"])
-def test_a_switch_layer_over_blocks_is_gather_mm_over_their_values(
+def test_ggml_layers_over_blocks_compute_the_float64_products_of_their_values(
     ggml_type: str, native: bool
 ) -> None:
     """GGMLSwitchLinear's products (the library's, or MLX's path over the chosen experts)
     equal a float64 gather of llama.cpp's values for the shapes mlx-lm's SwitchGLU calls with
     (a decode step's token, a prefill's, the down projection's rows, the sorted flat path),
-    its bias added; experts no token chose are never read (theirs are NaN scales here)."""
+    its bias added; experts no token chose are never read (theirs are NaN scales here).
+    GGMLLinear's and a tied GGMLEmbedding's products likewise, for one row and for several."""
     kind = getattr(quants, ggml_type)
     experts, rows = 6, 40
     width = 256 if ggml_type == "IQ4_NL" else 512
@@ -87,6 +90,20 @@ def test_a_switch_layer_over_blocks_is_gather_mm_over_their_values(
         assert got.shape == want.shape, name
         assert np.abs(got - want).max() <= 1e-5 * scale, name
 
+    linear = quantized.GGMLLinear(width, rows, True, ggml_type)
+    embedding = quantized.GGMLEmbedding(rows, width, ggml_type)
+    linear.blocks = embedding.blocks = mx.array(blocks[2])
+    linear.bias = mx.array(bias[2])
+    linear.products = embedding.products = layer.products
+    for lead in ((1, 1), (2, 5)):
+        x = rng.normal(size=(*lead, width)).astype(np.float32)
+        want = x.astype(np.float64) @ values[2].T
+        scale = (np.abs(x) @ np.abs(values[2]).T).max()
+        got = np.array(embedding.as_linear(mx.array(x)))
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * scale
+        got = np.array(linear(mx.array(x))) - bias[2]
+        assert np.abs(got - want).max() <= 1e-5 * scale
+
 
 @pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "IQ3_S"])
 def test_experts_not_kept_become_mlx_formats_of_the_same_values(ggml_type: str) -> None:
@@ -104,7 +121,7 @@ def test_experts_not_kept_become_mlx_formats_of_the_same_values(ggml_type: str) 
     weights = {"mlp.experts.gate_proj.blocks": mx.array(blocks)}
     config = {"mlp.experts.gate_proj": {"ggml_type": ggml_type}}
     paths = ["mlp.experts.gate_proj"]
-    quantized.adopt_blocks(module, weights, config, paths, keep=True, experts=None)
+    quantized.adopt_blocks(module, weights, config, paths, keep=True, products=None)
     assert type(module.mlp.switch_mlp.gate_proj) is SwitchLinear  # not kept
     if ggml_type == "Q6_K":
         assert set(weights) == {"mlp.experts.gate_proj.weight"}
@@ -158,12 +175,15 @@ def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
     tmp_path: Path, file: str
 ) -> None:
     """A Qwen3-MoE GGUF's stacked experts (a Q4_K_M file's Q4_K gate and up and Q6_K down, a
-    Q3_K_M's, an IQ4_XS's, grid i-quants') stay in their blocks on the CPU: every switch layer
-    a GGMLSwitchLinear holding the file's very bytes, computed by the library; the logits
-    (a prefill, and decode steps after a prompt) are those of the checkpoint of the file's
-    values through the directory loader within 1e-4, as are those of MLX's path over the
-    blocks and of the backend without the library's paths (MLX's formats)."""
-    products = _products()
+    Q3_K_M's, an IQ4_XS's, grid i-quants') and its K-quant matrices (Q4_K_M's Q6_K head,
+    embedding and attn_v, Q4_K attention: Qwen3-MoE has no native step) stay in their blocks
+    on the CPU: every switch layer a GGMLSwitchLinear holding the file's very bytes, every
+    matrix a GGMLLinear / GGMLEmbedding, all computed by the library, the model's weights no
+    more bytes than the file's tensors; the logits (a prefill, and decode steps after a prompt)
+    are those of the checkpoint of the file's values through the directory loader within
+    1e-4, as are those of MLX's path over the blocks and of the backend without the library's
+    paths (MLX's formats)."""
+    _products()  # (skips without the library)
     gate_up, down = FILES[file]
     checkpoint = moe_checkpoint(tmp_path / "hf")
     path = write_gguf(checkpoint, tmp_path / "model.gguf", expert_types(gate_up, down))
@@ -174,21 +194,31 @@ def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
     model = build_model(load_gguf(path))
     layers = _switch_layers(model)
     assert len(layers) == 6
-    stored = {n: a for n, a in _file_tensors(path).items() if "_exps." in n}
+    stored_all = _file_tensors(path)
+    stored = {n: a for n, a in stored_all.items() if "_exps." in n}
     for name, layer in layers.items():
         assert isinstance(layer, quantized.GGMLSwitchLinear) and layer.products is not None
         layer_index, proj = name.split(".")[2], name.rsplit(".", 1)[1].removesuffix("_proj")
         blocks = stored[f"blk.{layer_index}.ffn_{proj}_exps.weight"]
         assert layer.ggml_type == (down if proj == "down" else gate_up).name
         np.testing.assert_array_equal(np.array(layer.blocks).reshape(-1), blocks.reshape(-1))
+    matrices = {
+        p: m
+        for p, m in model.module.named_modules()
+        if isinstance(m, quantized.GGMLLinear | quantized.GGMLEmbedding)
+    }
+    # q, k, v, o a layer, the embedding and the head: every matrix of whole 256s
+    assert len(matrices) == 4 * 2 + 2
+    computed = [*matrices.values(), *layers.values()]
+    assert all(isinstance(m.products, block_products.LibraryProducts) for m in computed)
+    params = dict(tree_flatten(model.module.parameters()))
+    assert sum(a.nbytes for a in params.values()) <= sum(a.nbytes for a in stored_all.values())
     assert np.abs(_logits(model) - want).max() <= 1e-4
     assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
 
-    for layer in layers.values():  # MLX's path over the same blocks
+    for layer in computed:  # MLX's path over the same blocks
         layer.products = None
     assert np.abs(_logits(model) - want).max() <= 1e-4
-    for layer in layers.values():
-        layer.products = products
 
     mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
     converted = build_model(load_gguf(path), mlx_only)

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import infer_quant_config
 
-from runner.backend import Backend, expert_products
+from runner.backend import Backend, block_products
 from runner.backend.install import install
 from runner.cache.batch import broadcast, forward_suffixes
 from runner.cache.kinds import kind_of
@@ -64,11 +64,12 @@ def build_model(
         and distribute is None
         and getattr(family, "NATIVE_STEP", False)
     )
-    # stacked experts in blocks: kept where the CPU backend's library computes their products
-    experts = expert_products.for_backend(backend) if blocks and distribute is None else None
+    # and where the CPU backend's library computes their products from MLX's graph (stacked
+    # experts too, for any family)
+    products = block_products.for_backend(backend) if blocks and distribute is None else None
     if blocks:
         quantization = quantized.adopt_blocks(
-            module, weights, source.quantization or {}, blocks, keep_blocks, experts
+            module, weights, source.quantization or {}, blocks, keep_blocks, products
         )
     if hasattr(module, "sanitize"):
         weights = module.sanitize(weights)
@@ -86,7 +87,8 @@ def build_model(
     counts = install(module, family.KERNELS, backend)
     log.debug("kernels for backend %s: %s", backend.name, counts)
     model = family(module, source.config, architecture, backend)
-    if keep_blocks and not (isinstance(model, MLXPathSwitch) and model.native is not None):
+    native = isinstance(model, MLXPathSwitch) and model.native is not None
+    if keep_blocks and products is None and not native:
         # the native step declined this module: MLX's path would dequantize every forward
         quantized.release_blocks(module)
         model = family(module, source.config, architecture, backend)

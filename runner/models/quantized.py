@@ -389,6 +389,24 @@ def block_width(ggml_type: str, columns: int) -> int:
     return columns // info.block_size * info.type_size
 
 
+class BlockProducts(Protocol):
+    """Products over GGML blocks computed elsewhere than MLX's graph (the CPU backend's native
+    library: runner/backend/block_products.py)."""
+
+    def reads(self, ggml_type: str, rows: int, columns: int) -> bool:
+        """Whether it computes products of a matrix [rows, columns] of `ggml_type`."""
+        ...
+
+    def matmul(self, x: mx.array, blocks: mx.array, ggml_type: str) -> mx.array:
+        """`x @ W.T` for the matrix W of `blocks` [rows, bytes a row]: [..., rows]."""
+        ...
+
+    def gather(self, x: mx.array, indices: mx.array, blocks: mx.array, ggml_type: str) -> mx.array:
+        """`mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)` for the experts W of
+        `blocks` [experts, rows, bytes a row]: [batch..., m, rows] in x's dtype."""
+        ...
+
+
 class _GGMLBlocks(nn.Module):
     """A weight of GGML blocks of `ggml_type` (BLOCK_BYTES' types), [rows, columns / weights a
     block * bytes a block] as a GGUF stores them."""
@@ -396,6 +414,8 @@ class _GGMLBlocks(nn.Module):
     def __init__(self, rows: int, columns: int, ggml_type: str):
         super().__init__()
         self.ggml_type = ggml_type
+        # where set, products are computed from the blocks (not dequantized in the graph)
+        self.products: BlockProducts | None = None
         self.blocks = mx.zeros((rows, block_width(ggml_type, columns)), mx.uint8)
 
     def dequantized(self, rows: mx.array | None = None) -> mx.array:
@@ -405,9 +425,9 @@ class _GGMLBlocks(nn.Module):
 
 
 class GGMLLinear(_GGMLBlocks):
-    """A linear layer whose weight is GGML blocks [out, in / weights * bytes a block]; MLX's path
-    dequantizes the whole weight each call (the native step reads the blocks, and takes every
-    forward it can)."""
+    """A linear layer whose weight is GGML blocks [out, in / weights * bytes a block]: its
+    `products` compute each call where set, else MLX's path dequantizes the whole weight each
+    call (the native step reads the blocks, and takes every forward it can)."""
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool, ggml_type: str):
         super().__init__(output_dims, input_dims, ggml_type)
@@ -415,13 +435,17 @@ class GGMLLinear(_GGMLBlocks):
             self.bias = mx.zeros((output_dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.dequantized().astype(x.dtype).T
+        if self.products is not None:
+            y = self.products.matmul(x, self[BLOCKS], self.ggml_type)
+        else:
+            y = x @ self.dequantized().astype(x.dtype).T
         return y + self["bias"] if "bias" in self else y
 
 
 class GGMLEmbedding(_GGMLBlocks):
     """An embedding whose table is GGML blocks [vocab, dims / weights * bytes a block]: rows
-    dequantized as they are gathered; `as_linear` (a tied head) dequantizes the table."""
+    dequantized as they are gathered; `as_linear` (a tied head) is its `products`' where set,
+    else it dequantizes the table."""
 
     def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
         super().__init__(num_embeddings, dims, ggml_type)
@@ -430,23 +454,9 @@ class GGMLEmbedding(_GGMLBlocks):
         return self.dequantized(x)
 
     def as_linear(self, x: mx.array) -> mx.array:
+        if self.products is not None:
+            return self.products.matmul(x, self[BLOCKS], self.ggml_type)
         return x @ self.dequantized().astype(x.dtype).T
-
-
-class ExpertProducts(Protocol):
-    """Products over experts' GGML blocks computed elsewhere than MLX's graph (the CPU
-    backend's native library: runner/backend/expert_products.py)."""
-
-    def reads(self, ggml_type: str, rows: int, columns: int) -> bool:
-        """Whether it computes products of experts [rows, columns] of `ggml_type`."""
-        ...
-
-    def __call__(
-        self, x: mx.array, indices: mx.array, blocks: mx.array, ggml_type: str
-    ) -> mx.array:
-        """`mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)` for the experts W of
-        `blocks` [experts, rows, bytes a row]: [batch..., m, rows] in x's dtype."""
-        ...
 
 
 class GGMLSwitchLinear(nn.Module):
@@ -461,7 +471,7 @@ class GGMLSwitchLinear(nn.Module):
     ):
         super().__init__()
         self.ggml_type = ggml_type
-        self.products: ExpertProducts | None = None
+        self.products: BlockProducts | None = None
         width = block_width(ggml_type, input_dims)
         self.blocks = mx.zeros((num_experts, output_dims, width), mx.uint8)
         if bias:
@@ -469,7 +479,7 @@ class GGMLSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if self.products is not None:
-            y = self.products(x, indices, self[BLOCKS], self.ggml_type)
+            y = self.products.gather(x, indices, self[BLOCKS], self.ggml_type)
         else:
             import numpy as np
 
@@ -543,18 +553,20 @@ def adopt_blocks(
     quantization: dict[str, Any],
     paths: Iterable[str],
     keep: bool,
-    experts: ExpertProducts | None = None,
+    products: BlockProducts | None = None,
 ) -> dict[str, Any] | None:
     """The layers at `paths`, whose weights are GGML blocks (`P.blocks` in `weights`, their
-    type in `quantization[path]`): when `keep`, a linear or embedding layer becomes a
-    GGMLLinear / GGMLEmbedding reading them; stacked experts (`<p>.mlp.experts.<proj>`, [E,
-    out, bytes]) whose switch layer `experts` computes become a GGMLSwitchLinear there, with
-    `experts` as its products; otherwise the types AFFINE_REPACKS names become MLX's affine
-    quantization of the same values (`P.weight`, `P.scales`, `P.biases`, quantized as it says)
-    and the others (Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XS, IQ2_S, IQ1_M, and a grid block
-    with a scale that is not finite) float32 `P.weight`, as a dequantized tensor's were. Before
-    the module's sanitize and load. Returns the source's quantization config without the block
-    entries and with the affine layers' entries added (None if it is empty)."""
+    type in `quantization[path]`): a linear or embedding layer becomes a GGMLLinear /
+    GGMLEmbedding reading them when `keep` (a native step will) or where `products` reads
+    them; stacked experts (`<p>.mlp.experts.<proj>`, [E, out, bytes]) become a
+    GGMLSwitchLinear at their switch layer where `products` reads them; every layer kept
+    computes by `products` (None: MLX's path dequantizes). Otherwise the types AFFINE_REPACKS
+    names become MLX's affine quantization of the same values (`P.weight`, `P.scales`,
+    `P.biases`, quantized as it says) and the others (Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XS,
+    IQ2_S, IQ1_M, and a grid block with a scale that is not finite) float32 `P.weight`, as a
+    dequantized tensor's were. Before the module's sanitize and load. Returns the source's
+    quantization config without the block entries and with the affine layers' entries added
+    (None if it is empty)."""
     layers = dict(module.named_modules())
     kept: list[tuple[str, nn.Module]] = []
     affine: dict[str, Any] = {}
@@ -567,17 +579,20 @@ def adopt_blocks(
         rows = blocks.shape[-2] if blocks.ndim > 1 else 0
         width = block_columns(ggml_type, blocks.shape[-1])
         switch = _switch_layer(layers, path) if blocks.ndim == 3 else None
-        if keep and blocks.ndim == 2 and type(layer) is nn.Linear:
-            kept.append((path, GGMLLinear(width, rows, "bias" in layer, ggml_type)))
-        elif keep and blocks.ndim == 2 and type(layer) is nn.Embedding:
-            kept.append((path, GGMLEmbedding(rows, width, ggml_type)))
-        elif switch is not None and experts is not None and experts.reads(ggml_type, rows, width):
-            stacked = GGMLSwitchLinear(
-                width, rows, blocks.shape[0], "bias" in layers[switch], ggml_type
-            )
-            stacked.products = experts
-            kept.append((switch, stacked))
+        computed = products is not None and products.reads(ggml_type, rows, width)
+        new: GGMLLinear | GGMLEmbedding | GGMLSwitchLinear | None = None
+        if (keep or computed) and blocks.ndim == 2 and type(layer) is nn.Linear:
+            new = GGMLLinear(width, rows, "bias" in layer, ggml_type)
+        elif (keep or computed) and blocks.ndim == 2 and type(layer) is nn.Embedding:
+            new = GGMLEmbedding(rows, width, ggml_type)
+        elif computed and switch is not None:
+            bias = "bias" in layers[switch]
+            new = GGMLSwitchLinear(width, rows, blocks.shape[0], bias, ggml_type)
             weights[f"{switch}.{BLOCKS}"] = weights.pop(name)
+            path = switch
+        if new is not None:
+            new.products = products
+            kept.append((path, new))
         elif (repacked := _affine_or_none(blocks, ggml_type)) is not None:
             del weights[name]
             weights[f"{path}.weight"], weights[f"{path}.scales"] = repacked[0], repacked[1]
@@ -595,7 +610,8 @@ def adopt_blocks(
 
 def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
-    native step reads the blocks: MLX's path would dequantize them in every forward): the
+    native step reads the blocks and no products compute them: MLX's path would dequantize them
+    in every forward): the
     types AFFINE_REPACKS names an affine QuantizedLinear / QuantizedEmbedding of the same
     values (Q4_K and Q5_K 4 and 5 bits, the grid i-quants with a scale per 32 weights 8), the
     others an nn.Linear / nn.Embedding of their float32 values; whether there was one."""
