@@ -232,7 +232,7 @@ GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in abi.BLOCK_FORMA
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
 AFFINE_GROUPS = (32, 64, 128)
-_SCALE_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+SCALE_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +310,7 @@ def _float32(x: np.ndarray, scale_format: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _raw(array: Any, what: str) -> np.ndarray:
+def raw_view(array: Any, what: str) -> np.ndarray:
     """An evaluated, contiguous MLX array as numpy's view of its memory (bfloat16 as the
     uint16 that hold its bits: numpy has no bfloat16)."""
     if array.dtype == mx.bfloat16:
@@ -332,18 +332,15 @@ def _affine(layer: nn.Module, what: str) -> _Matrix:
     if GLOBAL_SCALE in layer or "biases" not in layer:
         raise _Unsupported(f"{what}: a global scale, or no biases")
     codes, scales, biases = layer["weight"], layer["scales"], layer["biases"]
-    if (
-        codes.dtype != mx.uint32
-        or scales.dtype not in _SCALE_DTYPES
-        or biases.dtype != scales.dtype
-    ):
+    if codes.dtype != mx.uint32 or scales.dtype not in SCALE_DTYPES or biases.dtype != scales.dtype:
         raise _Unsupported(f"{what}: codes {codes.dtype}, scales {scales.dtype}")
     n, k = int(codes.shape[0]), int(codes.shape[1]) * 32 // bits
     if codes.ndim != 2 or scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise _Unsupported(f"{what}: shapes {codes.shape}, {scales.shape}")
     return _Matrix(
-        n, k, codes=_raw(codes, what), scales=_raw(scales, what), biases=_raw(biases, what),
-        bits=bits, group=group, scale_format=abi.SCALE_FORMATS[_SCALE_DTYPES[scales.dtype]],
+        n, k, codes=raw_view(codes, what), scales=raw_view(scales, what),
+        biases=raw_view(biases, what), bits=bits, group=group,
+        scale_format=abi.SCALE_FORMATS[SCALE_DTYPES[scales.dtype]],
     )  # fmt: skip
 
 
@@ -360,7 +357,7 @@ def _ggml(layer: Any, what: str) -> _Matrix | None:
     if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % size:
         raise _Unsupported(f"{what}: {ggml_type} blocks {blocks.dtype} {blocks.shape}")
     n, k = int(blocks.shape[0]), int(blocks.shape[1]) // size * weights
-    return _Matrix(n, k, codes=_raw(blocks, what), block_format=form)
+    return _Matrix(n, k, codes=raw_view(blocks, what), block_format=form)
 
 
 def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import infer_quant_config
 
-from runner.backend import Backend, block_products
+from runner.backend import Backend, library_products
 from runner.backend.install import install
 from runner.cache.batch import broadcast, forward_suffixes
 from runner.cache.kinds import kind_of
@@ -66,7 +66,7 @@ def build_model(
     )
     # and where the CPU backend's library computes their products from MLX's graph (stacked
     # experts too, for any family)
-    products = block_products.for_backend(backend) if blocks and distribute is None else None
+    products = library_products.for_backend(backend) if distribute is None else None
     if blocks:
         quantization = quantized.adopt_blocks(
             module, weights, source.quantization or {}, blocks, keep_blocks, products
@@ -92,6 +92,9 @@ def build_model(
         # the native step declined this module: MLX's path would dequantize every forward
         quantized.release_blocks(module)
         model = family(module, source.config, architecture, backend)
+    if products is not None:  # after the native step took what it reads (the plain classes)
+        changed = quantized.compute_affine(module, products)
+        log.debug("affine layers computed by the library: %d", changed)
     if isinstance(model, SourceReader):  # a family that reads more files (its images')
         model.bind_source(source)
     if isinstance(model, GenerationConfigReader):  # e.g. Gemma 4's suppress_tokens

@@ -23,16 +23,21 @@ covers 32 weights (10 bits a weight), float32 where it covers 16. A GGUF source 
 layers in its quantization config (`{"ggml_type": "Q6_K"}`, `"Q4_K"`, ..., `"IQ1_M"`,
 runner/sources/gguf/model.py) with their blocks as `P.blocks`; `adopt_blocks` keeps them as
 `GGMLLinear` / `GGMLEmbedding` layers where a native step will read them
-(runner/backend/native_step.py, runner/native/quantized.c), and otherwise makes the types
-AFFINE_REPACKS names the affine repack and the others float32 weights, as before. The layers'
-own forward (MLX's path) dequantizes the blocks with MLX operations (the grid types with
-numpy), to the values llama.cpp's dequantization gives, bit for bit.
+(runner/backend/native_step.py, runner/native/quantized.c) or where the CPU backend's library
+computes their products from MLX's graph (`BlockProducts`: runner/backend/library_products.py;
+a family without a native step, a forward the step declines), and otherwise (Metal, CUDA, a
+sharded model) makes the types AFFINE_REPACKS names the affine repack and the others float32
+weights, as before. A layer without products (MLX's path) dequantizes the blocks with MLX
+operations (the grid types with numpy), to the values llama.cpp's dequantization gives, bit
+for bit.
 
 A mixture of experts' stacked projections ([experts, out, bytes a row] of blocks: Qwen3-MoE's
 Q4_K_M holds Q4_K and Q6_K experts, nearly all its bytes) become `GGMLSwitchLinear`s in
-place of mlx-lm's switch layers where the CPU backend's library computes their products
-(runner/backend/expert_products.py), for any family: Q6_K experts as float32 would take ~5x
-the file. Elsewhere they become MLX's formats as the other layers do.
+place of mlx-lm's switch layers where the library computes their products, for any family:
+Q6_K experts as float32 would take ~5x the file. Elsewhere they become MLX's formats as the
+other layers do. Layers in MLX's own affine quantization (mlx-lm's conversions) that no native
+step reads compute by the library too where it reads them (`compute_affine`: AffineLinear,
+AffineSwitchLinear, a tied ScaledQuantizedEmbedding's head), not by MLX's CPU kernels.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import infer_quant_config
 
 from runner.sources.gguf import quants
@@ -95,6 +101,8 @@ class ScaledQuantizedEmbedding(nn.QuantizedEmbedding):
     global scale, and whose `as_linear` (a tied head) scales its product the same way."""
 
     dtype: mx.Dtype | None = None
+    # computes `as_linear` where set (compute_affine)
+    products: BlockProducts | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         scales, biases = self["scales"][x], self.get("biases")
@@ -117,6 +125,8 @@ class ScaledQuantizedEmbedding(nn.QuantizedEmbedding):
         return rows * per_row.astype(rows.dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
+        if self.products is not None:  # (only where there is no global scale)
+            return self.products.matmul_affine(x, self)
         y = super().as_linear(x)
         scale = _row_scales(self)
         return y if scale is None else y * scale.astype(y.dtype)
@@ -391,7 +401,7 @@ def block_width(ggml_type: str, columns: int) -> int:
 
 class BlockProducts(Protocol):
     """Products over GGML blocks computed elsewhere than MLX's graph (the CPU backend's native
-    library: runner/backend/block_products.py)."""
+    library: runner/backend/library_products.py)."""
 
     def reads(self, ggml_type: str, rows: int, columns: int) -> bool:
         """Whether it computes products of a matrix [rows, columns] of `ggml_type`."""
@@ -404,6 +414,19 @@ class BlockProducts(Protocol):
     def gather(self, x: mx.array, indices: mx.array, blocks: mx.array, ggml_type: str) -> mx.array:
         """`mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)` for the experts W of
         `blocks` [experts, rows, bytes a row]: [batch..., m, rows] in x's dtype."""
+        ...
+
+    def reads_affine(self, layer: Any) -> bool:
+        """Whether it computes the products of an affine `QuantizedLinear`,
+        `QuantizedEmbedding` or `QuantizedSwitchLinear`'s weight."""
+        ...
+
+    def matmul_affine(self, x: mx.array, layer: Any) -> mx.array:
+        """The affine `layer`'s `quantized_matmul` (without its bias)."""
+        ...
+
+    def gather_affine(self, x: mx.array, indices: mx.array, layer: Any) -> mx.array:
+        """The `QuantizedSwitchLinear` `layer`'s `gather_qmm` (without its bias)."""
         ...
 
 
@@ -500,6 +523,57 @@ class GGMLSwitchLinear(nn.Module):
         return y
 
 
+class AffineLinear(nn.QuantizedLinear):
+    """An `nn.QuantizedLinear` (MLX's affine quantization: mlx-lm's conversions) whose products
+    are its `products`' where set (the CPU backend's library: MLX's CPU `quantized_matmul` runs
+    at ~1-3 GFLOP/s), else MLX's."""
+
+    products: BlockProducts | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.products is None:
+            return super().__call__(x)
+        y = self.products.matmul_affine(x, self)
+        return y + self["bias"] if "bias" in self else y
+
+
+class AffineSwitchLinear(QuantizedSwitchLinear):
+    """mlx-lm's `QuantizedSwitchLinear` (MLX's affine experts: mlx-lm's conversions of a mixture
+    of experts) whose products are its `products`' where set (the CPU backend's library: MLX's
+    CPU `gather_qmm` runs at ~1-3 GFLOP/s), else MLX's."""
+
+    products: BlockProducts | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if self.products is None:
+            return super().__call__(x, indices, sorted_indices)
+        y = self.products.gather_affine(x, indices, self)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+def compute_affine(module: nn.Module, products: BlockProducts) -> int:
+    """Make `module`'s affine layers whose weights `products` computes compute by it: an
+    `nn.QuantizedLinear` an AffineLinear, a `QuantizedSwitchLinear` an AffineSwitchLinear (same
+    parameters, same object), a ScaledQuantizedEmbedding's `as_linear` (a tied head). After
+    any native step has taken the layers it reads (it reads the plain classes). Returns how
+    many layers changed."""
+    changed = 0
+    swaps: dict[type, type] = {
+        nn.QuantizedLinear: AffineLinear,
+        QuantizedSwitchLinear: AffineSwitchLinear,
+        ScaledQuantizedEmbedding: ScaledQuantizedEmbedding,
+    }
+    for _, layer in module.named_modules():
+        cls = swaps.get(type(layer))
+        if cls is not None and products.reads_affine(layer):
+            layer.__class__ = cls
+            layer.products = products
+            changed += 1
+    return changed
+
+
 def block_layers(quantization: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
     """A source's quantization config without its GGML block entries (what mlx-lm's
     quantization reads; None when nothing is left), and the paths of those entries."""
@@ -540,8 +614,6 @@ def _switch_layer(layers: dict[str, nn.Module], path: str) -> str | None:
     """Where the module holds the stacked experts a GGUF names `path` (`<p>.mlp.experts.<proj>`:
     mlx-lm's switch layer `<p>.mlp.switch_mlp.<proj>`, runner/models/moe.py's renaming), when
     that is an mlx-lm `SwitchLinear`; else None."""
-    from mlx_lm.models.switch_layers import SwitchLinear
-
     prefix, sep, proj = path.rpartition(".mlp.experts.")
     target = f"{prefix}.mlp.switch_mlp.{proj}"
     return target if sep and type(layers.get(target)) is SwitchLinear else None
@@ -611,10 +683,10 @@ def adopt_blocks(
 def release_blocks(module: nn.Module) -> bool:
     """Every GGMLLinear / GGMLEmbedding of `module` made what MLX's path computes well (where no
     native step reads the blocks and no products compute them: MLX's path would dequantize them
-    in every forward): the
-    types AFFINE_REPACKS names an affine QuantizedLinear / QuantizedEmbedding of the same
-    values (Q4_K and Q5_K 4 and 5 bits, the grid i-quants with a scale per 32 weights 8), the
-    others an nn.Linear / nn.Embedding of their float32 values; whether there was one."""
+    in every forward): the types AFFINE_REPACKS names an affine QuantizedLinear /
+    QuantizedEmbedding of the same values (Q4_K and Q5_K 4 and 5 bits, the grid i-quants with
+    a scale per 32 weights 8), the others an nn.Linear / nn.Embedding of their float32 values;
+    whether there was one."""
     swapped: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
         if not isinstance(layer, (GGMLLinear, GGMLEmbedding)):

@@ -1,10 +1,11 @@
-"""GGML blocks computed from MLX's graph by the CPU backend's library
-(runner/backend/block_products.py): a mixture of experts' GGUF keeps its stacked experts in
+"""Products computed from MLX's graph by the CPU backend's library
+(runner/backend/library_products.py): a mixture of experts' GGUF keeps its stacked experts in
 their blocks (runner/models/quantized.py's GGMLSwitchLinear), and a family without a native
 step its matrices (GGMLLinear, GGMLEmbedding): resident at the file's bytes, computing what
 MLX's products compute over llama.cpp's dequantized values. Where the library does not
 compute them, they become MLX's formats of the same values, as they were (Q4_K and the 8-bit
-grid types affine, the others float32)."""
+grid types affine, the others float32). MLX's own affine experts (mlx-lm's conversions)
+compute by the library too (AffineSwitchLinear), not by MLX's CPU gather_qmm."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from runner.backend import Backend, block_products
+from runner.backend import Backend, library_products
 from runner.models import build_model, quantized
 from runner.sources.gguf import quants
 from runner.sources.gguf.model import load_gguf
@@ -37,8 +38,8 @@ CALLS = {
 }
 
 
-def _products() -> block_products.LibraryProducts:
-    products = block_products.for_backend(Backend.for_device())
+def _products() -> library_products.LibraryProducts:
+    products = library_products.for_backend(Backend.for_device())
     if products is None:
         pytest.skip("no native library preloaded (runner/native/preload.py)")
     return products
@@ -210,7 +211,7 @@ def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
     # q, k, v, o a layer, the embedding and the head: every matrix of whole 256s
     assert len(matrices) == 4 * 2 + 2
     computed = [*matrices.values(), *layers.values()]
-    assert all(isinstance(m.products, block_products.LibraryProducts) for m in computed)
+    assert all(isinstance(m.products, library_products.LibraryProducts) for m in computed)
     params = dict(tree_flatten(model.module.parameters()))
     assert sum(a.nbytes for a in params.values()) <= sum(a.nbytes for a in stored_all.values())
     assert np.abs(_logits(model) - want).max() <= 1e-4
@@ -234,3 +235,106 @@ def _file_tensors(path: Path) -> dict[str, np.ndarray]:
     import gguf
 
     return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "scales"),
+    [(4, 64, "float32"), (4, 32, "bfloat16"), (5, 64, "float16"), (8, 128, "float32")],
+)
+def test_affine_experts_compute_the_float64_products_of_their_values(
+    bits: int, group: int, scales: str
+) -> None:
+    """An AffineSwitchLinear (mlx-lm's QuantizedSwitchLinear, MLX's affine experts, computed by
+    the library) equals a float64 gather of mx.dequantize's values (float32 scales and
+    biases, what gather_qmm multiplies with) for SwitchGLU's shapes, its bias added, as does
+    MLX's own gather_qmm without products; an AffineLinear and a tied quantized embedding's
+    head computed by the library likewise, for one row and for several."""
+    experts, rows, width = 5, 48, 256
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(experts, rows, width)).astype(np.float32)
+    layer = QuantizedSwitchLinear(width, rows, experts, bias=True, group_size=group, bits=bits)
+    q, s, b = mx.quantize(mx.array(w), group, bits)
+    dtype = getattr(mx, scales)
+    layer.weight, layer.scales, layer.biases = q, s.astype(dtype), b.astype(dtype)
+    bias = rng.normal(size=(experts, rows)).astype(np.float32)
+    layer.bias = mx.array(bias)
+    values = np.array(
+        mx.dequantize(q, s.astype(dtype).astype(mx.float32), b.astype(dtype).astype(mx.float32),
+                      group, bits)
+    ).astype(np.float64)  # fmt: skip
+    products = _products()
+    assert products.reads_affine(layer)
+    assert quantized.compute_affine(layer, products) == 1
+    assert isinstance(layer, quantized.AffineSwitchLinear)
+    for name, (x_lead, index_shape) in CALLS.items():
+        x = rng.normal(size=(*x_lead, width)).astype(np.float32)
+        indices = rng.integers(0, experts, size=index_shape).astype(np.uint32)
+        if name == "sorted":
+            indices.sort()
+        batch = np.broadcast_shapes(x.shape[:-2], indices.shape)
+        chosen = np.broadcast_to(indices, batch)
+        xs = np.broadcast_to(x, (*batch, *x.shape[-2:])).astype(np.float64)
+        want = np.einsum("...mk,...nk->...mn", xs, values[chosen]) + bias[chosen][..., None, :]
+        scale = np.einsum("...mk,...nk->...mn", np.abs(xs), np.abs(values[chosen])).max()
+        for computed in (products, None):
+            layer.products = computed
+            got = np.array(layer(mx.array(x), mx.array(indices), sorted_indices=name == "sorted"))
+            assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * scale, name
+
+    linear = nn.QuantizedLinear(width, rows, bias=True, group_size=group, bits=bits)
+    embedding = quantized.ScaledQuantizedEmbedding(rows, width, group_size=group, bits=bits)
+    for one in (linear, embedding):
+        one.weight, one.scales, one.biases = layer.weight[2], layer.scales[2], layer.biases[2]
+    linear.bias = mx.array(bias[2])
+    assert quantized.compute_affine(linear, products) == 1
+    assert quantized.compute_affine(embedding, products) == 1
+    assert type(linear) is quantized.AffineLinear and embedding.products is products
+    for lead in ((1, 1), (2, 5)):
+        x = rng.normal(size=(*lead, width)).astype(np.float32)
+        want = x.astype(np.float64) @ values[2].T
+        scale = (np.abs(x) @ np.abs(values[2]).T).max()
+        got = np.array(linear(mx.array(x))) - bias[2]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * scale
+        got = np.array(embedding.as_linear(mx.array(x)))
+        assert np.abs(got - want).max() <= 1e-5 * scale
+
+
+def test_an_mlx_quantized_moe_computes_its_experts_by_the_library(tmp_path: Path) -> None:
+    """A Qwen3-MoE quantized as mlx-lm quantizes it (affine, 4 bits, groups of 64: every
+    linear layer, the experts and the embedding; a family without a native step) computes its
+    experts (AffineSwitchLinear) and its matrices (AffineLinear) by the library on the CPU,
+    the logits of a prefill and of decode steps within 1e-4 of MLX's own gather_qmm and
+    quantized_matmul on the same weights (the backend without the library's paths)."""
+    import json
+
+    _products()
+    checkpoint = moe_checkpoint(tmp_path / "hf")
+    mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
+    module = build_model(load_local_dir(checkpoint), mlx_only).module
+
+    def quantizable(path: str, layer: nn.Module) -> bool:
+        return hasattr(layer, "to_quantized") and layer.weight.shape[-1] % 64 == 0
+
+    nn.quantize(module, 64, 4, class_predicate=quantizable)
+    out = tmp_path / "q4"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(module.parameters())))
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization"] = {"group_size": 64, "bits": 4}
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((checkpoint / name).read_bytes())
+
+    reference = build_model(load_local_dir(out), mlx_only)
+    assert all(type(m) is QuantizedSwitchLinear for m in _switch_layers(reference).values())
+    want = _logits(reference)
+    model = build_model(load_local_dir(out))
+    layers = _switch_layers(model)
+    assert len(layers) == 6
+    assert all(type(m) is quantized.AffineSwitchLinear and m.products for m in layers.values())
+    linears = [m for _, m in model.module.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    # q, k, v, o and the router a layer, and the head: none left to MLX's quantized_matmul
+    assert len(linears) == 5 * 2 + 1
+    assert all(type(m) is quantized.AffineLinear and m.products for m in linears)
+    assert np.abs(_logits(model) - want).max() <= 1e-4
+    assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
