@@ -696,3 +696,28 @@ def test_harness_probes_only_our_latency_trials(model_dir, bench_engine, tmp_pat
     system.fail = True
     result = _run_one(system, workloads["requests"], 1, None, None, ctx)
     assert result.status == "error" and system.rate_probe is None
+
+
+def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    """bench.gguf_load's Qwen3-MoE writer (the 30b-a3b shape's layout at a tiny size: a shape
+    added for the test) gives a file the runner loads, Q6_K where llama.cpp's use_more_bits
+    says; the resident size it reports is the built model's (every block kept on the CPU:
+    at the file's size, where converting the experts had taken ~2x)."""
+    import re
+
+    import gguf
+
+    from bench import gguf_load
+
+    monkeypatch.setitem(gguf_load.SHAPES, "tiny-moe", (256, 8, 4, 2, 512, 512))
+    monkeypatch.setitem(gguf_load.EXPERTS, "tiny-moe", (64, 4, 2, 256))
+    path = gguf_load.write_gguf("tiny-moe", tmp_path / "moe.gguf", cut=8)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    downs = [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)]
+    assert downs == ["Q6_K" if gguf_load.more_bits(i, 8) else "Q4_K" for i in range(8)]
+    assert set(downs) == {"Q4_K", "Q6_K"} and types["output.weight"] == "Q6_K"
+    gguf_load.measure(path)
+    ratio = re.search(r"resident [\d.]+ MB \(([\d.]+)x the file\)", capsys.readouterr().out)
+    assert ratio is not None and float(ratio.group(1)) <= 1.02
