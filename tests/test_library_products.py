@@ -338,3 +338,23 @@ def test_an_mlx_quantized_moe_computes_its_experts_by_the_library(tmp_path: Path
     assert all(type(m) is quantized.AffineLinear and m.products for m in linears)
     assert np.abs(_logits(model) - want).max() <= 1e-4
     assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+
+
+def test_empty_inputs_give_empty_products() -> None:
+    """No rows in, no rows out, as MLX's own products: a GGML linear and switch layer, and an
+    affine linear and switch layer computed by the library."""
+    products = _products()
+    blocks = _expert_blocks("Q4_K", 3, 16, 256)
+    switch = quantized.GGMLSwitchLinear(256, 16, 3, False, "Q4_K")
+    linear = quantized.GGMLLinear(256, 16, False, "Q4_K")
+    switch.blocks, linear.blocks = mx.array(blocks), mx.array(blocks[0])
+    affine = nn.QuantizedLinear(256, 16, bias=False, group_size=64, bits=4)
+    experts = QuantizedSwitchLinear(256, 16, 3, bias=False, group_size=64, bits=4)
+    for layer in (switch, linear):
+        layer.products = products
+    assert quantized.compute_affine(affine, products) == 1
+    assert quantized.compute_affine(experts, products) == 1
+    x, none = mx.zeros((1, 0, 256)), mx.zeros((1, 0, 2), dtype=mx.uint32)
+    assert linear(x).shape == affine(x).shape == (1, 0, 16)
+    x = mx.zeros((1, 0, 1, 1, 256))
+    assert switch(x, none).shape == experts(x, none).shape == (1, 0, 2, 1, 16)

@@ -166,7 +166,8 @@ class LibraryProducts:
         decode = math.prod(indices.shape[:-1]) == 1 and m == 1
         order = np.argsort(chosen, kind="stable")
         starts = np.flatnonzero(np.diff(chosen[order], prepend=-1))
-        for start, stop in zip(starts, [*starts[1:], order.size], strict=True):
+        stops = [*starts[1:], order.size] if order.size else []
+        for start, stop in zip(starts, stops, strict=True):
             take = order[start:stop]
             rows = np.ascontiguousarray(a[take].reshape(-1, k))
             c = self._product_rows(rows, weight_of(int(chosen[take[0]])), n, decode)
@@ -185,6 +186,8 @@ class LibraryProducts:
     def _product_rows(self, a: np.ndarray, weight: abi.Weight, n: int, decode: bool) -> np.ndarray:
         """a [rows, k] (contiguous float32) times the matrix [n, k] of `weight`."""
         c = np.empty((a.shape[0], n), np.float32)
+        if a.shape[0] == 0:  # (as MLX's products: an empty input, an empty result)
+            return c
         code = self._product(
             a.shape[0], n, a.shape[1], _pointer(a), ctypes.byref(weight), _pointer(c), int(decode)
         )
