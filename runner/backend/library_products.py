@@ -1,4 +1,4 @@
-"""Products over GGML blocks, and over MLX's affine experts, on the CPU backend by the native
+"""Products over GGML blocks, and over MLX's affine weights, on the CPU backend by the native
 library, from MLX's graph.
 
 A GGUF's K-quant and i-quant matrices stay in their blocks (runner/models/quantized.py's GGML
@@ -46,8 +46,8 @@ from runner.sources.gguf import quants
 
 
 class LibraryProducts:
-    """Products over GGML blocks through `functions` (a checked library's entry points:
-    runner/native/abi.py)."""
+    """Products over GGML blocks and MLX's affine weights through `functions` (a checked
+    library's entry points: runner/native/abi.py)."""
 
     def __init__(self, functions: abi.Functions):
         self._product = functions.weight_product
