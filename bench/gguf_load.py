@@ -9,10 +9,14 @@ bits, the others Q4_K, the head Q6_K), then times `load_gguf` (metadata, tokeniz
 tensor converted) and `build_model`, and reports the resident size of the built model's
 weights (its parameters: what the runner holds once the load's own arrays are gone) against
 the file's. `--layers N` writes only the first N layers (the 30B's 48 would take 18.6 GB of
-disk). `--file PATH` times an existing GGUF instead (the default model's, a store's blob).
+disk). `--file PATH` times an existing GGUF instead (the default model's, a store's blob), or
+a model directory. `--forwards` then times the loaded model in process: decode steps (16
+greedy tokens after a 64-token prompt, ms a token) and a 128-token prompt (median of 3, ms a
+prompt token), random token ids: what bench/RESULTS.md's "Experts in their blocks" compares
+between checkouts.
 
     python -m bench.gguf_load --shape 1b
-    python -m bench.gguf_load --shape 30b-a3b --layers 4
+    python -m bench.gguf_load --shape 30b-a3b --layers 4 --forwards
     python -m bench.gguf_load --file PATH.gguf
 """
 
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -136,24 +141,66 @@ def write_gguf(shape: str, path: Path, cut: int | None = None) -> Path:
     return path
 
 
-def measure(path: Path) -> None:
+def measure(path: Path, forwards: bool = False, steps: int = 16, prompt: int = 128) -> None:
+    """Load and build the model at `path` (a GGUF, or a model directory) and report; with
+    `forwards`, time `steps` decode steps and a `prompt`-token prompt."""
     from mlx.utils import tree_flatten
 
     from runner.models import build_model
     from runner.sources.gguf.model import load_gguf
+    from runner.sources.loader import load_local_dir
 
     started = time.perf_counter()
-    source = load_gguf(path)
+    source = load_local_dir(path) if path.is_dir() else load_gguf(path)
     loaded = time.perf_counter()
     model = build_model(source)
     built = time.perf_counter()
     del source  # what the model holds: its parameters (kept blocks, or their conversions)
     resident = sum(int(w.nbytes) for _, w in tree_flatten(model.module.parameters()))
-    size = path.stat().st_size
+    files = [path] if path.is_file() else [f for f in path.iterdir() if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
     print(f"{path.name}: {size / 1e6:.1f} MB file")
     print(f"  load_gguf {loaded - started:.2f} s, build_model {built - loaded:.2f} s")
     print(f"  resident {resident / 1e6:.1f} MB ({resident / size:.2f}x the file)")
+    if forwards:
+        decode, prefill = time_forwards(model, steps, prompt)
+        print(f"  decode {decode:.2f} ms a token ({steps} steps after a 64-token prompt)")
+        print(f"  prompt {prefill:.2f} ms a token ({prompt} tokens, median of 3)")
     del model
+
+
+def time_forwards(model: object, steps: int, prompt: int) -> tuple[float, float]:
+    """(ms a decode token, ms a prompt token) of `model` in process: `steps` greedy decode
+    steps after a 64-token prompt, and the median of 3 `prompt`-token prompts."""
+    import statistics
+
+    import mlx.core as mx
+
+    m: Any = model
+    rng = np.random.default_rng(0)
+    top = max(4, min(int(m.vocab_size), 4000))
+
+    def ids(n: int) -> mx.array:
+        return mx.array([rng.integers(3, top, n).tolist()], dtype=mx.int32)
+
+    caches = m.make_caches()
+    mx.eval(m.hidden(ids(64), caches))
+    token = 5
+    started = 0.0
+    for step in range(steps + 2):  # two untimed
+        if step == 2:
+            started = time.perf_counter()
+        hidden = m.hidden(mx.array([[token]], dtype=mx.int32), caches)
+        token = int(mx.argmax(m.unembed(hidden[:, -1:])).item())
+    decode = (time.perf_counter() - started) / steps * 1e3
+    times = []
+    for _ in range(4):  # the first untimed
+        tokens, caches = ids(prompt), m.make_caches()
+        begun = time.perf_counter()
+        hidden = m.hidden(tokens, caches)
+        mx.eval(m.unembed(hidden[:, -1:]))
+        times.append((time.perf_counter() - begun) / prompt * 1e3)
+    return decode, statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,16 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gguf_load", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--layers", type=int, help="write only the shape's first LAYERS layers")
-    p.add_argument("--file", type=Path, help="time this GGUF instead of a random one")
+    p.add_argument(
+        "--file", type=Path, help="time this GGUF (or model directory) instead of a random one"
+    )
+    p.add_argument("--forwards", action="store_true", help="time decode steps and a prompt")
     args = p.parse_args(argv)
     if args.file:
-        measure(args.file.expanduser())
+        measure(args.file.expanduser(), args.forwards)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         started = time.perf_counter()
         path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf", args.layers)
         print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
-        measure(path)
+        measure(path, args.forwards)
     return 0
 
 

@@ -704,7 +704,8 @@ def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     """bench.gguf_load's Qwen3-MoE writer (the 30b-a3b shape's layout at a tiny size: a shape
     added for the test) gives a file the runner loads, Q6_K where llama.cpp's use_more_bits
     says; the resident size it reports is the built model's (every block kept on the CPU:
-    at the file's size, where converting the experts had taken ~2x)."""
+    at the file's size, where converting the experts had taken ~2x); `--forwards` times decode
+    steps and a prompt."""
     import re
 
     import gguf
@@ -718,6 +719,11 @@ def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     downs = [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)]
     assert downs == ["Q6_K" if gguf_load.more_bits(i, 8) else "Q4_K" for i in range(8)]
     assert set(downs) == {"Q4_K", "Q6_K"} and types["output.weight"] == "Q6_K"
-    gguf_load.measure(path)
-    ratio = re.search(r"resident [\d.]+ MB \(([\d.]+)x the file\)", capsys.readouterr().out)
+    gguf_load.measure(path, forwards=True, steps=2, prompt=8)
+    out = capsys.readouterr().out
+    ratio = re.search(r"resident [\d.]+ MB \(([\d.]+)x the file\)", out)
     assert ratio is not None and float(ratio.group(1)) <= 1.02
+    decode = re.search(r"decode ([\d.]+) ms a token", out)
+    prompt = re.search(r"prompt ([\d.]+) ms a token", out)
+    assert decode is not None and float(decode.group(1)) > 0
+    assert prompt is not None and float(prompt.group(1)) > 0
