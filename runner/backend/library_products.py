@@ -80,7 +80,6 @@ class LibraryProducts:
         """`mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)` for the experts W whose
         blocks [experts, n, bytes a row] are `blocks`: x [..., m, k] and indices [...] broadcast
         to the batch; returns [batch..., m, n] in x's dtype."""
-        mx.eval(blocks)
         n, k = self._shape(blocks, ggml_type)
         view, form = self._view(blocks), abi.BLOCK_FORMATS[ggml_type]
         return self._gather(

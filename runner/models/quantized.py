@@ -648,7 +648,7 @@ def adopt_blocks(
             raise ModelLoadError(f"tensor {name} is missing")
         ggml_type = quantization[path][GGML_TYPE]
         blocks, layer = weights[name], layers.get(path)
-        rows = blocks.shape[-2] if blocks.ndim > 1 else 0
+        rows = blocks.shape[-2]  # (a matrix's, or each stacked expert's)
         width = block_columns(ggml_type, blocks.shape[-1])
         switch = _switch_layer(layers, path) if blocks.ndim == 3 else None
         computed = products is not None and products.reads(ggml_type, rows, width)
