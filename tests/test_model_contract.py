@@ -29,6 +29,7 @@ from tests.tiny import (
     load_tiny_model,
     prefix_cache,
     score_uncached,
+    tiny_config,
     write_tiny_model,
 )
 
@@ -128,6 +129,25 @@ def test_a_quantized_model_checks_mlx_path_on_a_stand_in(tmp_path, monkeypatch, 
     monkeypatch.setattr(install, "Attention", StockAttention)
     with pytest.raises(ModelLoadError, match="rows batched over a shared prefix differ"):
         load_quantized_model(arch, tmp_path / "broken", 4, 64, backend=backend)
+
+
+def test_a_mixture_of_experts_stand_in_is_small():
+    """The stand-in of a Qwen3-MoE of 128 experts, 8 a token, 768 wide, dense layers past
+    its own two: 8 experts 64 wide (that of Qwen3-30B-A3B had taken 20 s of its load to
+    initialize 2.4 GB of experts), its dense layers those it keeps."""
+    from runner.models import build, registry
+
+    config = tiny_config("Qwen3MoeForCausalLM") | {
+        "num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "mlp_only_layers": [1, 40],
+    }  # fmt: skip
+    arch, family = registry.resolve_architecture(config)
+    stand_in = build._stand_in(family, config, arch, Backend.cpu())
+    layers = stand_in.module.model.layers
+    assert len(layers) == 2 and not hasattr(layers[1].mlp, "switch_mlp")
+    experts = layers[0].mlp.switch_mlp.gate_proj.weight
+    assert experts.shape == (8, 64, config["hidden_size"])
+    assert layers[0].mlp.top_k == 8
 
 
 def test_a_family_whose_mlx_lm_class_no_longer_calls_attention_fails_the_load(tmp_path):

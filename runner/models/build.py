@@ -221,18 +221,40 @@ def _quantized(module: nn.Module) -> bool:
     return any(isinstance(m, kinds) for _, m in module.named_modules())
 
 
-# What a stand-in keeps smaller than its model: layers, MLP width, vocabulary
-_STAND_IN = {"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 512}
+# What a stand-in keeps smaller than its model: layers, MLP widths (its experts' too),
+# vocabulary
+_STAND_IN = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 64,
+    "vocab_size": 512,
+}
+# A mixture of experts' count (transformers' names for it), kept to at most this many, and
+# to at least as many as a token takes
+_STAND_IN_EXPERTS = 8
+_EXPERT_COUNTS = ("num_local_experts", "num_experts")
 
 
 def _stand_in(family: Any, config: dict[str, Any], architecture: str, backend: Backend) -> Any:
-    """A model of `family` from `config` with 2 layers, a 64-wide MLP and a 512-token
-    vocabulary (the attention's shapes as configured), float32 random weights as mlx-lm
-    initializes them, its kernels installed for `backend` without a native step: MLX's path
-    through the same classes and kernels as the model's. For a quantized model behind a native
-    step, whose forwards on MLX's path run MLX's CPU quantized_matmul (~2 s a forward of a
-    1B Q4_K_M model: the check took 13 s of its load; an 8B's would take a minute or more)."""
+    """A model of `family` from `config` with 2 layers, a 64-wide MLP (and experts: at most 8,
+    64 wide) and a 512-token vocabulary (the attention's shapes as configured), float32
+    random weights as mlx-lm initializes them, its kernels installed for `backend` without a
+    native step: MLX's path through the same classes and kernels as the model's. For a
+    quantized model behind a native step, whose forwards on MLX's path run MLX's CPU
+    quantized_matmul (~2 s a forward of a 1B Q4_K_M model: the check took 13 s of its load;
+    an 8B's would take a minute or more)."""
     small = {**config, **{k: min(v, int(config.get(k) or v)) for k, v in _STAND_IN.items()}}
+    # (a stand-in of Qwen3-30B-A3B's 128 experts took 20 s to initialize: 2.4 GB of them)
+    chosen = config.get("num_experts_per_tok")
+    for key in _EXPERT_COUNTS:
+        count = config.get(key)
+        if isinstance(count, int) and isinstance(chosen, int) and count > _STAND_IN_EXPERTS:
+            small[key] = max(_STAND_IN_EXPERTS, chosen)
+    dense = config.get("mlp_only_layers")  # Qwen3-MoE's dense layers, of those kept
+    if isinstance(dense, list):
+        small["mlp_only_layers"] = [
+            i for i in dense if isinstance(i, int) and i < small["num_hidden_layers"]
+        ]
     # one layer of each kind the model has (full, sliding), in the order they first come
     kinds = config.get("layer_types")
     if isinstance(kinds, list) and kinds:
