@@ -421,9 +421,10 @@ MOE_DIMS = {
 }  # fmt: skip
 
 
-def moe_checkpoint(path: Path, dims: dict[str, Any] = MOE_DIMS) -> Path:
-    """A Qwen3-MoE checkpoint of tests/tiny.py's config with `dims` (every layer with
-    experts), the experts' weights large enough to move the logits."""
+def moe_checkpoint(path: Path, dims: dict[str, Any] = MOE_DIMS, dtype: str = "float32") -> Path:
+    """A Qwen3-MoE checkpoint of tests/tiny.py's config with `dims` (experts in every layer
+    but its `mlp_only_layers`), stored in `dtype`, the experts' weights large enough to move
+    the logits."""
     config = tiny_config("Qwen3MoeForCausalLM") | dims
     h, v, d = config["hidden_size"], config["vocab_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
@@ -445,12 +446,58 @@ def moe_checkpoint(path: Path, dims: dict[str, Any] = MOE_DIMS) -> Path:
             f"{p}.self_attn.o_proj.weight": ((h, q), small),
             f"{p}.self_attn.q_norm.weight": ((d,), norm),
             f"{p}.self_attn.k_norm.weight": ((d,), norm),
-            f"{p}.mlp.gate.weight": ((experts, h), ("normal", 0.3)),
         }
+        if i in config["mlp_only_layers"]:  # a dense gated MLP
+            dense = config["intermediate_size"]
+            specs[f"{p}.mlp.gate_proj.weight"] = ((dense, h), ("normal", 0.1))
+            specs[f"{p}.mlp.up_proj.weight"] = ((dense, h), ("normal", 0.1))
+            specs[f"{p}.mlp.down_proj.weight"] = ((h, dense), ("normal", 0.1))
+            continue
+        specs[f"{p}.mlp.gate.weight"] = ((experts, h), ("normal", 0.3))
         for e in range(experts):
             for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
                 specs[f"{p}.mlp.experts.{e}.{proj}_proj.weight"] = (shape, ("normal", 0.1))
-    return write_tiny_model("Qwen3MoeForCausalLM", path, config=config, specs=specs)
+    return write_tiny_model("Qwen3MoeForCausalLM", path, config=config, specs=specs, dtype=dtype)
+
+
+def quantized_moe(
+    checkpoint: Path, path: Path, bits: int, group: int, dtype: str = "float32"
+) -> Path:
+    """`checkpoint` (moe_checkpoint's) quantized as mlx_lm.convert quantizes a Qwen3-MoE:
+    affine, `bits` and `group`, every linear layer, the experts and the embedding, the
+    router at 8 bits (mlx-lm's qwen3_moe `quant_predicate`), the weights cast to `dtype`
+    first (the scales come out in it); written as a converted model's directory at `path`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+
+    from runner.backend import Backend
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    mlx_only = Backend.cpu().replace(native_step_max_tokens=None)
+    module = build_model(load_local_dir(checkpoint), mlx_only).module
+    module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
+
+    def quantizable(name: str, layer: Any) -> bool | dict[str, Any]:
+        if not hasattr(layer, "to_quantized") or layer.weight.shape[-1] % group:
+            return False
+        return {"group_size": 64, "bits": 8} if name.endswith("mlp.gate") else True
+
+    nn.quantize(module, group, bits, class_predicate=quantizable)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(module.parameters())))
+    config["quantization"] = {"group_size": group, "bits": bits}
+    config["quantization"] |= {
+        name: {"group_size": 64, "bits": 8}
+        for name, layer in module.named_modules()
+        if name.endswith("mlp.gate") and isinstance(layer, nn.QuantizedLinear)
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((checkpoint / name).read_bytes())
+    return path
 
 
 def _k_file(

@@ -25,7 +25,15 @@ from runner.models import build_model, quantized
 from runner.sources.gguf import quants
 from runner.sources.gguf.model import load_gguf
 from runner.sources.loader import load_local_dir
-from tests.gguf_models import QUANTIZERS, T, checkpoint_of, expert_types, moe_checkpoint, write_gguf
+from tests.gguf_models import (
+    QUANTIZERS,
+    T,
+    checkpoint_of,
+    expert_types,
+    moe_checkpoint,
+    quantized_moe,
+    write_gguf,
+)
 
 TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS",
          "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]  # fmt: skip
@@ -177,13 +185,15 @@ def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
 ) -> None:
     """A Qwen3-MoE GGUF's stacked experts (a Q4_K_M file's Q4_K gate and up and Q6_K down, a
     Q3_K_M's, an IQ4_XS's, grid i-quants') and its K-quant matrices (Q4_K_M's Q6_K head,
-    embedding and attn_v, Q4_K attention: Qwen3-MoE has no native step) stay in their blocks
-    on the CPU: every switch layer a GGMLSwitchLinear holding the file's very bytes, every
-    matrix a GGMLLinear / GGMLEmbedding, all computed by the library, the model's weights no
-    more bytes than the file's tensors; the logits (a prefill, and decode steps after a prompt)
-    are those of the checkpoint of the file's values through the directory loader within
-    1e-4, as are those of MLX's path over the blocks and of the backend without the library's
-    paths (MLX's formats)."""
+    embedding and attn_v, Q4_K attention) stay in their blocks on the CPU: every switch layer
+    a GGMLSwitchLinear holding the file's very bytes, every matrix a GGMLLinear /
+    GGMLEmbedding, the model's weights no more bytes than the file's tensors. The native step
+    reads every layer's blocks, its experts' included; the forwards it declines compute them
+    by the library from MLX's graph. The logits (a prefill, decode steps after a prompt, as
+    plain forwards and as decode steps) are those of the checkpoint of the file's values
+    through the directory loader within 1e-4, as are those of MLX's path through the library,
+    of MLX's path over the blocks and of the backend without the library's paths (MLX's
+    formats)."""
     _products()  # (skips without the library)
     gate_up, down = FILES[file]
     checkpoint = moe_checkpoint(tmp_path / "hf")
@@ -214,12 +224,19 @@ def test_a_moe_gguf_keeps_its_experts_in_blocks_and_computes_their_values(
     assert all(isinstance(m.products, library_products.LibraryProducts) for m in computed)
     params = dict(tree_flatten(model.module.parameters()))
     assert sum(a.nbytes for a in params.values()) <= sum(a.nbytes for a in stored_all.values())
+    native = model.native
+    # q, k, v, o and three switch layers a layer from their blocks (the router is float32)
+    assert native is not None and native.quantized == 2 * 7
     assert np.abs(_logits(model) - want).max() <= 1e-4
     assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
-
-    for layer in computed:  # MLX's path over the same blocks
-        layer.products = None
-    assert np.abs(_logits(model) - want).max() <= 1e-4
+    with model.decode_steps():  # by limbs where the library has them
+        assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+    with model.mlx_only():  # MLX's graph, the library's products
+        assert np.abs(_logits(model) - want).max() <= 1e-4
+        assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+        for layer in computed:  # MLX's path over the same blocks
+            layer.products = None
+        assert np.abs(_logits(model) - want).max() <= 1e-4
 
     mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
     converted = build_model(load_gguf(path), mlx_only)
@@ -301,30 +318,14 @@ def test_affine_experts_compute_the_float64_products_of_their_values(
 
 def test_an_mlx_quantized_moe_computes_its_experts_by_the_library(tmp_path: Path) -> None:
     """A Qwen3-MoE quantized as mlx-lm quantizes it (affine, 4 bits, groups of 64: every
-    linear layer, the experts and the embedding; a family without a native step) computes its
-    experts (AffineSwitchLinear) and its matrices (AffineLinear) by the library on the CPU,
-    the logits of a prefill and of decode steps within 1e-4 of MLX's own gather_qmm and
-    quantized_matmul on the same weights (the backend without the library's paths)."""
-    import json
-
+    linear layer, the experts and the embedding; the router 8 bits) is read by the native
+    step, and the forwards the step declines compute its experts (AffineSwitchLinear) and its
+    matrices (AffineLinear) by the library from MLX's graph: the logits of a prefill and of
+    decode steps, both ways, within 1e-4 of MLX's own gather_qmm and quantized_matmul on the
+    same weights (the backend without the library's paths)."""
     _products()
-    checkpoint = moe_checkpoint(tmp_path / "hf")
+    out = quantized_moe(moe_checkpoint(tmp_path / "hf"), tmp_path / "q4", 4, 64)
     mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
-    module = build_model(load_local_dir(checkpoint), mlx_only).module
-
-    def quantizable(path: str, layer: nn.Module) -> bool:
-        return hasattr(layer, "to_quantized") and layer.weight.shape[-1] % 64 == 0
-
-    nn.quantize(module, 64, 4, class_predicate=quantizable)
-    out = tmp_path / "q4"
-    out.mkdir()
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(module.parameters())))
-    config = json.loads((checkpoint / "config.json").read_text())
-    config["quantization"] = {"group_size": 64, "bits": 4}
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((checkpoint / name).read_bytes())
-
     reference = build_model(load_local_dir(out), mlx_only)
     assert all(type(m) is QuantizedSwitchLinear for m in _switch_layers(reference).values())
     want = _logits(reference)
@@ -336,8 +337,13 @@ def test_an_mlx_quantized_moe_computes_its_experts_by_the_library(tmp_path: Path
     # q, k, v, o and the router a layer, and the head: none left to MLX's quantized_matmul
     assert len(linears) == 5 * 2 + 1
     assert all(type(m) is quantized.AffineLinear and m.products for m in linears)
+    native = model.native  # q, k, v, o, the router and three switch layers a layer
+    assert native is not None and native.quantized == 2 * 8
     assert np.abs(_logits(model) - want).max() <= 1e-4
     assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+    with model.mlx_only():
+        assert np.abs(_logits(model) - want).max() <= 1e-4
+        assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
 
 
 def test_empty_inputs_give_empty_products() -> None:

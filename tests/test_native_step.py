@@ -23,6 +23,7 @@ import pytest
 
 from runner.backend import Backend
 from runner.native import abi, preload
+from tests.gguf_models import moe_checkpoint, quantized_moe
 from tests.quantized_models import (
     AFFINE_LANES,
     QUANTIZED_DIMS,
@@ -92,6 +93,16 @@ QUANTIZED = [
     ("Qwen3ForCausalLM", "float16", 5, 32),
     ("LlamaForCausalLM", "bfloat16", 4, 128),
 ]
+# Qwen3-MoE's mixtures of experts (a dense first layer, then 8 experts a layer, 3 a token,
+# their probabilities renormalised): float32 experts beside bfloat16 attention weights (their
+# half copies), and mlx-lm's 4-bit quantization (QuantizedSwitchLinear experts, its 8-bit
+# router)
+MOE = "Qwen3MoeForCausalLM"
+MOE_DIMS = {
+    "num_local_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0],
+    "num_hidden_layers": 3, "moe_intermediate_size": 64,
+}  # fmt: skip
+MOE_PAIRS = [(MOE, "float32"), (MOE, "bfloat16"), (MOE, "float16", 4, 64)]
 MAX_TOKENS = 8
 
 
@@ -113,12 +124,29 @@ class Counting:
         return getattr(self.step, name)
 
 
-@pytest.fixture(params=[*CHECKPOINTS, *QUANTIZED], ids=lambda c: "-".join(map(str, c)))
+def load_moe(path: Any, dtype: str, quantization: list[int], backend: Backend) -> Any:
+    """A tiny Qwen3-MoE of MOE_DIMS (widened to QUANTIZED_DIMS, its experts 128 wide, for a
+    quantization: mlx-lm's, `quantization` = [bits, group]), loaded by the runner."""
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+
+    if not quantization:
+        return build_model(load_local_dir(moe_checkpoint(path, MOE_DIMS, dtype)), backend)
+    dims = MOE_DIMS | QUANTIZED_DIMS | {"moe_intermediate_size": 128}
+    checkpoint = moe_checkpoint(path.with_name(path.name + "-float"), dims)
+    written = quantized_moe(checkpoint, path, *quantization, dtype)
+    return build_model(load_local_dir(written), backend)
+
+
+@pytest.fixture(params=[*CHECKPOINTS, *QUANTIZED, *MOE_PAIRS], ids=lambda c: "-".join(map(str, c)))
 def pair(request, tmp_path):
     arch, dtype, *quantization = request.param
     on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
     off = Backend.cpu().replace(native_step_max_tokens=None)
-    if quantization:
+    if arch == MOE:
+        native = load_moe(tmp_path / "a", dtype, quantization, on)
+        plain = load_moe(tmp_path / "b", dtype, quantization, off)
+    elif quantization:
         native = load_quantized_model(arch, tmp_path / "a", *quantization, dtype, backend=on)
         plain = load_quantized_model(arch, tmp_path / "b", *quantization, dtype, backend=off)
     else:
@@ -127,8 +155,12 @@ def pair(request, tmp_path):
     assert native._native is not None and plain._native is None
     half = dtype != "float32" and half_weights() and not quantization
     assert native._native.half_format == (dtype if half else None)
-    # every product read from its codes, and the (quantized) head computed natively too
-    assert native._native.quantized == (7 * native._native.layers if quantization else 0)
+    # every product read from its codes (a layer's experts: its router and three stacks, one
+    # more than a gated MLP's), and the (quantized) head computed natively too
+    sparse = sum(e is not None for e in native._native._experts)
+    assert sparse == (native._native.layers - 1 if arch == MOE else 0)
+    products = 7 * native._native.layers + sparse
+    assert native._native.quantized == (products if quantization else 0)
     assert native._native._head is not None or not (half or quantization)
     native._native = Counting(native._native)
     return native, plain
@@ -176,8 +208,9 @@ def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
     in up to 16 ranges merged afterwards): forwards long enough for several of each, with
     and without cached positions, equal MLX's path. The tiny models have 2 query heads per
     KV head, 2 KV heads: 8 tokens make 16 rows a group, 2 split items; 37 tokens 74 rows,
-    4 row blocks a group."""
-    for arch in ARCHES:
+    4 row blocks a group. Qwen3-MoE's experts take hundreds of rows each there (the BLAS's
+    products of float32 experts)."""
+    for arch in [*ARCHES, MOE]:
         backend = Backend.cpu().replace(native_step_max_tokens=512)
         native = load_tiny_model(arch, tmp_path / arch / "a", backend=backend)
         plain = load_tiny_model(
@@ -559,9 +592,49 @@ def test_windowed_rows_batched_over_a_prefix_equal_mlx(arch, tmp_path):
     assert native._native.taken == 6  # the prefix's five chunks and the batch
 
 
+@pytest.mark.parametrize(
+    "norm_topk, top_k, dense",
+    [(False, 3, []), (True, 1, [1]), (False, 8, [0, 2])],
+    ids=["not-renormalised", "one-expert", "every-expert"],
+)
+def test_experts_equal_mlx_however_they_route(norm_topk, top_k, dense, tmp_path):
+    """A Qwen3-MoE's experts in the step (runner/native/decoder_step.c: `experts_mlp`)
+    whether its probabilities are renormalised or not, a token takes one expert or all of
+    them, and whichever layers are dense: prompts in chunks, decode steps and rows batched
+    over a prefix equal MLX's path."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+
+    dims = MOE_DIMS | {"norm_topk_prob": norm_topk, "num_experts_per_tok": top_k}
+    checkpoint = moe_checkpoint(tmp_path / "hf", dims | {"mlp_only_layers": dense})
+    on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    native = build_model(load_local_dir(checkpoint), on)
+    plain = build_model(load_local_dir(checkpoint), on.replace(native_step_max_tokens=None))
+    assert native._native is not None
+    assert [e is not None for e in native._native._experts] == [i not in dense for i in range(3)]
+    native._native = Counting(native._native)
+    prompt = np.random.default_rng(3).integers(3, 300, size=40).tolist()
+    cuts = [0, 7, 30, 31, 32, 33, 34]
+    a, b = native.make_caches(), plain.make_caches()
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(a, b)
+    assert native._native.taken == len(cuts) - 2  # all but the 23-token chunk
+    suffixes = [prompt[34:37], prompt[37:38], prompt[38:40]]
+    rows = []
+    for model, caches in ((native, a), (plain, b)):
+        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+        rows.append(np.array(forward_suffixes(model, batch, suffixes)))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+    assert native._native.taken == len(cuts) - 1
+
+
 def test_only_float32_llama_shapes_get_a_step(tmp_path):
     """Families without the step keep MLX's path, as does a Llama with the step turned off."""
-    moe = load_tiny_model("Qwen3MoeForCausalLM", tmp_path / "g")  # experts
+    moe = load_tiny_model("GptOssForCausalLM", tmp_path / "g")  # attention sinks, its experts
     assert moe._native is None
     without = Backend.cpu().replace(native_step_max_tokens=None)
     off = load_tiny_model("LlamaForCausalLM", tmp_path / "l", backend=without)

@@ -40,12 +40,16 @@ class Kernels:
 
     - `attention`: classes whose `__call__` ends in `scaled_dot_product_attention`;
     - `swiglu`: gated MLPs whose `__call__` calls `swiglu(gate, up)`;
-    - `gelu_glu`: Gemma's MLP, `down(gelu_approx(gate(x)) * up(x))`.
+    - `gelu_glu`: Gemma's MLP, `down(gelu_approx(gate(x)) * up(x))`;
+    - `sparse_moe`: mixtures of experts shaped as mlx-lm's Qwen3MoeSparseMoeBlock (a router
+      `gate`, softmax, `top_k`, `norm_topk_prob`, a SwiGLU `switch_mlp`): nothing is installed
+      on them; the native step (runner/backend/native_step.py) computes them.
     """
 
     attention: tuple[type[nn.Module], ...] = ()
     swiglu: tuple[type[nn.Module], ...] = ()
     gelu_glu: tuple[type[nn.Module], ...] = ()
+    sparse_moe: tuple[type[nn.Module], ...] = ()
 
 
 def install(module: nn.Module, kernels: Kernels, backend: Backend) -> dict[str, int]:

@@ -33,14 +33,16 @@ quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding's rows are dequantized here too
 where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
 
-It serves Llama, Qwen2, Qwen3, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as mlx-lm builds
-them (mlx-lm's llama, qwen2, qwen3, ministral3, gemma2, gemma3_text and phi3 classes, as the
-families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's fused q/k/v and gate/up
+It serves Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as
+mlx-lm builds them (mlx-lm's llama, qwen2, qwen3, qwen3_moe, ministral3, gemma2, gemma3_text
+and phi3 classes, as the families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's fused q/k/v and gate/up
 projections read as row ranges: `_attention_products`, `_mlp_products`), per-head q/k norms,
 rotate-half rotary embeddings from the runner's tables (runner/backend/rope.py; a table per
 rotary embedding the layers use), SwiGLU or Gemma's GELU MLP, full or sliding-window
-attention, Gemma2's soft-capped scores, and what a family's `NativeShape` adds around the
-layers (Gemma's norms of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
+attention, Gemma2's soft-capped scores, Qwen3-MoE's sparse mixtures of experts (Kernels'
+`sparse_moe`: the router, its softmax and top-k, and the chosen experts' SwiGLU products
+from their stacked arrays in place, float32, MLX's affine or GGML blocks: `_experts`), and
+what a family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
 queries scaled by position). `build` returns None for anything else (a weight it cannot
 read: non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales);
 another module shape), and a call returns None where MLX's path must run: more tokens than
@@ -84,6 +86,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
 from runner.backend.install import Kernels
 from runner.backend.rope import TableRoPE
@@ -322,10 +325,11 @@ def raw_view(array: Any, what: str) -> np.ndarray:
     return view
 
 
-def _affine(layer: nn.Module, what: str) -> _Matrix:
+def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
     """A quantized linear or embedding layer's weight, when it is an affine quantization the
     products read (AFFINE_BITS, AFFINE_GROUPS, scales and biases in float32, float16 or
-    bfloat16); mxfp4, nvfp4, other bits, global scales stay on MLX's path."""
+    bfloat16); mxfp4, nvfp4, other bits, global scales stay on MLX's path. `stacked`: a
+    quantized switch layer's experts [E, n, .], whose views keep that leading axis."""
     mode, bits, group = getattr(layer, "mode", "affine"), int(layer.bits), int(layer.group_size)
     if mode != "affine" or bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
         raise _Unsupported(f"{what}: {mode} quantization, {bits} bits, group {group}")
@@ -334,8 +338,13 @@ def _affine(layer: nn.Module, what: str) -> _Matrix:
     codes, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     if codes.dtype != mx.uint32 or scales.dtype not in SCALE_DTYPES or biases.dtype != scales.dtype:
         raise _Unsupported(f"{what}: codes {codes.dtype}, scales {scales.dtype}")
-    n, k = int(codes.shape[0]), int(codes.shape[1]) * 32 // bits
-    if codes.ndim != 2 or scales.shape != (n, k // group) or biases.shape != scales.shape:
+    lead = tuple(codes.shape[:1]) if stacked else ()
+    n, k = int(codes.shape[-2]), int(codes.shape[-1]) * 32 // bits
+    if (
+        codes.ndim != 2 + len(lead)
+        or tuple(scales.shape) != (*lead, n, k // group)
+        or biases.shape != scales.shape
+    ):
         raise _Unsupported(f"{what}: shapes {codes.shape}, {scales.shape}")
     return _Matrix(
         n, k, codes=raw_view(codes, what), scales=raw_view(scales, what),
@@ -378,6 +387,86 @@ def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
         raise _Unsupported(f"{name}: {type(layer).__name__}")
     bias = _view(layer.bias, f"{name}.bias") if "bias" in layer else None
     return matrix, bias
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """A switch layer's stacked experts [count, n, k] as the step reads them: expert 0's
+    weight (views of the stack's memory), and the bytes from one expert's arrays to the
+    next's (its data; its scales and biases)."""
+
+    first: _Matrix
+    count: int
+    strides: tuple[int, int]
+    arrays: tuple[np.ndarray, ...]  # the whole stack's views (their lifetimes)
+
+
+def _switch(parent: nn.Module, name: str) -> _Stack:
+    """A mixture of experts' switch layer: float32 (`SwitchLinear`), MLX's affine experts
+    (`QuantizedSwitchLinear`, read as `_affine` reads a matrix) or GGML blocks
+    (runner/models/quantized.py's GGMLSwitchLinear); no biases."""
+    layer = getattr(parent, name, None)
+    if not isinstance(layer, nn.Module) or "bias" in layer:
+        raise _Unsupported(f"{name}: {type(layer).__name__}, or experts with biases")
+    ggml_type = getattr(layer, "ggml_type", None)
+    if ggml_type is not None:
+        if ggml_type not in GGML_FORMATS:
+            raise _Unsupported(f"{name}: GGML {ggml_type} experts")
+        form, size, weights = GGML_FORMATS[ggml_type]
+        blocks = layer[GGML_BLOCKS]
+        if blocks.dtype != mx.uint8 or blocks.ndim != 3 or blocks.shape[2] % size:
+            raise _Unsupported(f"{name}: {ggml_type} experts {blocks.dtype} {blocks.shape}")
+        view = raw_view(blocks, name)
+        n, k = int(view.shape[1]), int(view.shape[2]) // size * weights
+        first = _Matrix(n, k, codes=view[0], block_format=form)
+        return _Stack(first, int(view.shape[0]), (view.strides[0], 0), (view,))
+    if isinstance(layer, QuantizedSwitchLinear):
+        stack = _affine(layer, name, stacked=True)
+        assert stack.codes is not None and stack.scales is not None and stack.biases is not None
+        first = dataclasses.replace(
+            stack, codes=stack.codes[0], scales=stack.scales[0], biases=stack.biases[0]
+        )
+        strides = (stack.codes.strides[0], stack.scales.strides[0])
+        arrays = (stack.codes, stack.scales, stack.biases)
+        return _Stack(first, int(stack.codes.shape[0]), strides, arrays)
+    if isinstance(layer, SwitchLinear) and layer.weight.ndim == 3:
+        view = _view(layer.weight, f"{name}.weight")
+        first = _Matrix(int(view.shape[1]), int(view.shape[2]), f32=view[0])
+        return _Stack(first, int(view.shape[0]), (view.strides[0], 0), (view,))
+    raise _Unsupported(f"{name}: {type(layer).__name__}")
+
+
+def _experts(moe: nn.Module, hidden: int) -> tuple[abi.Experts, list[Any]]:
+    """The struct step_experts of a sparse MoE block shaped as mlx-lm's
+    Qwen3MoeSparseMoeBlock (Kernels' `sparse_moe`), and the arrays it points into."""
+    switch = getattr(moe, "switch_mlp", None)
+    if not isinstance(switch, SwitchGLU) or type(switch.activation) is not SwiGLU:
+        raise _Unsupported("experts that are not a SwiGLU switch layer")
+    router, bias = _linear(moe, "gate")
+    if bias is not None:
+        raise _Unsupported("a router with a bias")
+    stacks = {proj: _switch(switch, f"{proj}_proj") for proj in ("gate", "up", "down")}
+    count, top_k = int(moe.num_experts), int(moe.top_k)
+    inner = stacks["gate"].first.n
+    shapes = {proj: (st.count, st.first.n, st.first.k) for proj, st in stacks.items()}
+    if (router.n, router.k) != (count, hidden) or shapes != {
+        "gate": (count, inner, hidden),
+        "up": (count, inner, hidden),
+        "down": (count, hidden, inner),
+    }:
+        raise _Unsupported(f"experts of shapes {shapes}, a router {(router.n, router.k)}")
+    if stacks["gate"].strides != stacks["up"].strides or not 0 < top_k <= count:
+        raise _Unsupported("gate and up experts stored differently, or top_k")
+    experts = abi.Experts(
+        count=count, top_k=top_k, norm_topk=int(bool(moe.norm_topk_prob)), intermediate=inner,
+        router=router.weight(), gate=stacks["gate"].first.weight(),
+        up=stacks["up"].first.weight(), down=stacks["down"].first.weight(),
+    )  # fmt: skip
+    experts.gate_up_stride[:] = stacks["gate"].strides
+    experts.down_stride[:] = stacks["down"].strides
+    keep: list[Any] = [router, *(a for st in stacks.values() for a in st.arrays)]
+    keep += [st.first for st in stacks.values()]
+    return experts, keep
 
 
 def _rows(matrix: _Matrix, start: int, stop: int) -> _Matrix:
@@ -529,7 +618,7 @@ class NativeStep:
         layers = list(inner.layers)
         self._keep: list[Any] = [self._final_norm]  # the views' lifetimes
         structs = (abi.Layer * len(layers))()
-        matrices: list[_Matrix] = []  # every layer's product weights, in abi.PRODUCTS order
+        layer_products: list[dict[str, _Matrix]] = []  # each layer's weights by abi.PRODUCTS
         first = layers[0].self_attn
         self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
         self.scale = float(first.scale)
@@ -546,11 +635,15 @@ class NativeStep:
         q_weight = _attention_products(first, self.heads, self.kv_heads)[0]["q"]
         self.head_dim = q_weight.n // self.heads
         self.hidden = q_weight.k
+        # per layer: its struct step_experts (a sparse MoE block), or None (a gated MLP)
+        self._experts: list[abi.Experts | None] = []
+        checked: list[_Matrix] = []  # the experts' weights, for the check below
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
+            sparse = isinstance(mlp, kernels.sparse_moe) if kernels.sparse_moe else False
             activation = (
                 "silu"
-                if isinstance(mlp, kernels.swiglu)
+                if sparse or isinstance(mlp, kernels.swiglu)
                 else "gelu_tanh"
                 if isinstance(mlp, kernels.gelu_glu)
                 else None
@@ -593,12 +686,20 @@ class NativeStep:
                 "o": (self.hidden, q_rows),
             }:
                 raise _Unsupported(f"attention projections {shapes}")
-            products |= _mlp_products(mlp)
-            intermediate = products["gate"].n
-            if {(m.n, m.k) for p, m in products.items() if p in ("gate", "up")} != {
-                (intermediate, self.hidden)
-            } or (products["down"].n, products["down"].k) != (self.hidden, intermediate):
-                raise _Unsupported("MLP projections")
+            if sparse:
+                experts, held = _experts(mlp, self.hidden)
+                self._keep += held
+                checked += [m for m in held if isinstance(m, _Matrix)]
+                structs[i].experts = ctypes.pointer(experts)
+                self._experts.append(experts)
+            else:
+                self._experts.append(None)
+                products |= _mlp_products(mlp)
+                intermediate = products["gate"].n
+                if {(m.n, m.k) for p, m in products.items() if p in ("gate", "up")} != {
+                    (intermediate, self.hidden)
+                } or (products["down"].n, products["down"].k) != (self.hidden, intermediate):
+                    raise _Unsupported("MLP projections")
             eps_all = {e1, e2, eps}
             for name in ("q_norm", "k_norm"):
                 if hasattr(attn, name):
@@ -612,9 +713,10 @@ class NativeStep:
                 if view is not None:
                     self._keep.append(view)
                     setattr(structs[i], name, _pointer(view))
-            matrices += [products[name] for name in abi.PRODUCTS]
+            layer_products.append(products)
+        matrices = [m for products in layer_products for m in products.values()]
         self._keep += matrices
-        for matrix in matrices:
+        for matrix in [*matrices, *checked]:
             if matrix.codes is not None and not functions.weight_supported(
                 ctypes.byref(matrix.weight()), matrix.n, matrix.k
             ):
@@ -660,10 +762,11 @@ class NativeStep:
         def weight(matrix: _Matrix) -> abi.Weight:
             return matrix.weight(copy_of.get(id(matrix)), half_code)
 
-        for i, struct in enumerate(structs):
-            for j, name in enumerate(abi.PRODUCTS):
-                setattr(struct, name, weight(matrices[i * len(abi.PRODUCTS) + j]))
-        self.quantized = sum(m.codes is not None for m in matrices)  # products read as codes
+        for struct, products in zip(structs, layer_products, strict=True):
+            for name, matrix in products.items():
+                setattr(struct, name, weight(matrix))
+        # products read as codes (a layer's experts count their router and three stacks)
+        self.quantized = sum(m.codes is not None for m in [*matrices, *checked])
         # The head's product here: from its codes (any number of rows: MLX's CPU
         # quantized_matmul is ~40x slower than these tiles), or its half copy (up to
         # HEAD_ROWS rows, MLX's float32 product past them); None: MLX's.
@@ -674,7 +777,13 @@ class NativeStep:
             self._head, self._head_rows = weight(head), 1 << 30
         elif head is not None and id(head) in copy_of:
             self._head, self._head_rows = weight(head), HEAD_ROWS
-        self.intermediate = int(matrices[4].n)
+        # the gated MLPs' width (of the dense layers; else the experts')
+        self.intermediate = next(
+            (int(p["gate"].n) for p in layer_products if "gate" in p),
+            max(e.intermediate for e in self._experts if e is not None)
+            if any(self._experts)
+            else 0,
+        )
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs

@@ -74,8 +74,10 @@ def split_gate_up(weights: dict[str, mx.array], target: str = "switch_mlp") -> d
         prefix, _, last = name.rpartition(".experts.")
         if last == "gate_up_proj" and prefix.endswith(".mlp"):
             mid = value.shape[-2] // 2
-            out[f"{prefix}.{target}.gate_proj.weight"] = value[..., :mid, :]
-            out[f"{prefix}.{target}.up_proj.weight"] = value[..., mid:, :]
+            # each half in its own memory: the native step reads stacked experts in place,
+            # contiguous (runner/backend/native_step.py)
+            out[f"{prefix}.{target}.gate_proj.weight"] = mx.contiguous(value[..., :mid, :])
+            out[f"{prefix}.{target}.up_proj.weight"] = mx.contiguous(value[..., mid:, :])
         elif last == "down_proj" and prefix.endswith(".mlp"):
             out[f"{prefix}.{target}.down_proj.weight"] = value
         else:

@@ -97,7 +97,12 @@ def _dense_layers(c: dict[str, Any]) -> list[int]:
 @register("Qwen3MoeForCausalLM", "qwen3_moe")
 class Qwen3Moe(DecoderModel):
     DEFAULT_CONTEXT = 32768
-    KERNELS = Kernels(attention=(qwen3_moe.Attention,), swiglu=(qwen3_moe.MLP,))
+    KERNELS = Kernels(
+        attention=(qwen3_moe.Attention,),
+        swiglu=(qwen3_moe.MLP,),
+        sparse_moe=(qwen3_moe.Qwen3MoeSparseMoeBlock,),
+    )
+    NATIVE_STEP = True  # its experts too (runner/backend/native_step.py)
 
     def __init__(
         self, module: nn.Module, config: dict[str, Any], architecture: str, backend: Backend

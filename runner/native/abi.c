@@ -39,7 +39,13 @@ static const struct field step_layer_fields[] = {
     FIELD(step_layer, k_norm), FIELD(step_layer, post_norm), FIELD(step_layer, attn_out_norm),
     FIELD(step_layer, mlp_out_norm), FIELD(step_layer, q), FIELD(step_layer, k),
     FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, gate), FIELD(step_layer, up),
-    FIELD(step_layer, down), FIELD(step_layer, rope_table),
+    FIELD(step_layer, down), FIELD(step_layer, rope_table), FIELD(step_layer, experts),
+};
+static const struct field step_experts_fields[] = {
+    FIELD(step_experts, count), FIELD(step_experts, top_k), FIELD(step_experts, norm_topk),
+    FIELD(step_experts, intermediate), FIELD(step_experts, router), FIELD(step_experts, gate),
+    FIELD(step_experts, up), FIELD(step_experts, down), FIELD(step_experts, gate_up_stride),
+    FIELD(step_experts, down_stride),
 };
 static const struct field step_cache_fields[] = {
     FIELD(step_cache, keys), FIELD(step_cache, values), FIELD(step_cache, head_stride),
@@ -65,7 +71,8 @@ static const struct {
     const char *type;
     const struct field *fields;
     size_t count, size;
-} tables[] = {TABLE(step_weight), TABLE(step_layer), TABLE(step_cache), TABLE(step_args)};
+} tables[] = {TABLE(step_weight), TABLE(step_experts), TABLE(step_layer), TABLE(step_cache),
+              TABLE(step_args)};
 
 int runner_native_field(const char *type, int index, const char **name, long *offset) {
     for (size_t t = 0; t < sizeof(tables) / sizeof(tables[0]); t++) {

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 21  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 22  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -57,6 +57,21 @@ class Weight(ctypes.Structure):  # struct step_weight
     ]
 
 
+class Experts(ctypes.Structure):  # struct step_experts
+    _fields_ = [
+        ("count", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("norm_topk", ctypes.c_int),
+        ("intermediate", ctypes.c_int),
+        ("router", Weight),
+        ("gate", Weight),
+        ("up", Weight),
+        ("down", Weight),
+        ("gate_up_stride", ctypes.c_long * 2),
+        ("down_stride", ctypes.c_long * 2),
+    ]
+
+
 class Layer(ctypes.Structure):  # struct step_layer
     _fields_ = [
         *(
@@ -68,6 +83,7 @@ class Layer(ctypes.Structure):  # struct step_layer
         ),
         *((name, Weight) for name in PRODUCTS),
         ("rope_table", ctypes.c_int),
+        ("experts", ctypes.POINTER(Experts)),
     ]  # fmt: skip
 
 
@@ -114,6 +130,7 @@ class Args(ctypes.Structure):  # struct step_args
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "step_weight": Weight,
+    "step_experts": Experts,
     "step_layer": Layer,
     "step_cache": Cache,
     "step_args": Args,

@@ -14,7 +14,8 @@
  *       where its cache says; Gemma2's soft-capped scores: attention.c) ;
  *   x += o Wo^T (+b)            (Gemma: x += rms_norm(o Wo^T), `attn_out_norm`)
  *   h = rms_norm(x) ; x += (act(h Wg^T) * h Wu^T) Wd^T   (Gemma: the sum's rms_norm added,
- *       `mlp_out_norm`; act: SiLU, or Gemma's tanh-approximate GELU)
+ *       `mlp_out_norm`; act: SiLU, or Gemma's tanh-approximate GELU), or a layer's mixture of
+ *       experts (struct step_experts: `experts_mlp`)
  *   then the final rms_norm.
  * Gemma's norms scale by 1 + weight: the caller passes that sum, as MLX computes it; its
  * embeddings' scale is the caller's too (x comes in embedded and scaled).
@@ -156,12 +157,44 @@ static void rotate(float *x, int rows, int tokens, int heads, int head_dim, int 
         }
 }
 
+/* The widest MLP of the layers: their gated MLP's, or their experts'. */
+static long widest_intermediate(const struct step_args *a) {
+    long n = a->intermediate;
+    for (int l = 0; l < a->layers; l++) {
+        const struct step_experts *e = a->layer[l].experts;
+        if (e && e->intermediate > n) n = e->intermediate;
+    }
+    return n;
+}
+
 /* The widest A a layer's products read: what `reordered` holds (rows_for). */
 static long widest_rows(const struct step_args *a) {
     long k = a->hidden;
     if ((long)a->heads * a->head_dim > k) k = (long)a->heads * a->head_dim;
-    if (a->intermediate > k) k = a->intermediate;
+    if (widest_intermediate(a) > k) k = widest_intermediate(a);
     return k;
+}
+
+/* The most experts, and the most a token takes, of the layers (0 without experts). */
+static void expert_counts(const struct step_args *a, long *count, long *top_k) {
+    *count = *top_k = 0;
+    for (int l = 0; l < a->layers; l++) {
+        const struct step_experts *e = a->layer[l].experts;
+        if (e && e->count > *count) *count = e->count;
+        if (e && e->top_k > *top_k) *top_k = e->top_k;
+    }
+}
+
+/* Scratch of the experts' MLP (experts_mlp): the router's probabilities [T, count], the rows
+ * an expert takes and its outputs [T, hidden] each, the tokens' choices [T, top_k] (an
+ * expert and its weight) twice (in order of token, then of expert), and where each expert's
+ * choices start [count + 1] and are filled to [count]. */
+static long experts_floats(const struct step_args *a) {
+    long count, top_k;
+    expert_counts(a, &count, &top_k);
+    if (!count) return 0;
+    const long T = (long)a->batch * a->tokens;
+    return T * count + T * a->hidden * 2 + T * top_k * 4 + count * 2 + 1;
 }
 
 /* Scratch for a decode step's limbs of the widest A (limb_split), 0 for other steps. */
@@ -177,7 +210,11 @@ static int limb_weights(const struct step_args *a) {
         const struct step_weight *ws[7] = {&w->q, &w->k, &w->v, &w->o, &w->gate, &w->up, &w->down};
         const int ks[7] = {H, H, H, qd, H, H, I};
         for (int i = 0; i < 7; i++)
-            if (limbs_read(ws[i], ks[i])) return 1;
+            if ((i < 4 || !w->experts) && limbs_read(ws[i], ks[i])) return 1;
+        const struct step_experts *e = w->experts;
+        if (e && (limbs_read(&e->router, H) || limbs_read(&e->gate, H) || limbs_read(&e->up, H) ||
+                  limbs_read(&e->down, e->intermediate)))
+            return 1;
     }
     return 0;
 }
@@ -189,11 +226,90 @@ static const void *limbs_of(const struct step_args *a, int m, int k, const float
     return limb_split(m, k, rows, k, scratch) ? scratch : NULL;
 }
 
+/* Expert e's weight of a stack (struct step_experts): `w`'s arrays moved by e strides. */
+static struct step_weight expert_weight(const struct step_weight *w, int e, const long stride[2]) {
+    struct step_weight out = *w;
+    out.data = (const char *)w->data + (size_t)e * stride[0];
+    if (w->f32) out.f32 = (const float *)out.data; /* W_F32: the same array (weights_supported) */
+    if (w->scales) out.scales = (const char *)w->scales + (size_t)e * stride[1];
+    if (w->biases) out.biases = (const char *)w->biases + (size_t)e * stride[1];
+    return out;
+}
+
+/* out[T, H] = the experts' MLP of the normed rows h[T, H] (struct step_experts), as mlx-lm's
+ * Qwen3MoeSparseMoeBlock computes it in float32: the router's softmax, each row's top_k
+ * experts (of equal probabilities, the lower index first), their probabilities (renormalised
+ * where norm_topk says), and the sum of each chosen expert's gated MLP scaled by its
+ * probability. Each expert that any row chose runs once, over the rows that chose it
+ * (gathered): experts no row chose are never read. The sum of a row's experts is taken in
+ * order of expert, not of MLX's choice: the same values, within float32 rounding. */
+static void experts_mlp(const struct step_args *a, const struct step_experts *e, int T,
+                        const float *h, float *out, float *gate, float *up, float *reordered,
+                        float *moe, float *limb_area) {
+    const int H = a->hidden, I = e->intermediate, E = e->count, K = e->top_k;
+    float *probs = moe, *rows = probs + (size_t)T * E, *done = rows + (size_t)T * H;
+    float *picked = done + (size_t)T * H, *chosen_weight = picked + (size_t)T * K;
+    int *picks = (int *)(chosen_weight + (size_t)T * K), *chosen = picks + (size_t)T * K;
+    int *start = chosen + (size_t)T * K, *fill = start + E + 1;
+    product(T, E, H, h, H, &e->router, probs, E, reordered, limbs_of(a, T, H, h, limb_area));
+    /* each row's softmax (in place), then its top_k in order of probability, counted per expert */
+    for (int x = 0; x <= E; x++) start[x] = 0;
+    for (int t = 0; t < T; t++) {
+        float *p = probs + (size_t)t * E, top = p[0], sum = 0.0f;
+        for (int x = 1; x < E; x++) top = p[x] > top ? p[x] : top;
+        for (int x = 0; x < E; x++) sum += p[x] = expf(p[x] - top);
+        for (int x = 0; x < E; x++) p[x] /= sum;
+        int *pick = picks + (size_t)t * K, n = 0;
+        for (int x = 0; x < E; x++) { /* insertion into the K largest so far: a tie stays behind */
+            if (n == K && !(p[x] > p[pick[K - 1]])) continue;
+            int at = n < K ? n++ : K - 1;
+            for (; at > 0 && p[x] > p[pick[at - 1]]; at--) pick[at] = pick[at - 1];
+            pick[at] = x;
+        }
+        float kept = 0.0f;
+        for (int j = 0; j < K; j++) {
+            picked[t * K + j] = p[pick[j]];
+            kept += p[pick[j]];
+            start[pick[j] + 1]++;
+        }
+        if (e->norm_topk)
+            for (int j = 0; j < K; j++) picked[t * K + j] /= kept;
+    }
+    /* the choices grouped by expert: expert x's are chosen[start[x] .. start[x + 1]) */
+    for (int x = 0; x < E; x++) start[x + 1] += start[x];
+    for (int x = 0; x < E; x++) fill[x] = start[x];
+    for (int i = 0; i < T * K; i++) {
+        const int at = fill[picks[i]]++;
+        chosen[at] = i / K;
+        chosen_weight[at] = picked[i];
+    }
+    memset(out, 0, sizeof(float) * (size_t)T * H);
+    for (int x = 0; x < E; x++) {
+        const int m = start[x + 1] - start[x];
+        if (!m) continue;
+        for (int r = 0; r < m; r++)
+            memcpy(rows + (size_t)r * H, h + (size_t)chosen[start[x] + r] * H, sizeof(float) * H);
+        const struct step_weight wg = expert_weight(&e->gate, x, e->gate_up_stride);
+        const struct step_weight wu = expert_weight(&e->up, x, e->gate_up_stride);
+        const struct step_weight wd = expert_weight(&e->down, x, e->down_stride);
+        gate_up(m, H, I, rows, &wg, &wu, gate, up, reordered, limbs_of(a, m, H, rows, limb_area),
+                a->activation);
+        product(m, H, I, gate, I, &wd, done, H, reordered, limbs_of(a, m, I, gate, limb_area));
+        for (int r = 0; r < m; r++) {
+            const float w = chosen_weight[start[x] + r];
+            float *o = out + (size_t)chosen[start[x] + r] * H;
+            const float *d = done + (size_t)r * H;
+            for (int i = 0; i < H; i++) o[i] += d[i] * w;
+        }
+    }
+}
+
 long runner_step_scratch_floats(const struct step_args *a) {
     const long T = (long)a->batch * a->tokens, qd = (long)a->heads * a->head_dim;
     const long kd = (long)a->kv_heads * a->head_dim;
-    return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * a->intermediate * 2 +
-           T * widest_rows(a) + decode_limb_floats(a) + attention_scratch_floats(a);
+    return T * a->hidden * 2 + T * qd * 2 + T * kd * 2 + T * widest_intermediate(a) * 2 +
+           T * widest_rows(a) + decode_limb_floats(a) + attention_scratch_floats(a) +
+           experts_floats(a);
 }
 
 /* Whether every product weight of the layers can be read as a weight of its shape. */
@@ -203,9 +319,21 @@ static int weights_supported(const struct step_args *a) {
     for (int l = 0; l < a->layers; l++) {
         const struct step_layer *w = &a->layer[l];
         if (!runner_weight_supported(&w->q, qd, H) || !runner_weight_supported(&w->k, kd, H) ||
-            !runner_weight_supported(&w->v, kd, H) || !runner_weight_supported(&w->o, H, qd) ||
-            !runner_weight_supported(&w->gate, I, H) || !runner_weight_supported(&w->up, I, H) ||
-            !runner_weight_supported(&w->down, H, I))
+            !runner_weight_supported(&w->v, kd, H) || !runner_weight_supported(&w->o, H, qd))
+            return 0;
+        const struct step_experts *e = w->experts;
+        if (!e && (!runner_weight_supported(&w->gate, I, H) || !runner_weight_supported(&w->up, I, H) ||
+                   !runner_weight_supported(&w->down, H, I)))
+            return 0;
+        /* the experts' weights alike, expert 0's read as every expert's */
+        if (e && (e->count < 1 || e->top_k < 1 || e->top_k > e->count || e->intermediate < 1 ||
+                  !runner_weight_supported(&e->router, e->count, H) ||
+                  !runner_weight_supported(&e->gate, e->intermediate, H) ||
+                  !runner_weight_supported(&e->up, e->intermediate, H) ||
+                  !runner_weight_supported(&e->down, H, e->intermediate) ||
+                  e->gate.format == W_F16 || e->gate.format == W_BF16 || e->down.format == W_F16 ||
+                  e->down.format == W_BF16 || (e->gate.f32 && e->gate.f32 != e->gate.data) ||
+                  (e->up.f32 && e->up.f32 != e->up.data) || (e->down.f32 && e->down.f32 != e->down.data)))
             return 0;
     }
     return 1;
@@ -220,9 +348,10 @@ int runner_decoder_step(const struct step_args *a) {
     if (!weights_supported(a)) return -1;
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
-    float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * I;
-    float *reordered = up + (size_t)T * I, *limbs = reordered + (size_t)T * widest_rows(a);
-    float *scores = limbs + decode_limb_floats(a);
+    const long wide = widest_intermediate(a);
+    float *gate = v + (size_t)T * kd, *up = gate + (size_t)T * wide;
+    float *reordered = up + (size_t)T * wide, *limbs = reordered + (size_t)T * widest_rows(a);
+    float *moe = limbs + decode_limb_floats(a), *scores = moe + experts_floats(a);
     /* limb_split's blocks at a 64-byte boundary, where a decode step has products that read them */
     float *limb_area = a->decode && limb_weights(a) ? (float *)(((size_t)limbs + 63) & ~(size_t)63) : NULL;
     float *x = a->x;
@@ -276,9 +405,13 @@ int runner_decoder_step(const struct step_args *a) {
             for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->attn_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
         for (int t = 0; t < T; t++) rms_norm(x + (size_t)t * H, w->post_norm, a->eps, H, h + (size_t)t * H);
-        gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, limbs_of(a, T, H, h, limb_area),
-                a->activation);
-        product(T, H, I, gate, I, &w->down, tmp, H, reordered, limbs_of(a, T, I, gate, limb_area));
+        if (w->experts) {
+            experts_mlp(a, w->experts, T, h, tmp, gate, up, reordered, moe, limb_area);
+        } else {
+            gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, limbs_of(a, T, H, h, limb_area),
+                    a->activation);
+            product(T, H, I, gate, I, &w->down, tmp, H, reordered, limbs_of(a, T, I, gate, limb_area));
+        }
         if (w->mlp_out_norm)
             for (int t = 0; t < T; t++) rms_norm(tmp + (size_t)t * H, w->mlp_out_norm, a->eps, H, tmp + (size_t)t * H);
         for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 21
+#define RUNNER_NATIVE_ABI_VERSION 22
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -55,6 +55,22 @@ struct step_weight {
     const float *f32;
 };
 
+/* A layer's sparse mixture of experts in place of its gated MLP (Qwen3-MoE's, as mlx-lm's
+ * Qwen3MoeSparseMoeBlock computes it), for each token's normed h:
+ *   p = softmax(h Wr^T) over the `count` experts ; its `top_k` largest ;
+ *   (norm_topk) those p divided by their sum ;
+ *   out = the sum over them of p_e * (act(h Wg_e^T) * h Wu_e^T) Wd_e^T
+ * Expert e's gate and up weights [intermediate, hidden] are `gate` and `up` with `data`
+ * (and `f32`) `e * gate_up_stride[0]` bytes further and `scales` / `biases`
+ * `e * gate_up_stride[1]` bytes further; its down weight [hidden, intermediate] is `down`
+ * moved by `down_stride` the same way: the switch layers' stacked arrays, read in place. */
+struct step_experts {
+    int count, top_k, norm_topk, intermediate;
+    struct step_weight router; /* [count, hidden] */
+    struct step_weight gate, up, down;
+    long gate_up_stride[2], down_stride[2];
+};
+
 struct step_layer {
     const float *input_norm;
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* NULL: none */
@@ -65,6 +81,9 @@ struct step_layer {
     const float *attn_out_norm, *mlp_out_norm;
     struct step_weight q, k, v, o, gate, up, down;
     int rope_table; /* which of step_args' rotary tables rotates this layer's q and k */
+    /* NULL: the gated MLP of gate, up and down (step_args' `intermediate`); else the layer's
+     * experts, and gate, up, down are not read */
+    const struct step_experts *experts;
 };
 
 /* The gated MLP's activation of its gate (step_args' `activation`): SiLU (SwiGLU), or GELU
