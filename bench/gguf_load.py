@@ -11,9 +11,11 @@ weights (its parameters: what the runner holds once the load's own arrays are go
 the file's. `--layers N` writes only the first N layers (the 30B's 48 would take 18.6 GB of
 disk). `--file PATH` times an existing GGUF instead (the default model's, a store's blob), or
 a model directory. `--forwards` then times the loaded model in process: decode steps (16
-greedy tokens after a 64-token prompt, ms a token) and a 128-token prompt (median of 3, ms a
-prompt token), random token ids: what bench/RESULTS.md's "Experts in their blocks" compares
-between checkouts.
+greedy tokens after a 64-token prompt, ms a token), a 128-token prompt (median of 3, ms a
+prompt token) and scoring's rows (8 rows of 6 tokens batched over a shared 128-token prefix,
+the prefix's forward apart: ms for the rows' forward and their last positions' logits, median
+of 3), random token ids: what bench/RESULTS.md's "Experts in their blocks" and "Experts in
+the step" compare between checkouts.
 
     python -m bench.gguf_load --shape 1b
     python -m bench.gguf_load --shape 30b-a3b --layers 4 --forwards
@@ -166,6 +168,8 @@ def measure(path: Path, forwards: bool = False, steps: int = 16, prompt: int = 1
         decode, prefill = time_forwards(model, steps, prompt)
         print(f"  decode {decode:.2f} ms a token ({steps} steps after a 64-token prompt)")
         print(f"  prompt {prefill:.2f} ms a token ({prompt} tokens, median of 3)")
+        rows = time_rows(model, prompt)
+        print(f"  rows {rows:.2f} ms (8 rows of 6 tokens over a {prompt}-token prefix)")
     del model
 
 
@@ -201,6 +205,33 @@ def time_forwards(model: object, steps: int, prompt: int) -> tuple[float, float]
         mx.eval(m.unembed(hidden[:, -1:]))
         times.append((time.perf_counter() - begun) / prompt * 1e3)
     return decode, statistics.median(times[1:])
+
+
+def time_rows(model: object, prefix: int, rows: int = 8, tokens: int = 6) -> float:
+    """ms for `rows` rows of `tokens` tokens batched over a shared `prefix`-token prefix, as
+    /v1/score runs a request's rows (runner/cache/batch.py): their forward and their last
+    positions' logits, the prefix's forward untimed; the median of 3 after one untimed."""
+    import statistics
+
+    import mlx.core as mx
+
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    m: Any = model
+    rng = np.random.default_rng(1)
+    top = max(4, min(int(m.vocab_size), 4000))
+    times = []
+    for _ in range(4):
+        caches = m.make_caches()
+        mx.eval(m.hidden(mx.array([rng.integers(3, top, prefix).tolist()], dtype=mx.int32), caches))
+        suffixes = [rng.integers(3, top, tokens).tolist() for _ in range(rows)]
+        begun = time.perf_counter()
+        batch = broadcast([kind_of(c) for c in caches], caches, rows)
+        hidden = forward_suffixes(m, batch, suffixes)
+        mx.eval(m.unembed(hidden[:, -1:]))
+        times.append((time.perf_counter() - begun) * 1e3)
+    return statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

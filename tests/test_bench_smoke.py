@@ -705,7 +705,7 @@ def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     added for the test) gives a file the runner loads, Q6_K where llama.cpp's use_more_bits
     says; the resident size it reports is the built model's (every block kept on the CPU:
     at the file's size, where converting the experts had taken ~2x); `--forwards` times decode
-    steps and a prompt."""
+    steps, a prompt and rows batched over a prefix."""
     import re
 
     import gguf
@@ -727,3 +727,5 @@ def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     prompt = re.search(r"prompt ([\d.]+) ms a token", out)
     assert decode is not None and float(decode.group(1)) > 0
     assert prompt is not None and float(prompt.group(1)) > 0
+    rows = re.search(r"rows ([\d.]+) ms", out)
+    assert rows is not None and float(rows.group(1)) > 0
