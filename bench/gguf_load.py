@@ -15,11 +15,15 @@ greedy tokens after a 64-token prompt, ms a token), a 128-token prompt (median o
 prompt token) and scoring's rows (8 rows of 6 tokens batched over a shared 128-token prefix,
 the prefix's forward apart: ms for the rows' forward and their last positions' logits, median
 of 3), random token ids: what bench/RESULTS.md's "Experts in their blocks" and "Experts in
-the step" compare between checkouts.
+the step" compare between checkouts. `--llama-cpp` (with `--forwards`, a GGUF, and
+llama-cpp-python installed) times the same three on the same file by llama.cpp in this
+process: its rows one after another over the kept prefix (it batches no rows over a shared
+prefix; bench/llamacpp.py scores that way too).
 
     python -m bench.gguf_load --shape 1b
     python -m bench.gguf_load --shape 30b-a3b --layers 4 --forwards
     python -m bench.gguf_load --file PATH.gguf
+    python -m bench.gguf_load --file PATH.gguf --forwards --llama-cpp
 """
 
 from __future__ import annotations
@@ -143,9 +147,16 @@ def write_gguf(shape: str, path: Path, cut: int | None = None) -> Path:
     return path
 
 
-def measure(path: Path, forwards: bool = False, steps: int = 16, prompt: int = 128) -> None:
+def measure(
+    path: Path,
+    forwards: bool = False,
+    steps: int = 16,
+    prompt: int = 128,
+    llama_cpp: bool = False,
+) -> None:
     """Load and build the model at `path` (a GGUF, or a model directory) and report; with
-    `forwards`, time `steps` decode steps and a `prompt`-token prompt."""
+    `forwards`, time `steps` decode steps, a `prompt`-token prompt and rows over a prefix
+    (and with `llama_cpp`, the same by llama.cpp: `time_llama_cpp`)."""
     from mlx.utils import tree_flatten
 
     from runner.models import build_model
@@ -171,6 +182,17 @@ def measure(path: Path, forwards: bool = False, steps: int = 16, prompt: int = 1
         rows = time_rows(model, prompt)
         print(f"  rows {rows:.2f} ms (8 rows of 6 tokens over a {prompt}-token prefix)")
     del model
+    if forwards and llama_cpp:
+        from bench.base import Skipped
+
+        try:
+            measured = time_llama_cpp(path, steps, prompt)
+        except Skipped as e:
+            print(f"  llama.cpp skipped: {e}")
+            return
+        figures = zip(("decode", "prompt", "rows"), measured, (decode, prefill, rows), strict=True)
+        for name, theirs, ours in figures:
+            print(f"  llama.cpp {name} {theirs:.2f} ms: ours {theirs / ours:.2f}x its speed")
 
 
 def time_forwards(model: object, steps: int, prompt: int) -> tuple[float, float]:
@@ -234,6 +256,57 @@ def time_rows(model: object, prefix: int, rows: int = 8, tokens: int = 6) -> flo
     return statistics.median(times[1:])
 
 
+def time_llama_cpp(
+    path: Path, steps: int, prompt: int, rows: int = 8, tokens: int = 6
+) -> tuple[float, float, float]:
+    """`time_forwards`' and `time_rows`' figures by llama.cpp (llama-cpp-python in this
+    process, every core, as bench/llamacpp.py runs it) on the GGUF at `path`, the same token
+    ids: ms a decode token, ms a prompt token, and ms for the rows, each evaluated after the
+    prefix's kept KV (llama.cpp batches no rows over a shared prefix), its last logits read."""
+    import statistics
+
+    from bench.llamacpp import LlamaCppProcess
+
+    llm = LlamaCppProcess(str(path), 1024, None).llm
+
+    def last() -> np.ndarray:
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+    rng = np.random.default_rng(0)
+    top = max(4, min(int(llm.n_vocab()), 4000))
+    llm.n_tokens = 0
+    llm.eval(rng.integers(3, top, 64).tolist())
+    token, started = 5, 0.0
+    for step in range(steps + 2):  # two untimed
+        if step == 2:
+            started = time.perf_counter()
+        llm.eval([token])
+        token = int(np.argmax(last()))
+    decode = (time.perf_counter() - started) / steps * 1e3
+    times = []
+    for _ in range(4):  # the first untimed
+        ids = rng.integers(3, top, prompt).tolist()
+        llm.n_tokens = 0
+        begun = time.perf_counter()
+        llm.eval(ids)
+        last()
+        times.append((time.perf_counter() - begun) / prompt * 1e3)
+    prefill = statistics.median(times[1:])
+    rng = np.random.default_rng(1)
+    row_times = []
+    for _ in range(4):
+        llm.n_tokens = 0
+        llm.eval(rng.integers(3, top, prompt).tolist())
+        suffixes = [rng.integers(3, top, tokens).tolist() for _ in range(rows)]
+        begun = time.perf_counter()
+        for suffix in suffixes:
+            llm.n_tokens = prompt
+            llm.eval(suffix)
+            last()
+        row_times.append((time.perf_counter() - begun) * 1e3)
+    return decode, prefill, statistics.median(row_times[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     from runner.native import preload
 
@@ -246,16 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--file", type=Path, help="time this GGUF (or model directory) instead of a random one"
     )
-    p.add_argument("--forwards", action="store_true", help="time decode steps and a prompt")
+    p.add_argument("--forwards", action="store_true", help="time decode steps, a prompt and rows")
+    p.add_argument(
+        "--llama-cpp", action="store_true", help="with --forwards: the same by llama.cpp"
+    )
     args = p.parse_args(argv)
     if args.file:
-        measure(args.file.expanduser(), args.forwards)
+        measure(args.file.expanduser(), args.forwards, llama_cpp=args.llama_cpp)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         started = time.perf_counter()
         path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf", args.layers)
         print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
-        measure(path, args.forwards)
+        measure(path, args.forwards, llama_cpp=args.llama_cpp)
     return 0
 
 

@@ -729,3 +729,12 @@ def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     assert prompt is not None and float(prompt.group(1)) > 0
     rows = re.search(r"rows ([\d.]+) ms", out)
     assert rows is not None and float(rows.group(1)) > 0
+    # the same by llama.cpp where llama-cpp-python is installed, else said so
+    gguf_load.measure(path, forwards=True, steps=2, prompt=8, llama_cpp=True)
+    out = capsys.readouterr().out
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama.cpp skipped: llama-cpp-python is not installed" in out
+    else:
+        for name in ("decode", "prompt", "rows"):
+            said = re.search(rf"llama.cpp {name} ([\d.]+) ms: ours ([\d.]+)x", out)
+            assert said is not None and float(said.group(1)) > 0 and float(said.group(2)) > 0
