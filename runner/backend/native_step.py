@@ -35,14 +35,15 @@ where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
 
 It serves Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as
 mlx-lm builds them (mlx-lm's llama, qwen2, qwen3, qwen3_moe, ministral3, gemma2, gemma3_text
-and phi3 classes, as the families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's fused q/k/v and gate/up
-projections read as row ranges: `_attention_products`, `_mlp_products`), per-head q/k norms,
-rotate-half rotary embeddings from the runner's tables (runner/backend/rope.py; a table per
-rotary embedding the layers use), SwiGLU or Gemma's GELU MLP, full or sliding-window
-attention, Gemma2's soft-capped scores, Qwen3-MoE's sparse mixtures of experts (Kernels'
-`sparse_moe`: the router, its softmax and top-k, and the chosen experts' SwiGLU products
-from their stacked arrays in place, float32, MLX's affine or GGML blocks: `_experts`), and
-what a family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
+and phi3 classes, as the families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's
+fused q/k/v and gate/up projections read as row ranges: `_attention_products`,
+`_mlp_products`), per-head q/k norms, rotate-half rotary embeddings from the runner's tables
+(runner/backend/rope.py; a table per rotary embedding the layers use), SwiGLU or Gemma's GELU
+MLP, full or sliding-window attention, Gemma2's soft-capped scores, Qwen3-MoE's sparse
+mixtures of experts (Kernels' `sparse_moe`: the router, its softmax and top-k, and the chosen
+experts' SwiGLU products from their stacked arrays in place, float32, MLX's affine or GGML
+blocks: `_experts`), and what a family's `NativeShape` adds around the layers (Gemma's norms
+of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
 queries scaled by position). `build` returns None for anything else (a weight it cannot
 read: non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales);
 another module shape), and a call returns None where MLX's path must run: more tokens than
