@@ -354,9 +354,10 @@ def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
     )  # fmt: skip
 
 
-def _ggml(layer: Any, what: str) -> _Matrix | None:
+def _ggml(layer: Any, what: str, stacked: bool = False) -> _Matrix | None:
     """A layer holding GGML blocks of a type the products read (GGML_FORMATS), [n, k / weights
-    a block * bytes a block] (runner/models/quantized.py); None for any other layer."""
+    a block * bytes a block] (runner/models/quantized.py); None for any other layer.
+    `stacked`: a switch layer's experts [E, n, .], whose view keeps that leading axis."""
     ggml_type = getattr(layer, "ggml_type", None) if isinstance(layer, nn.Module) else None
     if ggml_type is None:
         return None
@@ -364,9 +365,9 @@ def _ggml(layer: Any, what: str) -> _Matrix | None:
         raise _Unsupported(f"{what}: GGML {ggml_type} blocks")
     form, size, weights = GGML_FORMATS[ggml_type]
     blocks = layer[GGML_BLOCKS]
-    if blocks.dtype != mx.uint8 or blocks.ndim != 2 or blocks.shape[1] % size:
+    if blocks.dtype != mx.uint8 or blocks.ndim != 2 + stacked or blocks.shape[-1] % size:
         raise _Unsupported(f"{what}: {ggml_type} blocks {blocks.dtype} {blocks.shape}")
-    n, k = int(blocks.shape[0]), int(blocks.shape[1]) // size * weights
+    n, k = int(blocks.shape[-2]), int(blocks.shape[-1]) // size * weights
     return _Matrix(n, k, codes=raw_view(blocks, what), block_format=form)
 
 
@@ -409,27 +410,18 @@ def _switch(parent: nn.Module, name: str) -> _Stack:
     layer = getattr(parent, name, None)
     if not isinstance(layer, nn.Module) or "bias" in layer:
         raise _Unsupported(f"{name}: {type(layer).__name__}, or experts with biases")
-    ggml_type = getattr(layer, "ggml_type", None)
-    if ggml_type is not None:
-        if ggml_type not in GGML_FORMATS:
-            raise _Unsupported(f"{name}: GGML {ggml_type} experts")
-        form, size, weights = GGML_FORMATS[ggml_type]
-        blocks = layer[GGML_BLOCKS]
-        if blocks.dtype != mx.uint8 or blocks.ndim != 3 or blocks.shape[2] % size:
-            raise _Unsupported(f"{name}: {ggml_type} experts {blocks.dtype} {blocks.shape}")
-        view = raw_view(blocks, name)
-        n, k = int(view.shape[1]), int(view.shape[2]) // size * weights
-        first = _Matrix(n, k, codes=view[0], block_format=form)
-        return _Stack(first, int(view.shape[0]), (view.strides[0], 0), (view,))
-    if isinstance(layer, QuantizedSwitchLinear):
+    stack = _ggml(layer, name, stacked=True)
+    if stack is None and isinstance(layer, QuantizedSwitchLinear):
         stack = _affine(layer, name, stacked=True)
-        assert stack.codes is not None and stack.scales is not None and stack.biases is not None
+    if stack is not None:  # codes [E, n, .], and scales and biases [E, n, .] where affine
+        assert stack.codes is not None
+        arrays = tuple(a for a in (stack.codes, stack.scales, stack.biases) if a is not None)
         first = dataclasses.replace(
-            stack, codes=stack.codes[0], scales=stack.scales[0], biases=stack.biases[0]
-        )
-        strides = (stack.codes.strides[0], stack.scales.strides[0])
-        arrays = (stack.codes, stack.scales, stack.biases)
-        return _Stack(first, int(stack.codes.shape[0]), strides, arrays)
+            stack, **{f: getattr(stack, f)[0] for f in ("codes", "scales", "biases")
+                      if getattr(stack, f) is not None},
+        )  # fmt: skip
+        strides = (arrays[0].strides[0], arrays[1].strides[0] if len(arrays) > 1 else 0)
+        return _Stack(first, int(arrays[0].shape[0]), strides, arrays)
     if isinstance(layer, SwitchLinear) and layer.weight.ndim == 3:
         view = _view(layer.weight, f"{name}.weight")
         first = _Matrix(int(view.shape[1]), int(view.shape[2]), f32=view[0])
