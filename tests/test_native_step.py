@@ -504,6 +504,17 @@ def test_sliding_windows_equal_mlx(arch, tmp_path):
     assert native._native.declined == 0
 
 
+def test_a_windowed_mixture_of_experts_equals_mlx(tmp_path):
+    """Qwen3-MoE with `use_sliding_window` (every layer windowed at 8, rotating caches): its
+    experts and its rings through the step, as the windowed families' above."""
+    native, plain = windowed_pair(MOE, tmp_path, 16, use_sliding_window=True)
+    assert sum(e is not None for e in native._native._experts) == 2  # the first layer dense
+    prompt = np.random.default_rng(4).integers(3, 300, size=60).tolist()
+    cuts = [0, 3, 13, *range(14, 24), 30, 31, 45, 46, *range(47, 52)]
+    assert_chunks_equal(native, plain, prompt, cuts, rings=True)
+    assert native._native.taken == len(cuts) - 1
+
+
 def test_a_wrapped_ring_is_read_in_place_in_two_runs(tmp_path):
     """Once a ring has wrapped, the positions a step's queries see lie in two runs of it: the
     step reads both where they are (struct step_cache's `wrap`), no copy made; together they
