@@ -633,7 +633,7 @@ class NativeStep:
         checked: list[_Matrix] = []  # the experts' weights, for the check below
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            sparse = isinstance(mlp, kernels.sparse_moe) if kernels.sparse_moe else False
+            sparse = isinstance(mlp, kernels.sparse_moe)
             activation = (
                 "silu"
                 if sparse or isinstance(mlp, kernels.swiglu)
@@ -771,12 +771,8 @@ class NativeStep:
         elif head is not None and id(head) in copy_of:
             self._head, self._head_rows = weight(head), HEAD_ROWS
         # the gated MLPs' width (of the dense layers; else the experts')
-        self.intermediate = next(
-            (int(p["gate"].n) for p in layer_products if "gate" in p),
-            max(e.intermediate for e in self._experts if e is not None)
-            if any(self._experts)
-            else 0,
-        )
+        widest = max((e.intermediate for e in self._experts if e is not None), default=0)
+        self.intermediate = next((int(p["gate"].n) for p in layer_products if "gate" in p), widest)
         self.eps = eps
         self.layers = len(layers)
         self._structs = structs
