@@ -25,7 +25,9 @@ library; random blocks, rows of whole blocks only: the Qwen3 shape, and SmolLM2'
 blocks of 32), `iq2xxs`, `iq2xs`, `iq2s`, `iq3xxs`, `iq3s`, `iq1s`, `iq1m` and their `-1t`
 (the grid i-quants' blocks, the same way), `q4k-decode`, `q5k-decode`, `q6k-decode`,
 `q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode` and their `-1t` (the same products as
-a decode step's rows: by integer limbs where the library has them, runner_limb_products), and
+a decode step's rows: by integer limbs where the library has them, runner_limb_products), any
+of these with `-noamx` after it (`q4k-noamx`, `q4k-1t-noamx`: with OLLAMA_MLX_RUNNER_AMX=0,
+the float tiles where Intel's AMX tiles would take Q4_K's rows: runner/native/amx.c), and
 `mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
@@ -62,6 +64,7 @@ EXTRA_SETTINGS = (
     *("iq4xs-decode", "iq4xs-decode-1t"),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
+    *("q4k-noamx", "q4k-1t-noamx"),
     *("mlx-q4", "mlx-q8"),
     *(f"{g}{end}" for g in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m")
       for end in ("", "-1t")),
@@ -88,7 +91,7 @@ def setting_kind(setting: str) -> str:
     products), q4k/q5k/q6k/q3k/q2k/iq4xs/iq4nl (GGML blocks; `-decode` on these and the affine ones:
     as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
     quantized_matmul)."""
-    base = setting.removesuffix("-1t")
+    base = setting.removesuffix("-noamx").removesuffix("-1t")
     if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8"):
         return base
     known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8")
@@ -251,7 +254,9 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
         if dispatch is None:
             raise SystemExit("the sgemm dispatch did not build (no C compiler?)")
         env["LD_PRELOAD"] = f"{dispatch}:{library}"
-        if setting.endswith("-1t"):
+        if setting.endswith("-noamx"):  # the float tiles where AMX would take Q4_K's rows
+            env["OLLAMA_MLX_RUNNER_AMX"] = "0"
+        if setting.removesuffix("-noamx").endswith("-1t"):
             env["RUNNER_BLAS_THREADS"] = "1"
             env["OPENBLAS_NUM_THREADS"] = "1"
     if setting.startswith("mlx-"):

@@ -13,6 +13,7 @@ instruction-set paths.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -22,6 +23,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +70,21 @@ def compile_with(tmp: Path, flags: list[str], edit: dict[str, tuple[str, str]] |
 
 def native_flags(march: str = "native") -> list[str]:
     """The library's flags for `march` (a level with `+vnni`: that level and -mavx512vnni;
-    `+vnni+vbmi`: -mavx512vbmi too; `+avxvnni`: -mavxvnni)."""
+    `+vnni+vbmi`: -mavx512vbmi too; `+avxvnni`: -mavxvnni; `+amx-tile`: -mamx-tile)."""
     arch, *extras = march.split("+")
     flags = [f"-march={arch}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
-    return flags + [f"-m{e}" if e.startswith("avx") else f"-mavx512{e}" for e in extras]
+    return flags + [f"-m{e}" if e.startswith(("avx", "amx")) else f"-mavx512{e}" for e in extras]
+
+
+@contextlib.contextmanager
+def amx_turned_off(functions: abi.Functions):
+    """Products without AMX's tiles (runner_amx_products) inside the block."""
+    was = functions.amx_products(-1)
+    functions.amx_products(0)
+    try:
+        yield
+    finally:
+        functions.amx_products(was)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -184,6 +197,12 @@ LEVELS = {
         "avx512",
         {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi"},
     ),
+    # and AMX (Sapphire Rapids and later Xeons): Q4_K products of a forward's rows by its tiles
+    "x86-64-v4+vnni+amx-tile+amx-int8": (
+        "avx512",
+        {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
+        | {"amx_tile", "amx_int8"},
+    ),
 }
 
 
@@ -222,6 +241,8 @@ def test_every_level_builds_with_its_path(level_library) -> None:
     avx2 = LEVELS[march][0] == "avx2"
     assert functions.limb_products == (avx2 or "+vnni" in march)
     assert functions.affine_limbs == (avx2 or march.endswith("+vbmi"))
+    if "+amx" not in march:  # AMX's tiles: only a build with them (and a machine that runs them)
+        assert functions.amx_products(-1) == 0
 
 
 @pytest.mark.parametrize("m", [1, 3, 15, 40])
@@ -382,20 +403,104 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     def times(rows: np.ndarray) -> np.ndarray:
         return weight_times(functions, weight, (n, k), rows)
 
-    c = times(a)
-    np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order
-    for m in (1, 2, 3, 7):
-        np.testing.assert_array_equal(times(a[:m]), c[:m])
-    many = np.concatenate([a] * 16)  # 656 rows: chunks of rows (quantized.c: chunk_bytes)
-    np.testing.assert_array_equal(times(many), np.concatenate([c] * 16))
-    want = a.astype(np.float64) @ values.astype(np.float64).T
-    assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
-    short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
-    assert not functions.weight_supported(ctypes.byref(short), n, 300)
-    decode = weight_times(functions, weight, (n, k), a, decode=True)
-    if not functions.limb_products or ggml_type == "IQ4_NL" or ggml_type in GRID_NAMES:
-        # the float tiles: the same bits
-        np.testing.assert_array_equal(decode, c)
+    with amx_turned_off(functions):  # the float tiles (AMX's: test_k_quant_rows_by_amx_tiles)
+        c = times(a)
+        np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order
+        for m in (1, 2, 3, 7):
+            np.testing.assert_array_equal(times(a[:m]), c[:m])
+        many = np.concatenate([a] * 16)  # 656 rows: chunks of rows (quantized.c: chunk_bytes)
+        np.testing.assert_array_equal(times(many), np.concatenate([c] * 16))
+        want = a.astype(np.float64) @ values.astype(np.float64).T
+        assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
+        short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
+        assert not functions.weight_supported(ctypes.byref(short), n, 300)
+        decode = weight_times(functions, weight, (n, k), a, decode=True)
+        if not functions.limb_products or ggml_type == "IQ4_NL" or ggml_type in GRID_NAMES:
+            # the float tiles: the same bits
+            np.testing.assert_array_equal(decode, c)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K"])
+def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
+    """Where a build has AMX's tiles and the machine runs them (runner/native/amx.c), Q4_K
+    and Q5_K products of a forward's rows take them: A's values as the decode steps' three
+    8-bit limbs a run of 32, each run's products summed exactly by the tiles. Every value
+    within the limbs' bound of the float64 product of llama.cpp's values; not the float
+    tiles' bits; the same bits for any number of rows (whole groups of the tiles' rows and a
+    last group of fewer), each row alone, and rows past the pool's chunks; rows of W not a
+    whole number of 16s; a row with an infinite or NaN value takes the float tiles (no limbs
+    hold it); a decode step's rows keep the VNNI limbs, AMX or not; turned off, the float
+    tiles' bits again."""
+    from runner.sources.gguf import quants
+
+    march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
+    if not functions.amx_products(-1):
+        pytest.skip(f"{march}: no AMX tiles in this build, or this machine does not run them")
+    rng = np.random.default_rng(12)
+    n, k = 45, 768  # 2 blocks of 16 rows of W and 13; 24 runs of 32
+    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
+    values = quants.dequantize(blocks.reshape(-1), kind, (n, k)).astype(np.float64)
+    weight = abi.Weight(format=form, data=blocks.ctypes.data)
+    a = rng.normal(size=(41, k)).astype(np.float32)
+    a[1, k // 3] = 40.0  # an outlier: its run's step is coarse, the others' are not
+    a[2, 32:64] = 0.0  # a run of zeros
+    a[3] *= np.float32(1e-30)  # tiny values
+    a[4, ::7] *= -1000.0  # runs of very different sizes in one row
+
+    def times(rows: np.ndarray, decode: bool = False) -> np.ndarray:
+        return weight_times(functions, weight, (n, k), rows, decode=decode)
+
+    got, decode = times(a), times(a, decode=True)
+    with amx_turned_off(functions):
+        tiles, decode_without = times(a), times(a, decode=True)
+    x = a.astype(np.float64)
+    want = x @ values.T
+    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)
+    step = runs / 127 / 16384  # the last limb's step
+    bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ np.abs(values).T)
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    assert not np.array_equal(got, tiles)  # the tiles' limbs, not the float tiles
+    np.testing.assert_array_equal(decode, decode_without)  # decode steps: the VNNI limbs
+    for m in (1, 2, 3, 5, 6, 16, 17, 21, 32, 40):
+        np.testing.assert_array_equal(times(a[:m]), got[:m], err_msg=f"{m} rows")
+    for i in range(len(a)):
+        np.testing.assert_array_equal(times(a[i : i + 1]), got[i : i + 1])
+    many = np.concatenate([a] * 16)  # 656 rows: every pool thread's share of the columns
+    np.testing.assert_array_equal(times(many), np.concatenate([got] * 16))
+    for bad in (np.inf, -np.inf, np.nan):
+        nonfinite = a.copy()
+        nonfinite[5, 100] = bad
+        with amx_turned_off(functions):
+            floats = times(nonfinite)
+        np.testing.assert_array_equal(times(nonfinite), floats)
+    with amx_turned_off(functions):
+        np.testing.assert_array_equal(times(a), tiles)
+
+
+def test_amx_tiles_turned_off_by_the_environment(tmp_path) -> None:
+    """OLLAMA_MLX_RUNNER_AMX=0 keeps a process off AMX's tiles (a machine whose tile loads
+    fault, or a comparison: bench.sgemm's `-noamx` settings); without it the library
+    answers as its build and machine allow, and a fresh process probes the same way."""
+    path = build.library()
+    if path is None:
+        pytest.skip("no C compiler")
+    ask = (
+        "import ctypes, sys; from runner.native import abi; "
+        f"f = abi.load(ctypes.CDLL({path!r})); print(f.amx_products(-1))"
+    )
+
+    def answer(**env: str) -> int:
+        environ = {k: v for k, v in os.environ.items() if k != "OLLAMA_MLX_RUNNER_AMX"}
+        out = subprocess.run(
+            [sys.executable, "-c", ask], env={**environ, **env}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert answer(OLLAMA_MLX_RUNNER_AMX="0") == 0
+    functions = abi.load(open_library(Path(path)))
+    assert functions is not None
+    assert answer() == functions.amx_products(-1)
 
 
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])

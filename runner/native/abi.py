@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 22  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 23  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -150,6 +150,7 @@ class Functions:
     panel_halves: Any
     weight_product: Any  # runner_weight_product(m, n, k, a, POINTER(Weight), c, decode)
     weight_supported: Any  # runner_weight_supported(POINTER(Weight), n, k)
+    amx_products: Any  # runner_amx_products(set): 1 where a forward's Q4_K, Q5_K rows take AMX
 
 
 def _layout(library: ctypes.CDLL, type_name: str) -> tuple[int, list[tuple[str, int]]]:
@@ -254,6 +255,8 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
     supported = library.runner_weight_supported
     supported.argtypes = [ctypes.POINTER(Weight), ctypes.c_int, ctypes.c_int]
     supported.restype = ctypes.c_int
+    amx = library.runner_amx_products
+    amx.argtypes, amx.restype = [ctypes.c_int], ctypes.c_int
     return Functions(
         step,
         scratch,
@@ -264,4 +267,5 @@ def load(library: ctypes.CDLL | None = None) -> Functions | None:
         panel_halves,
         weight_product,
         supported,
+        amx,
     )

@@ -100,6 +100,9 @@ struct product {
     /* NULL, or A's rows as limbs (limb_split): a decode step's products (GGML blocks and 5-bit
      * W_AFFINE read them where the build has their tiles: limbs_read) */
     const void *limbs;
+    /* NULL, or A's rows as the AMX tiles read them (amx.c: amx_split), where W's format
+     * takes them (amx_takes) */
+    const struct amx_rows *amx;
 };
 
 static inline void store(const struct product *p, int i, int j, float dot) {
@@ -220,6 +223,24 @@ int limb_split(int m, int k, const float *a, int lda, void *out);
 long limb_floats(int m, int k);
 int limbs_read(const struct step_weight *w, int k);
 
+/* A's limbs for 256 of a row's values (quantized.c: limb_split; amx.c reads them too). */
+struct limb_block {
+    signed char l[3][256];
+    signed char l4[3][256]; /* the same in Q4_K's order: 32-value runs 0 2 1 3 4 6 5 7 */
+    short l12[256];         /* AVX2 without VNNI: l1 * 128 + l2, a run's values in the order
+                             * vpunpcklbw and vpunpckhbw widen its codes (limb_store12) */
+    float q4k[16];   /* a / 16384 of the 8 runs of 32, then each run's sum of x */
+    float q6k_u[16]; /* a / 16384 of the run holding each 16 values (Q6_K's, Q3_K's, Q2_K's
+                      * sub-blocks) */
+    float q6k_s[16]; /* each 16 values' sum of x */
+};
+
+/* quantized.c: buffer `slot` (< THREAD_BUFFERS) of the calling thread's (the pool's threads
+ * keep theirs), `floats` floats at least, 64-byte aligned, grown as needed (aborts when memory
+ * runs out). Slots 0-1: quantized.c's tiles; 2: amx.c's codes of W; 3-4: amx.c's rows of A. */
+enum { THREAD_BUFFERS = 5 };
+float *thread_buffer(int slot, size_t floats);
+
 /* products.c */
 int column_block(const struct product *p);
 void share_columns(const struct product *p, int index, int count, int *j0, int *j1);
@@ -236,6 +257,37 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
 void products_of(int m, int k, const float *a, int n_products, const int *n,
                  const struct step_weight *const *w, float *const *c, float *reordered,
                  const void *limbs);
+
+/* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles, where the build
+ * has them (x86-64 Linux, AMX-INT8 and AVX512-VNNI) and the machine runs them. A's rows as
+ * the tiles read them: each 32-run's three limbs (limb_split's) in the tiles' byte layout,
+ * 16 rows a group, and each run's step a / 16384 and sum of x. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__)
+#define AMX_PRODUCTS 1
+#else
+#define AMX_PRODUCTS 0
+#endif
+struct amx_rows {
+    int m, groups, runs;       /* rows, groups of 16 of them, runs of 32 a row (k / 32) */
+    const signed char *limbs; /* [groups][runs][3 limbs][16 rows][32 values] */
+    const float *unit, *sum;  /* [groups][runs][16 rows] */
+};
+/* Whether products of m rows of A [m, k] with w take the tiles (a format they read, the
+ * machine runs them and runner_amx_products has not turned them off); amx_split: A's rows
+ * into *out (in a buffer of the calling thread's, kept until its next call), 0 where A
+ * cannot be split (an infinite or NaN value: the float tiles then); amx_columns: columns
+ * [j0, j1) of C (whole blocks of 16: amx_block). */
+int amx_takes(int m, int k, const struct step_weight *w);
+int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out);
+void amx_columns(const struct product *p, int j0, int j1);
+enum { AMX_BLOCK = 16 };
+/* quantized.c: rows j .. j + 15 of W (rows past n read as row n - 1) as the AMX tiles take
+ * them: each 32-run's codes as unsigned bytes in the tiles' layout, codes[run][t][16 rows x 4]
+ * holding codes 4t .. 4t + 3 of each row, and its scale and bias, scale[run][row],
+ * bias[run][row] (the value: scale * code + bias); W_Q4K or W_Q5K. */
+void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
+                     float *bias);
 
 /* attention.c: one layer's attention, and the scratch floats it needs. */
 void attention(const struct step_args *a, const struct step_cache *cache, const float *q,

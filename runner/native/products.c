@@ -77,7 +77,7 @@ enum { BLAS_ROWS = 128 };
 struct product tiles_product(int m, int n, int k, const float *a, int lda,
                              const struct step_weight *w, float *c, int ldc, const void *limbs) {
     return (struct product){m, n, k, lda, k, ldc, 1.0f, 0.0f, a, w->data, c, w->format,
-                            w->bits, w->group, w->scale_format, w->scales, w->biases, limbs};
+                            w->bits, w->group, w->scale_format, w->scales, w->biases, limbs, NULL};
 }
 
 /* Whether a product of m rows with W goes to the BLAS: above BLAS_ROWS rows when it has W in
@@ -113,7 +113,9 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
     }
     const float *rows = rows_for(w, m, k, a, lda, reordered);
     const int ld = rows == a ? lda : k;
-    const struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc, limbs);
+    struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc, limbs);
+    struct amx_rows amx;
+    if (!limbs && amx_takes(m, k, w) && amx_split(m, k, a, lda, &amx)) p.amx = &amx;
     small_product(&p);
 }
 
@@ -131,7 +133,8 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
         return;
     }
     struct product p[3];
-    int filled = 0;
+    int filled = 0, split = 0;
+    struct amx_rows amx;
     for (int i = 0; i < n_products; i++) {
         const float *rows = a;
         if (w[i]->format == W_AFFINE && affine_reordered(w[i]->bits)) {
@@ -140,6 +143,10 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
             rows = reordered;
         }
         p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i], limbs);
+        if (!limbs && amx_takes(m, k, w[i])) {
+            if (!split) split = amx_split(m, k, a, k, &amx) ? 1 : -1;
+            if (split == 1) p[i].amx = &amx;
+        }
     }
     struct products ps = {p, n_products, 0};
     if ((long)m * k * n[0] < (1L << 18))

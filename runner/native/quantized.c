@@ -530,10 +530,9 @@ static const block_fn block_tiles[BLOCK_RA + 1] = {
 #endif
 };
 
-/* Buffer `slot` of the calling thread's (the pool's threads keep theirs), grown as needed. */
-static float *thread_buffer(int slot, size_t floats) {
-    static __thread float *buffer[2];
-    static __thread size_t size[2];
+float *thread_buffer(int slot, size_t floats) {
+    static __thread float *buffer[THREAD_BUFFERS];
+    static __thread size_t size[THREAD_BUFFERS];
     if (floats > size[slot]) {
         free(buffer[slot]);
         buffer[slot] = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -1838,18 +1837,6 @@ static void q5k_stream_2(int k, const unsigned char *const *rows, const float *c
  * (it declines) and decode steps take the float tiles. A's rows need whole runs of 32
  * (k % 32); a last block of fewer than 8 runs is zero past them. */
 
-/* A's limbs for 256 of a row's values (limb_split). */
-struct limb_block {
-    signed char l[3][256];
-    signed char l4[3][256]; /* the same in Q4_K's order: 32-value runs 0 2 1 3 4 6 5 7 */
-    short l12[256];         /* AVX2 without VNNI: l1 * 128 + l2, a run's values in the order
-                             * vpunpcklbw and vpunpckhbw widen its codes (limb_store12) */
-    float q4k[16];   /* a / 16384 of the 8 runs of 32, then each run's sum of x */
-    float q6k_u[16]; /* a / 16384 of the run holding each 16 values (Q6_K's, Q3_K's, Q2_K's
-                      * sub-blocks) */
-    float q6k_s[16]; /* each 16 values' sum of x */
-};
-
 int runner_limb_products(void) { return LIMB_PRODUCTS | AFFINE_LIMBS << 1; }
 
 long limb_floats(int m, int k) {
@@ -2619,15 +2606,70 @@ static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, con
                           w + (size_t)r * p->k);
 }
 
+#if AMX_PRODUCTS
+void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
+                     float *bias) {
+    const int blocks = p->k / Q4K_WEIGHTS, five = p->format == W_Q5K;
+    const size_t bytes = five ? Q5K_BYTES : Q4K_BYTES, row_bytes = (size_t)blocks * bytes;
+    const unsigned char *base = (const unsigned char *)p->w + (size_t)j * row_bytes;
+    int offsets[AMX_BLOCK];
+    for (int r = 0; r < AMX_BLOCK; r++) offsets[r] = (int)((size_t)(j + r < p->n ? r : p->n - 1 - j) * row_bytes);
+    const __m512i rows = _mm512_loadu_si512((const void *)offsets), low = _mm512_set1_epi8(15);
+    const __m512i one = _mm512_set1_epi8(1);
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(16));
+    /* the next block of rows fetched a block of 256 at a time while this one's are read
+     * (their rows apart in memory: a gather's 16 reads would each wait for it) */
+    const int ahead = j + 2 * AMX_BLOCK <= p->n;
+    for (int b = 0; b < blocks; b++) {
+        const unsigned char *x = base + (size_t)b * bytes;
+        if (ahead)
+            for (int r = 0; r < AMX_BLOCK; r++)
+                for (size_t at = 0; at < bytes; at += 64)
+                    __builtin_prefetch(x + AMX_BLOCK * row_bytes + (size_t)r * row_bytes + at, 0, 1);
+        /* the 16 rows' scales (lanes 0-7) and biases (8-15), then each sub-block's across the
+         * rows (a gather a lane of sb) */
+        float sb[AMX_BLOCK][16] __attribute__((aligned(64)));
+        for (int r = 0; r < AMX_BLOCK; r += 4) {
+            const unsigned char *four[4] = {x + offsets[r], x + offsets[r + 1], x + offsets[r + 2],
+                                            x + offsets[r + 3]};
+            __m512 v[4];
+            q4k_scales4(four, v);
+            for (int i = 0; i < 4; i++) _mm512_store_ps(sb[r + i], v[i]);
+        }
+        for (int s = 0; s < 8; s++) {
+            _mm512_storeu_ps(scale + (8 * b + s) * AMX_BLOCK, _mm512_i32gather_ps(lanes, &sb[0][s], 4));
+            _mm512_storeu_ps(bias + (8 * b + s) * AMX_BLOCK, _mm512_i32gather_ps(lanes, &sb[0][8 + s], 4));
+        }
+        /* qs[32c + l]: run 2c's code l in its low nibble, run 2c + 1's in its high one (Q5_K:
+         * plus 16 times bit 2c, 2c + 1 of qh[l]); the tile's row t holds codes 4t .. 4t + 3 of
+         * each of the 16 rows of W */
+        const unsigned char *qs = x + (five ? 48 : 16);
+        for (int t = 0; t < 8; t++) {
+            const __m512i qh = five ? _mm512_i32gather_epi32(rows, (const void *)(x + 16 + 4 * t), 1)
+                                    : _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i q = _mm512_i32gather_epi32(rows, (const void *)(qs + 32 * c + 4 * t), 1);
+                __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                if (five) { /* bit 2c (2c + 1) of each byte, moved to bit 4 */
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c), one), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c + 1), one), 4));
+                }
+                unsigned char *to = codes + (size_t)(8 * b + 2 * c) * 512 + 64 * t;
+                _mm512_storeu_si512((void *)to, lo);
+                _mm512_storeu_si512((void *)(to + 512), hi);
+            }
+        }
+    }
+}
+#endif
+
 int ggml_supported(const struct step_weight *w, int n, int k) {
     const struct block_format *f = block_format_of(w->format);
     return f && w->data && n > 0 && k > 0 && k % f->weights == 0;
 }
 
-int ggml_block(const struct product *p) {
-    (void)p;
-    return BLOCK_RW;
-}
+int ggml_block(const struct product *p) { return p->amx ? AMX_BLOCK : BLOCK_RW; }
 
 /* Columns [j0, j1) of C from W in a GGML block format: stream tiles for up to STREAM_ROWS rows
  * of A (BLOCK_RW rows of W at a time, the block PREFETCH_BLOCKS ahead fetched over the
@@ -2635,6 +2677,12 @@ int ggml_block(const struct product *p) {
 void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / f->weights * f->bytes;
+#if AMX_PRODUCTS
+    if (p->amx) { /* many rows on AMX tiles (amx_takes) */
+        amx_columns(p, j0, j1);
+        return;
+    }
+#endif
 #if LIMB_PRODUCTS
     if (p->limbs && limb_format(p->format)) { /* a decode step's rows, any number of them */
         limb_columns(p, row_bytes, j0, j1);

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 22
+#define RUNNER_NATIVE_ABI_VERSION 23
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -154,6 +154,11 @@ RUNNER_API const char *runner_native_level(void);
  * (AVX512-VNNI, or AVX2); 2, 5-bit W_AFFINE codes in groups of 32, 64 or 128 (VNNI and VBMI,
  * or AVX2); 0: none (they take the float tiles, the same bits as any other product). */
 RUNNER_API int runner_limb_products(void);
+/* Whether a forward's products from GGML Q4_K and Q5_K blocks take Intel's AMX tiles here (amx.c:
+ * a build with AMX-INT8 and AVX512-VNNI, on a machine that runs them, not turned off by
+ * OLLAMA_MLX_RUNNER_AMX=0): 1 or 0. `set` 0 turns them off, 1 back on where they run, -1
+ * asks. */
+RUNNER_API int runner_amx_products(int set);
 /* Which half formats products can read here: 1 when they can (AVX2 + F16C), else 0. */
 RUNNER_API int runner_half_weights(void);
 /* The panels of W [n, k] in a half format: this many halves. */
