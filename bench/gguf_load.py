@@ -198,9 +198,12 @@ def measure(
 def time_forwards(model: object, steps: int, prompt: int) -> tuple[float, float]:
     """(ms a decode token, ms a prompt token) of `model` in process: `steps` greedy decode
     steps after a 64-token prompt, and the median of 3 `prompt`-token prompts."""
+    import contextlib
     import statistics
 
     import mlx.core as mx
+
+    from runner.models.base import DecodeSteps, HostLogits
 
     m: Any = model
     rng = np.random.default_rng(0)
@@ -213,11 +216,21 @@ def time_forwards(model: object, steps: int, prompt: int) -> tuple[float, float]
     mx.eval(m.hidden(ids(64), caches))
     token = 5
     started = 0.0
+    # as the generation pipeline decodes (runner/generate/pipeline.py): inside the model's
+    # decode steps (limbs where the library has them), a greedy token from the host's logits
+    # where the model computes them there; plain forwards of one row are not what it runs
+    steps_of = m.decode_steps if isinstance(m, DecodeSteps) else contextlib.nullcontext
+    host = m if isinstance(m, HostLogits) else None
     for step in range(steps + 2):  # two untimed
         if step == 2:
             started = time.perf_counter()
-        hidden = m.hidden(mx.array([[token]], dtype=mx.int32), caches)
-        token = int(mx.argmax(m.unembed(hidden[:, -1:])).item())
+        with steps_of():
+            hidden = m.hidden(mx.array([[token]], dtype=mx.int32), caches)
+            logits = host.host_logits(hidden[:, -1:]) if host is not None else None
+            if logits is not None:
+                token = int(np.argmax(logits[0]))
+            else:
+                token = int(mx.argmax(m.unembed(hidden[:, -1:])).item())
     decode = (time.perf_counter() - started) / steps * 1e3
     times = []
     for _ in range(4):  # the first untimed
