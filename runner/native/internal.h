@@ -6,7 +6,7 @@
  * Each source has one job: dispatch.c (MLX's cblas_sgemm, routed), pool.c (the thread pool),
  * products.c (a product C = A W^T in any weight format, split over the pool or sent to the
  * BLAS), tiles.c (float32 dot-product tiles), panels.c (half-precision panels and their tiles),
- * quantized.c (MLX's affine-quantized weights and their tiles), attention.c (a layer's attention), decoder_step.c (the decoder layers), hash.c (the image
+ * quantized.c (MLX's affine-quantized weights and their tiles), amx.c (a forward's K-quant rows on Intel's AMX tiles), attention.c (a layer's attention), decoder_step.c (the decoder layers), hash.c (the image
  * fold), abi.c (the ABI handshake).
  */
 #ifndef RUNNER_NATIVE_INTERNAL_H
@@ -258,10 +258,11 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
                  const struct step_weight *const *w, float *const *c, float *reordered,
                  const void *limbs);
 
-/* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles, where the build
- * has them (x86-64 Linux, AMX-INT8 and AVX512-VNNI) and the machine runs them. A's rows as
- * the tiles read them: each 32-run's three limbs (limb_split's) in the tiles' byte layout,
- * 16 rows a group, and each run's step a / 16384 and sum of x. */
+/* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles,
+ * where the build has them (x86-64 Linux, AMX-INT8 and AVX512-VNNI) and the machine runs
+ * them. A's rows as the tiles read them: each 32-run's limbs (limb_split's) as two pairs of
+ * signed bytes in the tiles' layout, 8 rows a group, and each run's step a / 16384 and sum
+ * of x. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__)
 #define AMX_PRODUCTS 1
@@ -269,9 +270,9 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 #define AMX_PRODUCTS 0
 #endif
 struct amx_rows {
-    int m, groups, runs;       /* rows, groups of 16 of them, runs of 32 a row (k / 32) */
-    const signed char *limbs; /* [groups][runs][3 limbs][16 rows][32 values] */
-    const float *unit, *sum;  /* [groups][runs][16 rows] */
+    int m, groups, runs;       /* rows, groups of 8 of them, runs of 32 a row (k / 32) */
+    const signed char *limbs; /* [groups][runs][2 x 8 rows][64]: each row's digits (amx.c) */
+    const float *unit, *sum;  /* [groups][runs][8 rows] */
 };
 /* Whether products of m rows of A [m, k] with w take the tiles (a format they read, the
  * machine runs them and runner_amx_products has not turned them off); amx_split: A's rows
@@ -283,9 +284,10 @@ int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out);
 void amx_columns(const struct product *p, int j0, int j1);
 enum { AMX_BLOCK = 16 };
 /* quantized.c: rows j .. j + 15 of W (rows past n read as row n - 1) as the AMX tiles take
- * them: each 32-run's codes as unsigned bytes in the tiles' layout, codes[run][t][16 rows x 4]
- * holding codes 4t .. 4t + 3 of each row, and its scale and bias, scale[run][row],
- * bias[run][row] (the value: scale * code + bias); W_Q4K or W_Q5K. */
+ * them: each 32-run's codes q (unsigned) as [8 q, q] in the tiles' layout,
+ * codes[run][t][16 rows x 4] (t < 8: 8 times codes 4t .. 4t + 3 of each row; t >= 8: codes
+ * 4(t - 8) .. of each row), and its scale and bias, scale[run][row], bias[run][row] (the
+ * value: scale * q + bias); W_Q4K or W_Q5K. */
 void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
                      float *bias);
 

@@ -2655,9 +2655,12 @@ void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float
                     lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c), one), 4));
                     hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c + 1), one), 4));
                 }
-                unsigned char *to = codes + (size_t)(8 * b + 2 * c) * 512 + 64 * t;
-                _mm512_storeu_si512((void *)to, lo);
-                _mm512_storeu_si512((void *)(to + 512), hi);
+                /* run r's tile: rows 0-7 the codes times 8 (the first digit's), 8-15 the codes */
+                unsigned char *to = codes + (size_t)(8 * b + 2 * c) * 1024 + 64 * t;
+                _mm512_storeu_si512((void *)to, _mm512_slli_epi16(lo, 3));
+                _mm512_storeu_si512((void *)(to + 512), lo);
+                _mm512_storeu_si512((void *)(to + 1024), _mm512_slli_epi16(hi, 3));
+                _mm512_storeu_si512((void *)(to + 1536), hi);
             }
         }
     }
