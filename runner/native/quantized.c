@@ -2607,53 +2607,79 @@ static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, con
 }
 
 #if AMX_PRODUCTS
+/* v[d] = lane d of each of the 16 vectors r[0 .. 16) (lane i of v[d] from r[i]): a 16 x 16
+ * transpose of 32-bit lanes (within 128-bit lanes, then the 128-bit lanes). */
+static inline void transpose16(const __m512i *r, __m512i *v) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* u[k + j]'s 128-bit lane L: rows k .. k + 3's lane 4L + j */
+        u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        v[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        v[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        v[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        v[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
 void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
                      float *bias) {
     const int blocks = p->k / Q4K_WEIGHTS, five = p->format == W_Q5K;
     const size_t bytes = five ? Q5K_BYTES : Q4K_BYTES, row_bytes = (size_t)blocks * bytes;
     const unsigned char *base = (const unsigned char *)p->w + (size_t)j * row_bytes;
-    int offsets[AMX_BLOCK];
-    for (int r = 0; r < AMX_BLOCK; r++) offsets[r] = (int)((size_t)(j + r < p->n ? r : p->n - 1 - j) * row_bytes);
-    const __m512i rows = _mm512_loadu_si512((const void *)offsets), low = _mm512_set1_epi8(15);
-    const __m512i one = _mm512_set1_epi8(1);
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(16));
-    /* the next block of rows fetched a block of 256 at a time while this one's are read
-     * (their rows apart in memory: a gather's 16 reads would each wait for it) */
+    const unsigned char *row[AMX_BLOCK];
+    for (int r = 0; r < AMX_BLOCK; r++) row[r] = base + (size_t)(j + r < p->n ? r : p->n - 1 - j) * row_bytes;
+    const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    /* the next block of rows fetched a block of 256 at a time while this one's are read */
     const int ahead = j + 2 * AMX_BLOCK <= p->n;
     for (int b = 0; b < blocks; b++) {
-        const unsigned char *x = base + (size_t)b * bytes;
+        const size_t at = (size_t)b * bytes;
         if (ahead)
             for (int r = 0; r < AMX_BLOCK; r++)
-                for (size_t at = 0; at < bytes; at += 64)
-                    __builtin_prefetch(x + AMX_BLOCK * row_bytes + (size_t)r * row_bytes + at, 0, 1);
+                for (size_t line = 0; line < bytes; line += 64)
+                    __builtin_prefetch(row[r] + AMX_BLOCK * row_bytes + at + line, 0, 1);
         /* the 16 rows' scales (lanes 0-7) and biases (8-15), then each sub-block's across the
-         * rows (a gather a lane of sb) */
-        float sb[AMX_BLOCK][16] __attribute__((aligned(64)));
+         * rows */
+        __m512i v[AMX_BLOCK], d[AMX_BLOCK];
         for (int r = 0; r < AMX_BLOCK; r += 4) {
-            const unsigned char *four[4] = {x + offsets[r], x + offsets[r + 1], x + offsets[r + 2],
-                                            x + offsets[r + 3]};
-            __m512 v[4];
-            q4k_scales4(four, v);
-            for (int i = 0; i < 4; i++) _mm512_store_ps(sb[r + i], v[i]);
+            const unsigned char *four[4] = {row[r] + at, row[r + 1] + at, row[r + 2] + at, row[r + 3] + at};
+            q4k_scales4(four, (__m512 *)(v + r));
         }
+        transpose16(v, d);
         for (int s = 0; s < 8; s++) {
-            _mm512_storeu_ps(scale + (8 * b + s) * AMX_BLOCK, _mm512_i32gather_ps(lanes, &sb[0][s], 4));
-            _mm512_storeu_ps(bias + (8 * b + s) * AMX_BLOCK, _mm512_i32gather_ps(lanes, &sb[0][8 + s], 4));
+            _mm512_storeu_si512((void *)(scale + (8 * b + s) * AMX_BLOCK), d[s]);
+            _mm512_storeu_si512((void *)(bias + (8 * b + s) * AMX_BLOCK), d[8 + s]);
+        }
+        /* Q5_K's fifth bits: qh[l] of each row, as dwords 0-7 (a row's 32 bytes) */
+        __m512i qh[AMX_BLOCK];
+        if (five) {
+            for (int r = 0; r < AMX_BLOCK; r++)
+                v[r] = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[r] + at + 16)));
+            transpose16(v, qh);
         }
         /* qs[32c + l]: run 2c's code l in its low nibble, run 2c + 1's in its high one (Q5_K:
          * plus 16 times bit 2c, 2c + 1 of qh[l]); the tile's row t holds codes 4t .. 4t + 3 of
-         * each of the 16 rows of W */
-        const unsigned char *qs = x + (five ? 48 : 16);
-        for (int t = 0; t < 8; t++) {
-            const __m512i qh = five ? _mm512_i32gather_epi32(rows, (const void *)(x + 16 + 4 * t), 1)
-                                    : _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                const __m512i q = _mm512_i32gather_epi32(rows, (const void *)(qs + 32 * c + 4 * t), 1);
-                __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+         * each of the 16 rows of W: dword 8c + t of qs, in two halves of 64 bytes */
+        const size_t qs = at + (five ? 48 : 16);
+        for (int h = 0; h < 2; h++) {
+            for (int r = 0; r < AMX_BLOCK; r++) v[r] = _mm512_loadu_si512((const void *)(row[r] + qs + 64 * h));
+            transpose16(v, d);
+            for (int i = 0; i < 16; i++) {
+                const int c = 2 * h + i / 8, t = i % 8;
+                __m512i lo = _mm512_and_si512(d[i], low), hi = _mm512_and_si512(_mm512_srli_epi16(d[i], 4), low);
                 if (five) { /* bit 2c (2c + 1) of each byte, moved to bit 4 */
-                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c), one), 4));
-                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c + 1), one), 4));
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[t], 2 * c), one), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[t], 2 * c + 1), one), 4));
                 }
                 /* run r's tile: rows 0-7 the codes times 8 (the first digit's), 8-15 the codes */
                 unsigned char *to = codes + (size_t)(8 * b + 2 * c) * 1024 + 64 * t;
