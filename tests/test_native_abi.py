@@ -420,6 +420,39 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
             np.testing.assert_array_equal(decode, c)
 
 
+def limb_operands(kind, form, quantize, rows: int, seed: int):
+    """Blocks of W [45, 768] (45: rows of W not whole blocks of tiles), llama.cpp's values of
+    them in float64, their step_weight, and `rows` rows of A whose runs try the limbs: an
+    outlier (its run's step coarse, the others' not), a run of zeros, tiny values (steps far
+    below float32's normal range), runs of very different sizes in one row."""
+    from runner.sources.gguf import quants
+
+    rng = np.random.default_rng(seed)
+    n, k = 45, 768
+    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
+    values = quants.dequantize(blocks.reshape(-1), kind, (n, k)).astype(np.float64)
+    a = rng.normal(size=(rows, k)).astype(np.float32)
+    a[1, k // 3] = 40.0
+    a[2, 32:64] = 0.0
+    a[3] *= np.float32(1e-30)
+    a[4, ::7] *= -1000.0
+    return blocks, values, abi.Weight(format=form, data=blocks.ctypes.data), a
+
+
+def assert_within_limb_bound(got: np.ndarray, a: np.ndarray, values: np.ndarray) -> None:
+    """Every value within what rounding each run of 32 of A to a / 16384 (a = max |x| / 127)
+    leaves, 1 / 32768 of a step at most, times sum |w|, plus float32 rounding of sum |w x|;
+    and far closer than llama.cpp's 8-bit activations (1 / 254 of the run's largest value)."""
+    x = a.astype(np.float64)
+    want = x @ values.T
+    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)  # max |x| of t's run
+    step = runs / 127 / 16384  # the last limb's step
+    bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ np.abs(values).T)
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    eight_bits = (runs / 254) @ np.abs(values).T
+    assert np.abs(got - want).max() < 1e-3 * eight_bits.max()
+
+
 @pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K"])
 def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
     """Where a build has AMX's tiles and the machine runs them (runner/native/amx.c), Q4_K
@@ -431,21 +464,11 @@ def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
     whole number of 16s; a row with an infinite or NaN value takes the float tiles (no limbs
     hold it); a decode step's rows keep the VNNI limbs, AMX or not; turned off, the float
     tiles' bits again."""
-    from runner.sources.gguf import quants
-
     march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
     if not functions.amx_products(-1):
         pytest.skip(f"{march}: no AMX tiles in this build, or this machine does not run them")
-    rng = np.random.default_rng(12)
-    n, k = 45, 768  # 2 blocks of 16 rows of W and 13; 24 runs of 32
-    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
-    values = quants.dequantize(blocks.reshape(-1), kind, (n, k)).astype(np.float64)
-    weight = abi.Weight(format=form, data=blocks.ctypes.data)
-    a = rng.normal(size=(41, k)).astype(np.float32)
-    a[1, k // 3] = 40.0  # an outlier: its run's step is coarse, the others' are not
-    a[2, 32:64] = 0.0  # a run of zeros
-    a[3] *= np.float32(1e-30)  # tiny values
-    a[4, ::7] *= -1000.0  # runs of very different sizes in one row
+    _blocks, values, weight, a = limb_operands(kind, form, quantize, 41, 12)  # _blocks: read
+    n, k = values.shape  # 2 blocks of 16 rows of W and 13; 24 runs of 32
 
     def times(rows: np.ndarray, decode: bool = False) -> np.ndarray:
         return weight_times(functions, weight, (n, k), rows, decode=decode)
@@ -453,12 +476,7 @@ def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
     got, decode = times(a), times(a, decode=True)
     with amx_turned_off(functions):
         tiles, decode_without = times(a), times(a, decode=True)
-    x = a.astype(np.float64)
-    want = x @ values.T
-    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)
-    step = runs / 127 / 16384  # the last limb's step
-    bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ np.abs(values).T)
-    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    assert_within_limb_bound(got, a, values)
     assert not np.array_equal(got, tiles)  # the tiles' limbs, not the float tiles
     np.testing.assert_array_equal(decode, decode_without)  # decode steps: the VNNI limbs
     for m in (1, 2, 3, 5, 6, 16, 17, 21, 32, 40):
@@ -514,34 +532,18 @@ def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_typ
     the same bits for any number of rows and each row alone; an A with an infinite or NaN
     value takes the float tiles (the limbs hold neither; a NaN once slipped through the
     run's max on AVX-512 and came out a finite value)."""
-    from runner.sources.gguf import quants
 
     _, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
     if not functions.limb_products:
         return  # its decode products are the float tiles' (the test above)
-    rng = np.random.default_rng(8)
-    n, k = 45, 768
-    blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
-    values = quants.dequantize(blocks.reshape(-1), kind, (n, k)).astype(np.float64)
-    weight = abi.Weight(format=form, data=blocks.ctypes.data)
-    a = rng.normal(size=(9, k)).astype(np.float32)
-    a[1, k // 3] = 40.0  # an outlier: its run's step is coarse, the others' are not
-    a[2, 32:64] = 0.0  # a run of zeros
-    a[3] *= np.float32(1e-30)  # tiny values (steps far below float32's normal range)
-    a[4, ::7] *= -1000.0  # runs of very different sizes in one row
+    _blocks, values, weight, a = limb_operands(kind, form, quantize, 9, 8)  # _blocks: read
+    n, k = values.shape
 
     def times(rows: np.ndarray, decode: bool = True) -> np.ndarray:
         return weight_times(functions, weight, (n, k), rows, decode=decode)
 
     got, tiles = times(a), times(a, decode=False)
-    x = a.astype(np.float64)
-    want = x @ values.T
-    runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)  # max |x| of t's run
-    step = runs / 127 / 16384  # the last limb's step
-    bound = (step / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ np.abs(values).T)
-    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
-    eight_bits = (runs / 254) @ np.abs(values).T  # llama.cpp's rounding of the activations
-    assert np.abs(got - want).max() < 1e-3 * eight_bits.max()
+    assert_within_limb_bound(got, a, values)
     assert not np.array_equal(got, tiles)  # the limbs, not the float tiles
     for m in (1, 2, 5):
         np.testing.assert_array_equal(times(a[:m]), got[:m])

@@ -205,8 +205,8 @@ int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out) {
 
 /* Rows g GROUP .. g GROUP + rows - 1 of C's columns j .. j + nj - 1 (a group of A's rows
  * against a column block of W whose codes, scales and biases ggml_tile_codes made): each
- * run's tile product while the run before's sums are combined (the tiles' stores reach
- * memory before the vector loads that read them). */
+ * run's tile product while the sums of the run LAG before are combined (the tiles' stores
+ * reach memory before the vector loads that read them). */
 static void group_columns(const struct product *p, int g, int rows, int j, int nj,
                           const unsigned char *codes, const float *scale, const float *bias) {
     const struct amx_rows *x = p->amx;
