@@ -142,8 +142,16 @@ int runner_amx_products(int set) {
     return runs_tiles && atomic_load(&turned_on);
 }
 
-int amx_takes(int m, int k, const struct step_weight *w) {
-    return m > 0 && (w->format == W_Q4K || w->format == W_Q5K) && k % 256 == 0 && amx_on();
+int amx_takes(int m, int k, const struct step_weight *w, const void *limbs) {
+    return !limbs && m > 0 && (w->format == W_Q4K || w->format == W_Q5K) && k % 256 == 0 && amx_on();
+}
+
+static int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out);
+
+const struct amx_rows *amx_rows_of(int m, int k, const float *a, int lda,
+                                   const struct step_weight *w, const void *limbs,
+                                   struct amx_rows *into) {
+    return amx_takes(m, k, w, limbs) && amx_split(m, k, a, lda, into) ? into : NULL;
 }
 
 /* A run's 32 values' two digits pairs (see the top) at hi and lo (64 bytes each: m0 of the
@@ -176,7 +184,7 @@ static void run_digits(const signed char *l0, const signed char *l1, const signe
     }
 }
 
-int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out) {
+static int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out) {
     const int runs = k / RUN, groups = (m + GROUP - 1) / GROUP;
     const size_t digit_bytes = (size_t)groups * runs * A_BYTES;
     const size_t floats = digit_bytes / 4 + (size_t)2 * groups * runs * GROUP;
@@ -214,7 +222,7 @@ static void group_columns(const struct product *p, int g, int rows, int j, int n
     int32_t c[LAG + 1][AMX_BLOCK][AMX_BLOCK] __attribute__((aligned(64)));
     __m512 acc[GROUP];
     for (int i = 0; i < GROUP; i++) acc[i] = _mm512_setzero_ps();
-    const signed char *digits = x->limbs + (size_t)g * runs * A_BYTES;
+    const signed char *digits = x->digits + (size_t)g * runs * A_BYTES;
     const float *unit = x->unit + (size_t)g * runs * GROUP;
     const float *sum = x->sum + (size_t)g * runs * GROUP;
     for (int s = 0; s < runs + LAG; s++) {
@@ -288,13 +296,15 @@ int runner_amx_products(int set) {
     (void)set;
     return 0;
 }
-int amx_takes(int m, int k, const struct step_weight *w) {
-    (void)m, (void)k, (void)w;
+int amx_takes(int m, int k, const struct step_weight *w, const void *limbs) {
+    (void)m, (void)k, (void)w, (void)limbs;
     return 0;
 }
-int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out) {
-    (void)m, (void)k, (void)a, (void)lda, (void)out;
-    return 0;
+const struct amx_rows *amx_rows_of(int m, int k, const float *a, int lda,
+                                   const struct step_weight *w, const void *limbs,
+                                   struct amx_rows *into) {
+    (void)m, (void)k, (void)a, (void)lda, (void)w, (void)limbs, (void)into;
+    return NULL;
 }
 void amx_columns(const struct product *p, int j0, int j1) { (void)p, (void)j0, (void)j1; }
 #endif

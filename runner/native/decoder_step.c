@@ -123,8 +123,8 @@ static void gate_up(int m, int k, int n, const float *a, const struct step_weigh
     struct gate_up_job job = {
         {tiles_product(m, n, k, rows, k, wg, gate, n, limbs), tiles_product(m, n, k, rows, k, wu, up, n, limbs)},
         gate, up, activation, 0};
-    struct amx_rows amx; /* a forward's Q4_K rows on AMX's tiles (amx.c) */
-    if (!limbs && amx_takes(m, k, wg) && amx_split(m, k, a, k, &amx)) job.p[0].amx = job.p[1].amx = &amx;
+    struct amx_rows amx; /* a forward's Q4_K / Q5_K rows on AMX's tiles (amx.c) */
+    job.p[0].amx = job.p[1].amx = amx_rows_of(m, k, a, k, wg, limbs, &amx);
     if ((long)m * k * n < (1L << 18))
         gate_up_share(&job, 0, 1);
     else

@@ -60,7 +60,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     }
     if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && m <= SMALL_ROWS && m > 0 &&
         n > 0 && k > 0) {
-        const struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, W_F32, 0, 0, 0, NULL, NULL, NULL};
+        const struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, W_F32, 0, 0, 0, NULL, NULL, NULL, NULL};
         small_product(&p);
         return;
     }

@@ -100,7 +100,7 @@ struct product {
     /* NULL, or A's rows as limbs (limb_split): a decode step's products (GGML blocks and 5-bit
      * W_AFFINE read them where the build has their tiles: limbs_read) */
     const void *limbs;
-    /* NULL, or A's rows as the AMX tiles read them (amx.c: amx_split), where W's format
+    /* NULL, or A's rows as the AMX tiles read them (amx.c: amx_rows_of), where W's format
      * takes them (amx_takes) */
     const struct amx_rows *amx;
 };
@@ -271,16 +271,20 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
 #endif
 struct amx_rows {
     int m, groups, runs;       /* rows, groups of 8 of them, runs of 32 a row (k / 32) */
-    const signed char *limbs; /* [groups][runs][2 x 8 rows][64]: each row's digits (amx.c) */
+    const signed char *digits; /* [groups][runs][2 x 8 rows][64]: each row's digits (amx.c) */
     const float *unit, *sum;  /* [groups][runs][8 rows] */
 };
-/* Whether products of m rows of A [m, k] with w take the tiles (a format they read, the
- * machine runs them and runner_amx_products has not turned them off); amx_split: A's rows
- * into *out (in a buffer of the calling thread's, kept until its next call), 0 where A
- * cannot be split (an infinite or NaN value: the float tiles then); amx_columns: columns
- * [j0, j1) of C (whole blocks of 16: amx_block). */
-int amx_takes(int m, int k, const struct step_weight *w);
-int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out);
+/* amx_rows_of: A's rows for products of m rows of A [m, k] with w on the tiles, made into
+ * *into (in buffers of the calling thread's, kept until its next call) and returned where
+ * they take them (a forward's rows, not a decode step's: `limbs` NULL; a format the tiles
+ * read; the machine runs them and runner_amx_products has not turned them off; A split:
+ * an infinite or NaN value has no limbs), else NULL (the float tiles); amx_takes: all of
+ * that but the split. amx_columns: columns [j0, j1) of C (whole blocks of AMX_BLOCK rows of
+ * W: ggml_block). */
+int amx_takes(int m, int k, const struct step_weight *w, const void *limbs);
+const struct amx_rows *amx_rows_of(int m, int k, const float *a, int lda,
+                                   const struct step_weight *w, const void *limbs,
+                                   struct amx_rows *into);
 void amx_columns(const struct product *p, int j0, int j1);
 enum { AMX_BLOCK = 16 };
 /* quantized.c: rows j .. j + 15 of W (rows past n read as row n - 1) as the AMX tiles take

@@ -115,7 +115,7 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
     const int ld = rows == a ? lda : k;
     struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc, limbs);
     struct amx_rows amx;
-    if (!limbs && amx_takes(m, k, w) && amx_split(m, k, a, lda, &amx)) p.amx = &amx;
+    p.amx = amx_rows_of(m, k, a, lda, w, limbs, &amx);
     small_product(&p);
 }
 
@@ -133,8 +133,9 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
         return;
     }
     struct product p[3];
-    int filled = 0, split = 0;
+    int filled = 0, tried = 0; /* A split for the tiles once, for every product that takes them */
     struct amx_rows amx;
+    const struct amx_rows *split = NULL;
     for (int i = 0; i < n_products; i++) {
         const float *rows = a;
         if (w[i]->format == W_AFFINE && affine_reordered(w[i]->bits)) {
@@ -143,9 +144,9 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
             rows = reordered;
         }
         p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i], limbs);
-        if (!limbs && amx_takes(m, k, w[i])) {
-            if (!split) split = amx_split(m, k, a, k, &amx) ? 1 : -1;
-            if (split == 1) p[i].amx = &amx;
+        if (amx_takes(m, k, w[i], limbs)) {
+            if (!tried) split = amx_rows_of(m, k, a, k, w[i], limbs, &amx), tried = 1;
+            p[i].amx = split;
         }
     }
     struct products ps = {p, n_products, 0};

@@ -2707,7 +2707,7 @@ void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / f->weights * f->bytes;
 #if AMX_PRODUCTS
-    if (p->amx) { /* many rows on AMX tiles (amx_takes) */
+    if (p->amx) { /* a forward's rows on AMX tiles (amx_rows_of) */
         amx_columns(p, j0, j1);
         return;
     }
