@@ -2034,16 +2034,21 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm512_setzero_ps();
     const size_t bytes = S16_BYTES(type);
     if (type == S16_Q6K) {
-        /* Q6_K a row at a time, in the order of its bytes, no software prefetch: the 4 rows
-         * are one run of memory the hardware prefetcher streams, where block by block across
-         * them (4 streams of a row's 210-byte blocks, prefetched ahead) made ~9 GB/s a thread
-         * into L1 and ~12 into L2 (bench/RESULTS.md, "Prefetching into L2"). Each row's sums
-         * are the same operations in the same order either way. The other formats measured
-         * as fast or faster across the rows. */
-        (void)ahead, (void)lines;
+        /* Q6_K a row at a time, in the order of its bytes: the 4 rows are one run of memory
+         * the hardware prefetcher streams, where block by block across them (4 streams of a
+         * row's 210-byte blocks, prefetched ahead) made ~9 GB/s a thread into L1 and ~12
+         * into L2 on the Zen 4 (bench/RESULTS.md, "Prefetching into L2"). The rows a few
+         * tiles on are prefetched too, spread over the 4 rows' blocks: without, on an Intel
+         * Xeon (AMX) VM, two threads streamed 11.5 GB/s where the float tiles reach 13.7;
+         * with, 16.0 (a 1B Q4_K_M's decode step, its head Q6_K, 59.6 -> 48.7 ms: "Q6_K's
+         * decode rows prefetched"). Each row's sums are the same operations in the same
+         * order either way. The other formats measured as fast or faster across the rows
+         * (and slower a row at a time on that Xeon). */
         for (int r = 0; r < RW; r++)
-            for (int b = 0; b < blocks; b++)
+            for (int b = 0; b < blocks; b++) {
+                fetch_share(ahead, lines, r * blocks + b, RW * blocks);
                 s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
+            }
     } else
         for (int b = 0; b < blocks; b++) {
             fetch_share(ahead, lines, b, blocks);
@@ -2319,9 +2324,11 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
     for (int r = 0; r < RW; r++) acc[r] = rest[r] = _mm256_setzero_ps();
     const size_t bytes = S16_BYTES(type);
     if (type == S16_Q6K) { /* measured: one row of Qwen3-0.6B's shapes, 24 -> 27.5 GFLOP/s on one thread */
-        (void)ahead, (void)lines;
         for (int r = 0; r < RW; r++)
-            for (int b = 0; b < blocks; b++) s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
+            for (int b = 0; b < blocks; b++) {
+                fetch_share(ahead, lines, r * blocks + b, RW * blocks);
+                s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
+            }
     } else
         for (int b = 0; b < blocks; b++) {
             fetch_share(ahead, lines, b, blocks);
