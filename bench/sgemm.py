@@ -62,6 +62,8 @@ EXTRA_SETTINGS = (
     *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t", "iq4nl", "iq4nl-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
     *("iq4xs-decode", "iq4xs-decode-1t"),
+    *(f"{g}-decode{end}" for g in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m")
+      for end in ("", "-1t")),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
     *("q4k-noamx", "q4k-1t-noamx"),

@@ -386,8 +386,8 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     and two rows, the block tiles of more), and within 1e-4 of the float64 product of
     llama.cpp's values (runner/sources/gguf/quants.py's dequantization, checked against
     gguf-py's). A decode step's rows take the same tiles where the build has no limbs, and
-    always for IQ4_NL and the grid types (which have none); IQ4_NL's rows need only be whole
-    32s (576: SmolLM2's)."""
+    always for IQ4_NL (which has none); IQ4_NL's rows need only be whole 32s (576:
+    SmolLM2's)."""
     from runner.sources.gguf import quants
 
     march, functions, kind, form, quantize = ggml_level(level_library, ggml_type)
@@ -415,7 +415,7 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
         short = abi.Weight(format=form, data=blocks.ctypes.data)  # k not whole blocks: refused
         assert not functions.weight_supported(ctypes.byref(short), n, 300)
         decode = weight_times(functions, weight, (n, k), a, decode=True)
-        if not functions.limb_products or ggml_type == "IQ4_NL" or ggml_type in GRID_NAMES:
+        if not functions.limb_products or ggml_type == "IQ4_NL":
             # the float tiles: the same bits
             np.testing.assert_array_equal(decode, c)
 
@@ -521,7 +521,9 @@ def test_amx_tiles_turned_off_by_the_environment(tmp_path) -> None:
     assert answer() == functions.amx_products(-1)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", *GRID_NAMES]
+)
 def test_decode_products_by_limbs_are_within_their_bound(level_library, ggml_type: str) -> None:
     """A decode step's GGML block products on a build with limbs (runner/native/quantized.c:
     A's values as three 8-bit limbs a run of 32, the codes' products summed in integers):

@@ -763,10 +763,11 @@ void affine_columns(const struct product *p, int j0, int j1) {
     (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
-/* Whether a GGML block format has limb tiles: all but IQ4_NL and the grid i-quants, where the
- * build has limbs. */
+/* Whether a GGML block format has limb tiles: all but IQ4_NL, where the build has limbs (the
+ * grid i-quants since bench/RESULTS.md's "The grid i-quants by limbs": their codes are made
+ * as the float tiles make them, and summed by limbs). */
 static int limb_format(int format) {
-    return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL && !grid_format(format);
+    return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL;
 }
 
 int limbs_read(const struct step_weight *w, int k) {
@@ -1947,8 +1948,17 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(rest[r]);
 }
 
-/* One block x of a row of W in Q6_K, Q3_K, Q2_K or IQ4_XS times A's limbs L, into the row's
- * acc and rest (s16_limb_tile), its codes read unsigned: Q6_K's q + 32 (the 32 taken off with
+/* What the AVX-512 limb tiles add to a grid i-quant's codes to read them unsigned: past its
+ * largest |code| (IQ1_S's and IQ1_M's 9, IQ3_S's 15, the IQ2 grids' 43, IQ3_XXS's 62), and no
+ * further: the offset's products are taken off again with each 16 values' sum of x, and an
+ * offset far past the codes (128: IQ1_M's 14 times its codes) left float32 cancellation past
+ * the limbs' bound. */
+ALWAYS int grid_offset(const int type) {
+    return type == S16_IQ1S || type == S16_IQ1M || type == S16_IQ3S ? 16 : 64;
+}
+
+/* One block x of a row of W in Q6_K, Q3_K, Q2_K, IQ4_XS or a grid i-quant times A's limbs L,
+ * into the row's acc and rest (s16_limb_tile), its codes read unsigned: Q6_K's q + 32 (the 32 taken off with
  * each sub-block's sum of x), Q3_K's q + 4 (its low 2 bits and its third bit as stored: the 4
  * taken off the same way), Q2_K's q (its bias times each sub-block's sum of x). Q6_K: a half h
  * of a block's ql (64 bytes) holds weights 128h .. 128h + 63 in its low nibbles, the next 64
@@ -1957,7 +1967,9 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
  * low, high half of step v), Q3_K's third bits bit 4h + s of hmask[l] the same way; IQ4_XS's
  * values looked up (vpshufb) as value + 128 (1 .. 241: S below 4 x 241 x 2.09e6 = 2.01e9 <
  * 2^31), the 128 taken off with each 16 values' sum of x as Q6_K's 32: sub-blocks 4h + 2v
- * and 4h + 2v + 1 (16 bytes of qs each: low nibbles then high ones) in step v. */
+ * and 4h + 2v + 1 (16 bytes of qs each: low nibbles then high ones) in step v; a grid
+ * i-quant's codes (s16_codes: signed, in order of k) plus grid_offset, taken off the same
+ * way. */
 ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct limb_block *L, __m512 *acc,
                            __m512 *rest) {
     const __m512i iq4_unsigned = /* IQ4_VALUES + 128 */
@@ -1973,7 +1985,11 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
                                            0x0002000200020002LL, 0x0002000200020002LL);
     const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
     float sc[16], bi[16];
-    s16_scales(type, x, sc, bi);
+    signed char grid[Q6K_WEIGHTS] __attribute__((aligned(64)));
+    if (type >= S16_IQ2XXS) /* a grid i-quant's codes (signed, |code| <= 62) and scales */
+        s16_codes(type, x, grid, sc, bi);
+    else
+        s16_scales(type, x, sc, bi);
     const __m512 scale = _mm512_loadu_ps(sc);
     const __m512 f = _mm512_mul_ps(scale, units);
     *rest = _mm512_fmadd_ps(type == S16_Q2K ? _mm512_loadu_ps(bi) : scale, sums, *rest);
@@ -1981,7 +1997,18 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
                                           : _mm512_setzero_si512();
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         __m512i codes[2];
-        if (type == S16_IQ4XS) {
+        if (type >= S16_IQ2XXS) {
+            /* the codes + grid_offset (unsigned), the offset taken off with each 16 values'
+             * sum of x, as IQ4_XS's 128 */
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                /* two 32-byte loads, as s16_codes stored them (a 64-byte load of two stores
+                 * waits for them to reach the cache) */
+                const signed char *at = grid + 128 * h + 64 * v;
+                const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)at)),
+                                                     _mm256_load_si256((const __m256i *)(at + 32)), 1);
+                codes[v] = _mm512_add_epi8(c, _mm512_set1_epi8((char)grid_offset(type)));
+            }
+        } else if (type == S16_IQ4XS) {
             /* the 128-bit lanes of a sub-block pair's 32 bytes of qs as [b, b, b + 1, b + 1],
              * shifted 0, 4, 0, 4: b's low nibbles, its high ones, b + 1's */
             const __m512i nibble = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
@@ -2025,8 +2052,8 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
     }
 }
 
-/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
- * blocks (s16_limb_block). */
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K, IQ4_XS
+ * or grid i-quant blocks (s16_limb_block). */
 ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
                           const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
@@ -2055,7 +2082,11 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
             _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++)
                 s16_limb_block(type, rows[r] + (size_t)b * bytes, L + b, &acc[r], &rest[r]);
         }
-    const float offset = type == S16_Q6K ? -32.0f : type == S16_Q3K ? -4.0f : type == S16_IQ4XS ? -128.0f : 1.0f;
+    const float offset = type == S16_Q6K     ? -32.0f
+                         : type == S16_Q3K   ? -4.0f
+                         : type == S16_IQ4XS ? -128.0f
+                         : type >= S16_IQ2XXS ? -(float)grid_offset(type)
+                                             : 1.0f;
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + offset * _mm512_reduce_add_ps(rest[r]);
 }
 
@@ -2249,8 +2280,9 @@ ALWAYS void kq_limb_tile(const int bits, int blocks, const unsigned char *const 
     for (int r = 0; r < RW; r++) dot[r] = limb_sum8(_mm256_add_ps(acc[r], rest[r]));
 }
 
-/* One block x of a row of W in Q6_K, Q3_K, Q2_K or IQ4_XS times A's limbs L, into the row's
- * acc and rest (s16_limb_tile), the codes unsigned as in the AVX-512 s16_limb_block. Q6_K: quarter s of half h (values
+/* One block x of a row of W in Q6_K, Q3_K, Q2_K, IQ4_XS or a grid i-quant times A's limbs L,
+ * into the row's acc and rest (s16_limb_tile), the codes unsigned as in the AVX-512
+ * s16_limb_block (a grid i-quant's as IQ4_XS's: their sizes, the signs onto the limbs). Q6_K: quarter s of half h (values
  * 128h + 32s ..) has its low 4 bits in ql[64h + 32 (s & 1) ..] (s < 2: low nibbles, else
  * high), its high 2 in bits 2s of qh[32h ..]; Q3_K and Q2_K: in bits 2s of qs[32h ..], Q3_K's
  * third bit in bit 4h + s of hmask; IQ4_XS: sub-block 4h + s, its values looked up (vpshufb),
@@ -2263,15 +2295,26 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
     const __m256 units[2] = {_mm256_loadu_ps(L->q6k_u), _mm256_loadu_ps(L->q6k_u + 8)};
     const __m256 sums[2] = {_mm256_loadu_ps(L->q6k_s), _mm256_loadu_ps(L->q6k_s + 8)};
     float sc[16], bi[16];
-    s16_scales(type, x, sc, bi);
+    signed char grid[Q6K_WEIGHTS] __attribute__((aligned(32)));
+    if (type >= S16_IQ2XXS) /* a grid i-quant's codes (signed) and scales */
+        s16_codes(type, x, grid, sc, bi);
+    else
+        s16_scales(type, x, sc, bi);
     const __m256i hmask = type == S16_Q3K ? _mm256_loadu_si256((const __m256i *)x) : _mm256_setzero_si256();
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
-        if (type != S16_IQ4XS)
+        if (type != S16_IQ4XS && type < S16_IQ2XXS)
             *rest = _mm256_fmadd_ps(type == S16_Q2K ? _mm256_loadu_ps(bi + 8 * h) : scale, sums[h], *rest);
         const __m256 f = _mm256_mul_ps(scale, units[h]); /* sub-blocks 8h .. 8h + 7 */
         __m256i codes[4], signs[4];
-        if (type == S16_IQ4XS) {
+        if (type >= S16_IQ2XXS) {
+            /* run 4h + s's 32 codes in order of k: their sizes, their signs moved onto the
+             * limbs as IQ4_XS's (|code| <= 62) */
+            _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
+                signs[s] = _mm256_load_si256((const __m256i *)(grid + 32 * (4 * h + s)));
+                codes[s] = _mm256_abs_epi8(signs[s]);
+            }
+        } else if (type == S16_IQ4XS) {
             const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
             _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
                 const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * (4 * h + s)));
@@ -2309,14 +2352,15 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
         _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
             const __m256i at = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
             const int j = 4 * h + s;
-            const __m256i dots = type == S16_IQ4XS ? limb_dot_sign(codes[s], signs[s], L, j) : limb_dot(codes[s], L, j);
+            const __m256i dots = type == S16_IQ4XS || type >= S16_IQ2XXS ? limb_dot_sign(codes[s], signs[s], L, j) : limb_dot(codes[s], L, j);
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(f, at), *acc);
         }
     }
 }
 
-/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K or IQ4_XS
- * blocks (s16_limb_block); Q6_K a row at a time, as the AVX-512 tile reads it. */
+/* dot[r] = A's row (its limbs L) . row r of W (rows[r], 4 rows) in Q6_K, Q3_K, Q2_K, IQ4_XS
+ * or grid i-quant blocks (s16_limb_block); Q6_K a row at a time, as the AVX-512 tile reads
+ * it. */
 ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const *rows,
                           const struct limb_block *L, float *dot, const char *ahead, int lines) {
     enum { RW = 4 };
@@ -2361,6 +2405,21 @@ int limb_split(int m, int k, const float *a, int lda, void *out) {
     return 1;
 }
 
+/* s16_limb_tile of a grid i-quant's blocks (`format` W_IQ2XXS .. W_IQ1M), its type a constant
+ * in each call (the tile is inlined for it). */
+static void grid_limb_tile(int format, int blocks, const unsigned char *const *rows,
+                           const struct limb_block *L, float *dot, const char *ahead, int lines) {
+    switch (format) {
+    case W_IQ2XXS: s16_limb_tile(S16_IQ2XXS, blocks, rows, L, dot, ahead, lines); return;
+    case W_IQ2XS: s16_limb_tile(S16_IQ2XS, blocks, rows, L, dot, ahead, lines); return;
+    case W_IQ2S: s16_limb_tile(S16_IQ2S, blocks, rows, L, dot, ahead, lines); return;
+    case W_IQ3XXS: s16_limb_tile(S16_IQ3XXS, blocks, rows, L, dot, ahead, lines); return;
+    case W_IQ3S: s16_limb_tile(S16_IQ3S, blocks, rows, L, dot, ahead, lines); return;
+    case W_IQ1S: s16_limb_tile(S16_IQ1S, blocks, rows, L, dot, ahead, lines); return;
+    default: s16_limb_tile(S16_IQ1M, blocks, rows, L, dot, ahead, lines); return;
+    }
+}
+
 /* Columns [j0, j1) of C from p's limbs: 4 rows of W at a time against each row of A, the
  * rows PREFETCH_BLOCKS groups ahead fetched over the first row's blocks. */
 static void limb_columns(const struct product *p, size_t row_bytes, int j0, int j1) {
@@ -2384,6 +2443,8 @@ static void limb_columns(const struct product *p, size_t row_bytes, int j0, int 
                 s16_limb_tile(S16_Q2K, blocks, rows, L, dot, i ? NULL : next, lines);
             else if (p->format == W_IQ4XS)
                 s16_limb_tile(S16_IQ4XS, blocks, rows, L, dot, i ? NULL : next, lines);
+            else if (grid_format(p->format))
+                grid_limb_tile(p->format, blocks, rows, L, dot, i ? NULL : next, lines);
             else if (p->format == W_Q4K)
                 kq_limb_tile(4, blocks, rows, L, dot, i ? NULL : next, lines);
             else
