@@ -24,7 +24,8 @@ Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks as a GGUF stores them, read by 
 library; random blocks, rows of whole blocks only: the Qwen3 shape, and SmolLM2's for IQ4_NL's
 blocks of 32), `iq2xxs`, `iq2xs`, `iq2s`, `iq3xxs`, `iq3s`, `iq1s`, `iq1m` and their `-1t`
 (the grid i-quants' blocks, the same way), `q4k-decode`, `q5k-decode`, `q6k-decode`,
-`q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode` and their `-1t` (the same products as
+`q3k-decode`, `q2k-decode`, `iq4xs-decode`, `q5-decode`, the grid i-quants' (`iq3s-decode`
+and the like) and their `-1t` (the same products as
 a decode step's rows: by integer limbs where the library has them, runner_limb_products), any
 of these with `-noamx` after it (`q4k-noamx`, `q4k-1t-noamx`: with OLLAMA_MLX_RUNNER_AMX=0,
 the float tiles where Intel's AMX tiles would take Q4_K's rows: runner/native/amx.c), and
