@@ -16,11 +16,22 @@ SIGINT without cleanup.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 # Caught from the first line on: a signal while Python starts the runner is a request to stop.
 _REQUESTED = threading.Event()
+# ... and written by the C-level handler, on whichever thread the kernel hands the signal to, as
+# a byte into this pipe (the serving loop reads it: `serve`). The Python-level handler runs in
+# the main thread only, once that thread notices it: a signal landing on another thread just
+# before the loop's own handler replaced this one was never handled (seen in CI: alive 10 s
+# after a SIGINT at "listening", the main thread idle in select()). The pipe is written from
+# the first line on and read by the loop, so no moment is left uncovered.
+_WAKE_READ, _WAKE_WRITE = os.pipe()
+os.set_blocking(_WAKE_READ, False)
+os.set_blocking(_WAKE_WRITE, False)
+signal.set_wakeup_fd(_WAKE_WRITE, warn_on_full_buffer=False)
 
 
 def _on_signal(signum: int, frame: object) -> None:
@@ -37,7 +48,6 @@ import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 from runner import flags as cli  # noqa: E402
@@ -49,17 +59,31 @@ POLL_SECONDS = 0.05
 log = logging.getLogger("runner")
 
 
+def _wake_bytes() -> bytes:
+    """What the wakeup pipe holds (a byte a signal number), drained; b"" when empty."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(_WAKE_READ, 512)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class Stop:
     """A SIGINT or SIGTERM, from the first line on: a flag the start-up polls; while the
-    server runs, the event it waits on (serve() sets it from the loop's own handlers)."""
+    server runs, serve() also wakes on the signal's byte in the wakeup pipe (the top of the
+    module), whichever thread took the signal."""
 
     def __init__(self) -> None:
         self.requested = _REQUESTED  # set by any signal since the module was imported
         self.install()
 
     def install(self) -> None:
-        """This object's handler for SIGINT and SIGTERM (serve() puts the loop's in while it
-        runs)."""
+        """This object's handler for SIGINT and SIGTERM, in from start-up to exit."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -208,21 +232,23 @@ async def serve(
     log.info("listening on %s:%d", host, port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Through the loop: a signal lands on whichever thread the kernel picks (the engine's,
-    # MLX's, the BLAS's, the native pool's), and Python runs a handler in the main thread only
-    # when that thread runs; an idle server's sleeps in select() until the loop's wakeup fd,
-    # which add_signal_handler sets, wakes it (with a plain handler: seen alive 10 s after a
-    # SIGINT, tests/test_subprocess.py).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
-    if stop.requested.is_set():  # a signal before the loop's handlers
-        stopping.set()
+    # Through the wakeup pipe (see the top of the module): a signal lands on whichever thread
+    # the kernel picks (the engine's, MLX's, the BLAS's, the native pool's), and Python runs
+    # its handler in the main thread only when that thread runs; an idle server's sleeps in
+    # select() until the pipe's byte wakes it (with a plain handler: seen alive 10 s after a
+    # SIGINT, tests/test_subprocess.py). Stop's handler stays in: a second signal is caught.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+
+    def woken() -> None:
+        if stop_signals & set(_wake_bytes()) or stop.requested.is_set():
+            stopping.set()
+
+    loop.add_reader(_WAKE_READ, woken)
+    woken()  # a signal before the reader: its byte waits in the pipe (or Stop saw it)
     try:
         await stopping.wait()
-    finally:  # the loop's handlers out, Stop's back: a second signal while stopping is caught
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        stop.install()
+    finally:
+        loop.remove_reader(_WAKE_READ)
     log.info("stopping: cancelling work")
     runner.engine.stop(timeout=0)  # cancel flags now; the worker ends after its chunk
     await app_runner.cleanup()
