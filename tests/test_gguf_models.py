@@ -276,6 +276,7 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
     assert set(types) - nl == {f"model.layers.{i}.{m}" for i in range(layers) for m in wide}
     assert all(types[k] == "IQ4_XS" for k in set(types) - nl)
     model, want, scale = kept_model(source, weights, types)  # 18 bytes a 32 weights, 136 a 256
+    w64 = {k: v.astype(np.float64) for k, v in weights.items()}
     caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:4]]), caches)
     model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
@@ -284,9 +285,7 @@ def test_iq4_nl_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: boo
         with model.decode_steps():
             hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
             got = np.array(model.unembed(hidden)[0, -1])
-        step_want = llama_forward(
-            {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE[: i + 1]
-        )
+        step_want = llama_forward(w64, source.config, SEQUENCE[: i + 1])
         assert np.abs(got - step_want).max() <= 1e-4 * max(1.0, np.abs(step_want).max())
         plain = model.hidden(mx.array([[SEQUENCE[i]]]), plain_caches)
         differ.append(not np.array_equal(np.array(hidden[0, -1]), np.array(plain[0, -1])))
@@ -334,6 +333,7 @@ def test_grid_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
     assert types["model.embed_tokens"] == "IQ3_S"
     assert types.get("lm_head") == (None if tied else "IQ2_XS")
     model, want, scale = kept_model(source, weights, types)
+    w64 = {k: v.astype(np.float64) for k, v in weights.items()}
     caches, plain_caches = model.make_caches(), model.make_caches()
     model.hidden(mx.array([SEQUENCE[:4]]), caches)
     model.hidden(mx.array([SEQUENCE[:4]]), plain_caches)
@@ -342,9 +342,7 @@ def test_grid_blocks_are_kept_and_computed_as_stored(tmp_path: Path, tied: bool)
         with model.decode_steps():
             hidden = model.hidden(mx.array([[SEQUENCE[i]]]), caches)
             got = np.array(model.unembed(hidden)[0, -1])
-        step_want = llama_forward(
-            {k: v.astype(np.float64) for k, v in weights.items()}, source.config, SEQUENCE[: i + 1]
-        )
+        step_want = llama_forward(w64, source.config, SEQUENCE[: i + 1])
         assert np.abs(got - step_want).max() <= 1e-4 * max(1.0, np.abs(step_want).max())
         plain = model.hidden(mx.array([[SEQUENCE[i]]]), plain_caches)
         differ.append(not np.array_equal(np.array(hidden[0, -1]), np.array(plain[0, -1])))

@@ -815,6 +815,8 @@ enum { Q6K_WEIGHTS = 256, Q6K_BYTES = 210, Q3K_BYTES = 110, Q2K_BYTES = 84, IQ4X
 /* the formats the 16-weight tiles read: a compile-time constant of each instance */
 enum { S16_Q6K, S16_Q3K, S16_Q2K, S16_IQ4XS, S16_IQ2XXS, S16_IQ2XS, S16_IQ2S, S16_IQ3XXS, S16_IQ3S, S16_IQ1S,
        S16_IQ1M };
+/* Whether a 16-weight type is a grid i-quant's (IQ2_XXS .. IQ1_M: codes made by s16_codes). */
+#define S16_GRID(type) ((type) >= S16_IQ2XXS)
 
 typedef unsigned char u8x32 __attribute__((vector_size(32)));
 typedef unsigned short u16x16 __attribute__((vector_size(32)));
@@ -1986,7 +1988,7 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
     const __m512 units = _mm512_loadu_ps(L->q6k_u), sums = _mm512_loadu_ps(L->q6k_s);
     float sc[16], bi[16];
     signed char grid[Q6K_WEIGHTS] __attribute__((aligned(64)));
-    if (type >= S16_IQ2XXS) /* a grid i-quant's codes (signed, |code| <= 62) and scales */
+    if (S16_GRID(type)) /* a grid i-quant's codes (signed, |code| <= 62) and scales */
         s16_codes(type, x, grid, sc, bi);
     else
         s16_scales(type, x, sc, bi);
@@ -1997,7 +1999,7 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
                                           : _mm512_setzero_si512();
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         __m512i codes[2];
-        if (type >= S16_IQ2XXS) {
+        if (S16_GRID(type)) {
             /* the codes + grid_offset (unsigned), the offset taken off with each 16 values'
              * sum of x, as IQ4_XS's 128 */
             _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
@@ -2085,7 +2087,7 @@ ALWAYS void s16_limb_tile(const int type, int blocks, const unsigned char *const
     const float offset = type == S16_Q6K     ? -32.0f
                          : type == S16_Q3K   ? -4.0f
                          : type == S16_IQ4XS ? -128.0f
-                         : type >= S16_IQ2XXS ? -(float)grid_offset(type)
+                         : S16_GRID(type)    ? -(float)grid_offset(type)
                                              : 1.0f;
     for (int r = 0; r < RW; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + offset * _mm512_reduce_add_ps(rest[r]);
 }
@@ -2296,18 +2298,20 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
     const __m256 sums[2] = {_mm256_loadu_ps(L->q6k_s), _mm256_loadu_ps(L->q6k_s + 8)};
     float sc[16], bi[16];
     signed char grid[Q6K_WEIGHTS] __attribute__((aligned(32)));
-    if (type >= S16_IQ2XXS) /* a grid i-quant's codes (signed) and scales */
+    if (S16_GRID(type)) /* a grid i-quant's codes (signed) and scales */
         s16_codes(type, x, grid, sc, bi);
     else
         s16_scales(type, x, sc, bi);
     const __m256i hmask = type == S16_Q3K ? _mm256_loadu_si256((const __m256i *)x) : _mm256_setzero_si256();
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
-        if (type != S16_IQ4XS && type < S16_IQ2XXS)
+        /* IQ4_XS's and the grids' signed codes: their sizes, the signs on the limbs (no offset) */
+        const int signed_codes = type == S16_IQ4XS || S16_GRID(type);
+        if (!signed_codes)
             *rest = _mm256_fmadd_ps(type == S16_Q2K ? _mm256_loadu_ps(bi + 8 * h) : scale, sums[h], *rest);
         const __m256 f = _mm256_mul_ps(scale, units[h]); /* sub-blocks 8h .. 8h + 7 */
         __m256i codes[4], signs[4];
-        if (type >= S16_IQ2XXS) {
+        if (S16_GRID(type)) {
             /* run 4h + s's 32 codes in order of k: their sizes, their signs moved onto the
              * limbs as IQ4_XS's (|code| <= 62) */
             _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
@@ -2352,7 +2356,7 @@ ALWAYS void s16_limb_block(const int type, const unsigned char *x, const struct 
         _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {
             const __m256i at = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
             const int j = 4 * h + s;
-            const __m256i dots = type == S16_IQ4XS || type >= S16_IQ2XXS ? limb_dot_sign(codes[s], signs[s], L, j) : limb_dot(codes[s], L, j);
+            const __m256i dots = signed_codes ? limb_dot_sign(codes[s], signs[s], L, j) : limb_dot(codes[s], L, j);
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(f, at), *acc);
         }
     }
