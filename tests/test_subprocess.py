@@ -300,3 +300,22 @@ def test_a_shadowing_libmlx_on_the_library_path_is_removed_and_logged(ollama_sto
         assert_clean(process, 0)
         assert "removed from LD_LIBRARY_PATH" in process.output()
         assert str(shadow) in process.output()
+
+
+def test_a_spawned_runners_own_log_is_read_back_and_removed_on_exit(ollama_store, tmp_path):
+    """tools/spawned.py: the suite spawns hundreds of runners; a log it made itself must not
+    stay behind in the temporary directory, and what the runner wrote stays readable."""
+    with spawned(ollama_store, "-verbose=true") as process:
+        assert process.wait(timeout=60) == 1
+        made = process.log_path
+        assert made.exists()
+    assert not made.exists()
+    assert "Error: no model given" in process.output()
+    given = tmp_path / "given.log"
+    with spawned(ollama_store, "-verbose=true", log_path=given) as process:
+        assert process.wait(timeout=60) == 1
+    assert "Error: no model given" in given.read_text()
+    stopped = spawned(ollama_store, "-verbose=true")
+    assert stopped.wait(timeout=60) == 1
+    assert stopped.stop() == 1 and not stopped.log_path.exists()
+    assert "Error: no model given" in stopped.output()

@@ -151,6 +151,10 @@ class SpawnedRunner:
     ):
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
+        # a log of our own making is read back and removed on exit (the test suite spawns
+        # hundreds of runners: their logs would pile up in the temporary directory)
+        self._owns_log = log_path is None
+        self._kept: str | None = None
         if log_path is None:
             handle, name = tempfile.mkstemp(prefix="runner-", suffix=".log")
             os.close(handle)
@@ -173,7 +177,13 @@ class SpawnedRunner:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
         self._log.close()
+        if self._owns_log and self._kept is None:
+            self._kept = self.log_path.read_text(errors="replace")
+            self.log_path.unlink(missing_ok=True)
 
     def wait_ready(self, timeout: float = 600.0) -> dict:
         """/v1/status once it answers 200; raises RuntimeError if the process exits first."""
@@ -196,6 +206,8 @@ class SpawnedRunner:
 
     def output(self) -> str:
         """Everything the process wrote so far (stdout and stderr)."""
+        if self._kept is not None:
+            return self._kept
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
@@ -217,5 +229,5 @@ class SpawnedRunner:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+        self._close_log()
         return self.process.returncode
