@@ -29,12 +29,15 @@ and the like) and their `-1t` (the same products as
 a decode step's rows: by integer limbs where the library has them, runner_limb_products), any
 of these with `-noamx` after it (`q4k-noamx`, `q4k-1t-noamx`: with OLLAMA_MLX_RUNNER_AMX=0,
 the float tiles where Intel's AMX tiles would take Q4_K's rows: runner/native/amx.c), and
-`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights).
+`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights). `--library
+FILE` runs another build of the library instead of this CPU's (x86-64-v3's, what an AVX2-only
+CPU runs: `bench.decode_builds`' `library_for`).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
     python -m bench.sgemm --shape qwen3-0.6b --rows 1,2,18 --settings q4k-1t,q6k-1t,q4-1t
     python -m bench.sgemm --shape qwen3-0.6b --rows 1,2 --settings q4k-1t,q4k-decode-1t
+    python -m bench.sgemm --shape qwen3-0.6b --rows 18 --settings q4k --library /tmp/v3.so
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 # (out, in) of each product in a layer, and the layer count: q/o, k/v, gate/up, down.
@@ -243,7 +247,11 @@ def _affine(w: Any, bits: int, for_mlx: bool) -> Any:
     return weight, arrays
 
 
-def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
+def run_setting(
+    setting: str, shape: str, rows: list[int], dispatch: str | None = None
+) -> dict[str, float]:
+    """Best GFLOP/s per row count of `setting` in a child process, with `dispatch` (a library
+    file; None: the one the runner builds for this CPU) preloaded."""
     from runner.native import build, preload
 
     library = preload.optimised_blas()
@@ -253,7 +261,7 @@ def run_setting(setting: str, shape: str, rows: list[int]) -> dict[str, float]:
     if setting == "openblas":
         env["LD_PRELOAD"] = library
     else:
-        dispatch = build.library()
+        dispatch = dispatch or build.library()
         if dispatch is None:
             raise SystemExit("the sgemm dispatch did not build (no C compiler?)")
         env["LD_PRELOAD"] = f"{dispatch}:{library}"
@@ -284,13 +292,20 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(SETTINGS),
         help=f"of {', '.join(SETTINGS + EXTRA_SETTINGS)}",
     )
+    p.add_argument(
+        "--library",
+        help="the native library file to run (another level's build, e.g. x86-64-v3's from "
+        "bench.decode_builds' library_for), instead of this CPU's",
+    )
     args = p.parse_args(argv)
+    if args.library and not Path(args.library).is_file():
+        raise SystemExit(f"no library at {args.library}")
     rows = [int(m) for m in args.rows.split(",")]
     settings = args.settings.split(",")
     best: dict[str, dict[str, float]] = {s: {} for s in settings}
     for _ in range(args.rounds):  # interleaved: the machine's load drifts
         for setting in settings:
-            for m, rate in run_setting(setting, args.shape, rows).items():
+            for m, rate in run_setting(setting, args.shape, rows, args.library).items():
                 best[setting][m] = max(best[setting].get(m, 0.0), rate)
     products, layers = SHAPES[args.shape]
     megabytes = sum(n * k for n, k in products) * layers * 4 / 1e6
