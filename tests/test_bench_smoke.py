@@ -404,6 +404,27 @@ def test_sgemm_bench_times_the_dispatch_and_the_panels():
         sgemm.child("tiny", [1], "q4k")
 
 
+def test_sgemm_bench_runs_the_library_it_is_given(tmp_path):
+    """`--library FILE`: each setting's child preloads that file instead of this CPU's build
+    (a file that is no library leaves the child without one: it fails), and a path with no
+    file is refused before any child runs."""
+    import subprocess
+
+    from bench import sgemm
+    from runner.native import build, preload
+
+    if not preload.dispatch_active() or preload.optimised_blas() is None:
+        pytest.skip("needs the runner's dispatch library preloaded and Debian's OpenBLAS")
+    rates = sgemm.run_setting("q4k-1t", "tiny-blocks", [1, 2], build.library())
+    assert set(rates) == {"1", "2"} and all(rate > 0 for rate in rates.values())
+    not_a_library = tmp_path / "not-a-library.so"
+    not_a_library.write_bytes(b"\0" * 64)
+    with pytest.raises(subprocess.CalledProcessError):
+        sgemm.run_setting("q4k-1t", "tiny-blocks", [1], str(not_a_library))
+    with pytest.raises(SystemExit, match="no library at"):
+        sgemm.main(["--shape", "tiny-blocks", "--library", str(tmp_path / "absent.so")])
+
+
 def _decode_builds_model(tmp_path):
     """A tiny Q4_K_M-like GGUF for bench.decode_builds' runners; skips where the runner's
     dispatch library is not preloaded or there is no C compiler."""
