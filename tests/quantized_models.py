@@ -107,6 +107,33 @@ class Affine:
         return weight_times(functions, self.weight, self.shape, a, decode)
 
 
+class Mxfp4:
+    """w [n, k] quantized by mx.quantize in MLX's mxfp4 mode (4-bit e2m1 codes, a uint8 e8m0
+    scale a group of 32, no biases), each row's scales then moved by `shift` (scales stay in
+    [0, 253], so every value is finite, from subnormal to large): MLX's arrays, the struct
+    step_weight over them (scale format E8M0) and mx.dequantize's values, exact in float32."""
+
+    def __init__(self, w: np.ndarray, shift: np.ndarray | None = None):
+        q, s = mx.quantize(mx.array(w), 32, 4, mode="mxfp4")
+        scales = np.array(s).astype(np.int64)
+        if shift is not None:
+            scales = np.clip(scales + shift[:, None], 0, 253)
+        s = mx.array(scales.astype(np.uint8))
+        self.values = np.array(
+            mx.dequantize(q, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+        )
+        self.arrays = [np.asarray(q), np.asarray(s)]
+        self.shape = w.shape
+        self.weight = abi.Weight(
+            format=abi.AFFINE, bits=4, group=32, scale_format=abi.E8M0,
+            data=self.arrays[0].ctypes.data, scales=self.arrays[1].ctypes.data, biases=None,
+        )  # fmt: skip
+
+    def times(self, functions: abi.Functions, a: np.ndarray, decode: bool = False) -> np.ndarray:
+        """a W^T through runner_weight_product (`decode`: as a decode step's rows)."""
+        return weight_times(functions, self.weight, self.shape, a, decode)
+
+
 def weight_times(
     functions: abi.Functions,
     weight: abi.Weight,

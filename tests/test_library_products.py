@@ -10,6 +10,7 @@ compute by the library too (AffineSwitchLinear), not by MLX's CPU gather_qmm."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ from tests.gguf_models import (
     T,
     checkpoint_of,
     expert_types,
+    mixed,
     moe_checkpoint,
     quantized_moe,
+    tiny_checkpoint,
     write_gguf,
 )
 
@@ -256,8 +259,11 @@ def _file_tensors(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     ("bits", "group", "scales"),
-    [(4, 64, "float32"), (4, 32, "bfloat16"), (5, 64, "float16"), (8, 128, "float32")],
-)
+    [
+        (4, 64, "float32"), (4, 32, "bfloat16"), (5, 64, "float16"), (8, 128, "float32"),
+        (4, 32, "mxfp4"),  # MLX's mxfp4 mode: e2m1 codes, e8m0 scales, no biases (gpt-oss)
+    ],
+)  # fmt: skip
 def test_affine_experts_compute_the_float64_products_of_their_values(
     bits: int, group: int, scales: str
 ) -> None:
@@ -265,20 +271,33 @@ def test_affine_experts_compute_the_float64_products_of_their_values(
     the library) equals a float64 gather of mx.dequantize's values (float32 scales and
     biases, what gather_qmm multiplies with) for SwitchGLU's shapes, its bias added, as does
     MLX's own gather_qmm without products; an AffineLinear and a tied quantized embedding's
-    head computed by the library likewise, for one row and for several."""
+    head computed by the library likewise, for one row and for several. The same for MLX's
+    mxfp4 mode, whose values are exact in float32."""
     experts, rows, width = 5, 48, 256
     rng = np.random.default_rng(7)
     w = rng.normal(size=(experts, rows, width)).astype(np.float32)
-    layer = QuantizedSwitchLinear(width, rows, experts, bias=True, group_size=group, bits=bits)
-    q, s, b = mx.quantize(mx.array(w), group, bits)
-    dtype = getattr(mx, scales)
-    layer.weight, layer.scales, layer.biases = q, s.astype(dtype), b.astype(dtype)
+    mode = "mxfp4" if scales == "mxfp4" else "affine"
+    layer = QuantizedSwitchLinear(
+        width, rows, experts, bias=True, group_size=group, bits=bits, mode=mode
+    )
     bias = rng.normal(size=(experts, rows)).astype(np.float32)
     layer.bias = mx.array(bias)
-    values = np.array(
-        mx.dequantize(q, s.astype(dtype).astype(mx.float32), b.astype(dtype).astype(mx.float32),
-                      group, bits)
-    ).astype(np.float64)  # fmt: skip
+    if mode == "mxfp4":
+        q, s = mx.quantize(mx.array(w), group, bits, mode=mode)
+        layer.weight, layer.scales = q, s
+        assert "biases" not in layer and s.dtype == mx.uint8
+        values = np.array(
+            mx.dequantize(q, s, group_size=group, bits=bits, mode=mode, dtype=mx.float32)
+        )
+        values = values.astype(np.float64)
+    else:
+        q, s, b = mx.quantize(mx.array(w), group, bits)
+        dtype = getattr(mx, scales)
+        layer.weight, layer.scales, layer.biases = q, s.astype(dtype), b.astype(dtype)
+        values = np.array(
+            mx.dequantize(q, s.astype(dtype).astype(mx.float32),
+                          b.astype(dtype).astype(mx.float32), group, bits)
+        ).astype(np.float64)  # fmt: skip
     products = _products()
     assert products.reads_affine(layer)
     assert quantized.compute_affine(layer, products) == 1
@@ -298,10 +317,14 @@ def test_affine_experts_compute_the_float64_products_of_their_values(
             got = np.array(layer(mx.array(x), mx.array(indices), sorted_indices=name == "sorted"))
             assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * scale, name
 
-    linear = nn.QuantizedLinear(width, rows, bias=True, group_size=group, bits=bits)
-    embedding = quantized.ScaledQuantizedEmbedding(rows, width, group_size=group, bits=bits)
+    linear = nn.QuantizedLinear(width, rows, bias=True, group_size=group, bits=bits, mode=mode)
+    embedding = quantized.ScaledQuantizedEmbedding(
+        rows, width, group_size=group, bits=bits, mode=mode
+    )
     for one in (linear, embedding):
-        one.weight, one.scales, one.biases = layer.weight[2], layer.scales[2], layer.biases[2]
+        one.weight, one.scales = layer.weight[2], layer.scales[2]
+        if mode == "affine":
+            one.biases = layer.biases[2]
     linear.bias = mx.array(bias[2])
     assert quantized.compute_affine(linear, products) == 1
     assert quantized.compute_affine(embedding, products) == 1
@@ -344,6 +367,34 @@ def test_an_mlx_quantized_moe_computes_its_experts_by_the_library(tmp_path: Path
     with model.mlx_only():
         assert np.abs(_logits(model) - want).max() <= 1e-4
         assert np.abs(_decoded(model) - want[30:]).max() <= 1e-4
+
+
+def test_a_gpt_oss_gguf_computes_its_mxfp4_experts_by_the_library(tmp_path: Path) -> None:
+    """gpt-oss's GGUF (Ollama's gpt-oss:20b) stores its experts in MXFP4, which loads as MLX's
+    mxfp4 mode: on the CPU the library computes them (AffineSwitchLinear over the same codes
+    and scales), not MLX's CPU gather_qmm (~5 GFLOP/s at one row). The logits of a prefill
+    and of decode steps after a prompt are those of the backend without the library's paths
+    (gather_qmm on the same values) within 1e-4."""
+    _products()
+    checkpoint = tiny_checkpoint("GptOssForCausalLM", tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed)
+
+    def experts(model: Any) -> list[nn.Module]:
+        return [m for _, m in model.module.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+
+    mlx_only = dataclasses.replace(Backend.for_device(), native_step_max_tokens=None)
+    reference = build_model(load_gguf(path), mlx_only)
+    plain = experts(reference)
+    assert plain and all(type(m) is QuantizedSwitchLinear and m.mode == "mxfp4" for m in plain)
+    model = build_model(load_gguf(path))
+    layers = experts(model)
+    assert len(layers) == len(plain)
+    assert all(type(m) is quantized.AffineSwitchLinear and m.products for m in layers)
+    config = json.loads((checkpoint / "config.json").read_text())
+    tokens = [t % int(config.get("text_config", config)["vocab_size"]) for t in SEQUENCE]
+    want = _logits(reference, tokens)
+    assert np.abs(_logits(model, tokens) - want).max() <= 1e-4
+    assert np.abs(_decoded(model, tokens) - want[30:]).max() <= 1e-4
 
 
 def test_empty_inputs_give_empty_products() -> None:

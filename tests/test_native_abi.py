@@ -37,6 +37,7 @@ from tests.quantized_models import (
     AFFINE_LANES,
     SCALE_DTYPES,
     Affine,
+    Mxfp4,
     affine_in_order,
     load_quantized_model,
     weight_times,
@@ -334,6 +335,40 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
         if bits != 5 or not functions.affine_limbs:  # decode rows take the float tiles
             np.testing.assert_array_equal(w.times(functions, a, decode=True), c)
+
+
+def test_every_level_computes_mxfp4_products(level_library) -> None:
+    """runner_weight_product on MLX's mxfp4 mode (e2m1 codes, e8m0 scales: gpt-oss's
+    experts): the sums the level's 4-bit tiles define over mx.dequantize's values (exact in
+    float32, subnormal to 2^100 here), the same bits for any number of rows and as a decode
+    step's rows, within 1e-6 of the float64 product's scale; and the formats the library
+    refuses (another group, bits, or biases beside e8m0 scales)."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    lanes = AFFINE_LANES[LEVELS[march][0]]
+    rng = np.random.default_rng(4)
+    n, k = 45, 384
+    a = rng.normal(size=(41, k)).astype(np.float32)
+    shift = np.resize(np.array([-200, -120, -40, 0, 20, 100]), n)  # e from 0 to ~226
+    w = Mxfp4(rng.normal(size=(n, k)).astype(np.float32), shift)
+    assert (w.arrays[1] == 0).any() and np.isfinite(w.values).all()
+    c = w.times(functions, a)
+    np.testing.assert_array_equal(c, affine_in_order(a, w.values, 4, *lanes))
+    for m in (1, 2, 3, 7):
+        np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
+    np.testing.assert_array_equal(w.times(functions, a, decode=True), c)
+    want = a.astype(np.float64) @ w.values.astype(np.float64).T
+    scale = np.abs(a).astype(np.float64) @ np.abs(w.values).astype(np.float64).T
+    assert (np.abs(c - want) <= 1e-6 * scale).all()
+    weight = w.weight
+    for field, value in (("group", 64), ("bits", 8), ("biases", w.arrays[1].ctypes.data)):
+        refused = abi.Weight(**{f: getattr(weight, f) for f, _ in abi.Weight._fields_})
+        setattr(refused, field, value)
+        assert not functions.weight_supported(ctypes.byref(refused), n, k), field
+    assert functions.weight_supported(ctypes.byref(weight), n, k)
 
 
 def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, int, Any]:

@@ -14,9 +14,10 @@ copy:
   each chosen expert gathered into one product of as many rows.
 `matmul_affine` and `gather_affine` do the same for layers of MLX's affine quantization
 (mlx-lm's conversions: `QuantizedLinear`, a tied `QuantizedEmbedding`'s head, a mixture of
-experts' `QuantizedSwitchLinear`) where no native step reads them: MLX's CPU
-`quantized_matmul` and `gather_qmm` run at ~1-3 GFLOP/s, where the library's affine tiles
-read the same codes at the float products' rate.
+experts' `QuantizedSwitchLinear`) and of its mxfp4 mode (gpt-oss's experts: e2m1 codes, e8m0
+scales, no biases; a GGUF's MXFP4) where no native step reads them: MLX's CPU
+`quantized_matmul` and `gather_qmm` run at ~1-6 GFLOP/s, where the library's tiles read the
+same codes at the float products' rate.
 
 Invariants:
 - The numbers are float32 sums of llama.cpp's dequantized values, or of MLX's (the library's
@@ -91,22 +92,28 @@ class LibraryProducts:
         """Whether the library's products read the weight of `layer`, an `nn.QuantizedLinear`
         / `QuantizedEmbedding` [n, k] or an mlx-lm `QuantizedSwitchLinear` [experts, n, k]:
         MLX's affine mode, 4, 5 or 8 bits, groups of 32, 64 or 128, scales and biases of one
-        dtype (float32, float16, bfloat16), no global scale."""
+        dtype (float32, float16, bfloat16); or its mxfp4 mode (4-bit e2m1 codes, a uint8 e8m0
+        scale a group of 32, no biases: gpt-oss's experts, a GGUF's MXFP4); no global scale."""
         mode, bits, group = layer.mode, int(layer.bits), int(layer.group_size)
         codes, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-        if mode != "affine" or bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
-            return False
-        if layer.get("global_scale") is not None or biases is None:
+        if layer.get("global_scale") is not None:
             return False
         if codes.dtype != mx.uint32 or codes.ndim not in (2, 3):
             return False
-        if scales.dtype not in SCALE_DTYPES or biases.dtype != scales.dtype:
-            return False
         n, k = int(codes.shape[-2]), int(codes.shape[-1]) * 32 // bits
-        if scales.shape != (*codes.shape[:-1], k // group) or biases.shape != scales.shape:
+        if mode == "mxfp4":
+            form_ok = bits == 4 and group == 32 and biases is None and scales.dtype == mx.uint8
+        else:
+            form_ok = (
+                mode == "affine" and bits in AFFINE_BITS and group in AFFINE_GROUPS
+                and biases is not None and scales.dtype in SCALE_DTYPES
+                and biases.dtype == scales.dtype and biases.shape == scales.shape
+            )  # fmt: skip
+        if not form_ok or scales.shape != (*codes.shape[:-1], k // group):
             return False
         probe = self._probe_address
-        return bool(self._supported(ctypes.byref(self._affine(layer, probe, probe, probe)), n, k))
+        weight = self._affine(layer, probe, probe, 0 if biases is None else probe)
+        return bool(self._supported(ctypes.byref(weight), n, k))
 
     def matmul_affine(self, x: mx.array, layer: Any) -> mx.array:
         """`x @ W.T` for the affine weight W [n, k] of a `layer` that `reads_affine` (MLX's
@@ -118,7 +125,7 @@ class LibraryProducts:
         if x.shape[-1] != k:
             raise ValueError(f"a matrix of {k} columns, input of {x.shape[-1]}")
         a = np.ascontiguousarray(self._host(x).reshape(-1, k))
-        weight = self._affine(layer, codes.ctypes.data, scales.ctypes.data, biases.ctypes.data)
+        weight = self._affine(layer, codes.ctypes.data, scales.ctypes.data, _address(biases))
         out = self._product_rows(a, weight, n, a.shape[0] == 1)
         return self._result(out.reshape(*x.shape[:-1], n), x.dtype)
 
@@ -130,15 +137,18 @@ class LibraryProducts:
         return self._gather(
             x, indices, int(codes.shape[0]), n, k,
             lambda e: self._affine(
-                layer, codes[e].ctypes.data, scales[e].ctypes.data, biases[e].ctypes.data
+                layer, codes[e].ctypes.data, scales[e].ctypes.data,
+                0 if biases is None else biases[e].ctypes.data,
             ),
         )  # fmt: skip
 
     @staticmethod
-    def _affine_views(layer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """numpy's views of an affine layer's codes, scales and biases (bfloat16 as uint16)."""
-        codes, scales, biases = (raw_view(layer[p], p) for p in ("weight", "scales", "biases"))
-        return codes, scales, biases
+    def _affine_views(layer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """numpy's views of an affine layer's codes, scales and biases (bfloat16 as uint16;
+        mxfp4: no biases)."""
+        codes, scales = raw_view(layer["weight"], "weight"), raw_view(layer["scales"], "scales")
+        biases = layer.get("biases")
+        return codes, scales, None if biases is None else raw_view(biases, "biases")
 
     def _gather(
         self,
@@ -175,8 +185,12 @@ class LibraryProducts:
 
     @staticmethod
     def _affine(layer: Any, codes: int, scales: int, biases: int) -> abi.Weight:
-        """The struct step_weight of one of `layer`'s affine experts at these addresses."""
-        scale_format = abi.SCALE_FORMATS[SCALE_DTYPES[layer["scales"].dtype]]
+        """The struct step_weight of one of `layer`'s affine experts at these addresses
+        (`biases` 0: none, mxfp4's)."""
+        if layer.mode == "mxfp4":
+            scale_format = abi.E8M0
+        else:
+            scale_format = abi.SCALE_FORMATS[SCALE_DTYPES[layer["scales"].dtype]]
         return abi.Weight(
             format=abi.AFFINE, bits=int(layer.bits), group=int(layer.group_size),
             scale_format=scale_format, data=codes, scales=scales, biases=biases,
@@ -225,6 +239,10 @@ def for_backend(backend: Backend) -> LibraryProducts | None:
         return None
     functions = abi.load()
     return None if functions is None else LibraryProducts(functions)
+
+
+def _address(view: np.ndarray | None) -> int:
+    return 0 if view is None else view.ctypes.data
 
 
 def _pointer(view: np.ndarray) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 23  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 24  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -39,6 +39,9 @@ BLOCK_FORMATS = {
 # weights, and the formats of an affine quantization's scales and biases beside float32.
 HALF_FORMATS = {"float16": 1, "bfloat16": 2}
 SCALE_FORMATS = {"float32": F32_FORMAT, **HALF_FORMATS}
+# W_E8M0: the scales of AFFINE's mxfp4 mode (MLX's mode "mxfp4": a byte e a group of 32,
+# 2^(e - 127); e2m1 codes; no biases)
+E8M0 = 18
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
 # The gated MLP's activations (step_args' `activation`: ACT_SILU, ACT_GELU_TANH)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -110,8 +110,18 @@ static inline float half_to_float(unsigned short h) {
 #endif
 }
 
-/* Scale (or bias) i of an array in `format` (W_F32, W_F16, W_BF16), widened exactly. */
+/* An e8m0 scale (MLX's mxfp4 mode): 2^(e - 127) exactly (e = 0: 2^-127, subnormal; e = 255:
+ * infinity, which MLX's dequantization meets as its NaN and infinities too). */
+static inline float e8m0_to_float(unsigned char e) {
+    const unsigned bits = e ? (unsigned)e << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Scale (or bias) i of an array in `format` (W_F32, W_F16, W_BF16, W_E8M0), widened exactly. */
 static inline float scale_at(const void *base, int format, size_t i) {
+    if (format == W_E8M0) return e8m0_to_float(((const unsigned char *)base)[i]);
     if (format == W_F16) return half_to_float(((const unsigned short *)base)[i]);
     if (format == W_BF16) {
         const unsigned bits = (unsigned)((const unsigned short *)base)[i] << 16;
@@ -143,6 +153,10 @@ static inline float dequantized(float scale, unsigned q, float bias) {
  * one at a time for each group. */
 static const float *float_scales(const void *base, int format, size_t i0, int n, float *out) {
     if (format == W_F32) return (const float *)base + i0;
+    if (format == W_E8M0) {
+        for (int i = 0; i < n; i++) out[i] = e8m0_to_float(((const unsigned char *)base)[i0 + i]);
+        return out;
+    }
     const unsigned short *h = (const unsigned short *)base + i0;
     int i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -166,9 +180,18 @@ static const float *float_scales(const void *base, int format, size_t i0, int n,
     return out;
 }
 
+/* MLX's mxfp4 mode (W_AFFINE with scale_format W_E8M0): 4-bit e2m1 codes, packed as the
+ * affine 4-bit codes are, worth e2m1[q] * 2^(e - 127) (exact in float32, as MLX's dequantized
+ * value), a scale a group of 32 and no bias. FP4 stands for it where the tiles take `bits`
+ * (a constant in each instance, as 4, 5 and 8 are); CODE_BITS is its codes' width. */
+enum { FP4 = 36 };
+#define CODE_BITS(bits) ((bits) == FP4 ? 4 : (bits))
+static const float e2m1[16] __attribute__((aligned(64))) = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 /* Values per unit, and the position (from the unit's first) of lane l of vector v. */
-#define UNIT(bits) ((bits) == 4 ? 2 * QL : QL)
-static inline int lane_position(int bits, int v, int l) { return bits == 4 ? 2 * l + v : l; }
+#define UNIT(bits) (CODE_BITS(bits) == 4 ? 2 * QL : QL)
+static inline int lane_position(int bits, int v, int l) { return CODE_BITS(bits) == 4 ? 2 * l + v : l; }
 
 /* --- units: a group's constants, a unit's codes, its vectors of values ------------------------ */
 
@@ -182,8 +205,14 @@ struct qgroup {
 
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
     const qv low = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const qv s = qsplat_at(scale), b = qsplat_at(bias);
+    const qv s = qsplat_at(scale);
     struct qgroup g;
+    if (bits == FP4) { /* e2m1 times a power of two: exact; no bias (`bias` is not read) */
+        g.t0 = qload(e2m1) * s;
+        g.t1 = g.t0;
+        return g;
+    }
+    const qv b = qsplat_at(bias);
     if (bits == 8) {
         g.t0 = s;
         g.t1 = b;
@@ -221,11 +250,11 @@ ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
         return _mm512_srlv_epi32(_mm512_shuffle_epi8(x, _mm512_load_si512(ctrl)), shifts);
     }
     /* 4 bits: 16 bytes, each byte's two codes; 8 bits: 16 codes */
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * bits / 8)));
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * CODE_BITS(bits) / 8)));
 }
 
 ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
-    if (bits == 4) /* vpermps reads the low 4 bits of each lane: the low nibble, then the high */
+    if (CODE_BITS(bits) == 4) /* vpermps reads the low 4 bits of each lane: the low nibble, then the high */
         return (qv)_mm512_permutexvar_ps(v ? _mm512_srli_epi32(raw, 4) : raw, (__m512)g->t0);
     if (bits == 5) /* the low 5 bits: t0 for 0-15, t1 for 16-31 */
         return (qv)_mm512_permutex2var_ps((__m512)g->t0, raw, (__m512)g->t1);
@@ -236,8 +265,9 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 
 #elif QPATH == 256
 
+/* FP4: t0 the magnitudes e2m1[0 .. 8) times the scale, its codes' bit 3 their sign. */
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
-    (void)bits;
+    if (bits == FP4) return (struct qgroup){qload(e2m1) * qsplat_at(scale), (qv){0}};
     return (struct qgroup){qsplat_at(scale), qsplat_at(bias)};
 }
 
@@ -255,10 +285,16 @@ ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
         return _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, ctrl), shifts),
                                 _mm256_set1_epi32(31));
     }
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + t * bits / 8)));
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + t * CODE_BITS(bits) / 8)));
 }
 
 ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
+    if (bits == FP4) { /* vpermps reads a lane's low 3 bits: the magnitude; bit 3 the sign */
+        const __m256i q = v ? _mm256_srli_epi32(raw, 4) : raw;
+        const __m256 magnitude = _mm256_permutevar8x32_ps((__m256)g->t0, q);
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(8)), 28);
+        return (qv)_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+    }
     if (bits == 4)
         raw = v ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, _mm256_set1_epi32(15));
     qv p = (qv)_mm256_cvtepi32_ps(raw) * g->t0;
@@ -269,8 +305,7 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 #else /* one value at a time */
 
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
-    (void)bits;
-    return (struct qgroup){qsplat_at(scale), qsplat_at(bias)};
+    return (struct qgroup){qsplat_at(scale), bits == FP4 ? (qv){0} : qsplat_at(bias)};
 }
 
 typedef struct {
@@ -285,9 +320,10 @@ ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
 
 ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
     float out[QL];
-    for (int l = 0; l < QL; l++)
-        out[l] = dequantized(g->t0[0], code_at(raw.row, bits, raw.t + lane_position(bits, v, l)),
-                             g->t1[0]);
+    for (int l = 0; l < QL; l++) {
+        const unsigned q = code_at(raw.row, CODE_BITS(bits), raw.t + lane_position(bits, v, l));
+        out[l] = bits == FP4 ? e2m1[q] * g->t0[0] : dequantized(g->t0[0], q, g->t1[0]);
+    }
     return qload(out);
 }
 
@@ -374,7 +410,7 @@ ALWAYS void stream_tile(const int bits, const int RA, const int RW, const struct
                         const unsigned char *const *rows, const float *const *scale,
                         const float *const *bias, const float *const *a, float *dot,
                         const char *ahead, int lines) {
-    const int k = p->k, G = p->group, U = UNIT(bits), V = bits == 4 ? 2 : 1;
+    const int k = p->k, G = p->group, U = UNIT(bits), V = CODE_BITS(bits) == 4 ? 2 : 1;
     /* `lines` cache lines from `ahead` prefetched, spread over the unit steps (16.16 fixed
      * point, as the panel tiles do; a line asked for twice is on its way already) */
     const char *fetch = ahead ? ahead : (const char *)rows[0];
@@ -420,6 +456,8 @@ STREAM_TILE(5, 1)
 STREAM_TILE(5, 2)
 STREAM_TILE(8, 1)
 STREAM_TILE(8, 2)
+STREAM_TILE(FP4, 1)
+STREAM_TILE(FP4, 2)
 
 typedef void (*stream_fn)(const struct product *, const unsigned char *const *,
                           const float *const *, const float *const *, const float *const *, float *,
@@ -461,7 +499,7 @@ static long chunk_bytes(void) {
  * vectors in order). */
 ALWAYS void dequantize_row(const int bits, const struct product *p, const unsigned char *row,
                            const float *scale, const float *bias, float *out) {
-    const int k = p->k, G = p->group, U = UNIT(bits), V = bits == 4 ? 2 : 1;
+    const int k = p->k, G = p->group, U = UNIT(bits), V = CODE_BITS(bits) == 4 ? 2 : 1;
     for (int g0 = 0, g = 0; g0 < k; g0 += G, g++) {
         const struct qgroup c = group_of(bits, scale + g, bias + g);
         for (int t = g0; t < g0 + G; t += U) {
@@ -480,6 +518,7 @@ ALWAYS void dequantize_row(const int bits, const struct product *p, const unsign
 DEQUANTIZE_ROW(4)
 DEQUANTIZE_ROW(5)
 DEQUANTIZE_ROW(8)
+DEQUANTIZE_ROW(FP4)
 
 /* dot[i * RW + r] = a[i] . w[r] over k (both in the tiles' order): the same lanes, the same
  * order as the stream tiles. */
@@ -608,11 +647,12 @@ static void affine_rows_fill(const struct product *p, int j, int nj, float *w, c
     const int k = p->k, groups = f->groups;
     void (*const dequantize)(const struct product *, const unsigned char *, const float *,
                              const float *, float *) =
-        f->bits == 4 ? dequantize_4 : f->bits == 5 ? dequantize_5 : dequantize_8;
+        f->bits == 4 ? dequantize_4 : f->bits == 5 ? dequantize_5 : f->bits == 8 ? dequantize_8 : dequantize_FP4;
     const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
     const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, f->widened);
-    const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
-                                   f->widened + (size_t)STREAM_RW * groups);
+    const float *b0 = f->bits == FP4 ? s0 /* no bias: not read */
+                                     : float_scales(p->biases, p->scale_format, first, (int)count,
+                                                    f->widened + (size_t)STREAM_RW * groups);
     for (int r = 0; r < nj; r++) {
         const unsigned char *row = j + r == p->n - 1 ? f->last : f->base + (size_t)(j + r) * f->row_bytes;
         dequantize(p, row, s0 + (size_t)r * groups, b0 + (size_t)r * groups, w + (size_t)r * k);
@@ -642,18 +682,20 @@ void affine_rows(int bits, int m, int k, const float *a, int lda, float *into) {
 }
 
 int affine_supported(const struct step_weight *w, int n, int k) {
+    if (w->format != W_AFFINE || !w->data || !w->scales || n < 1 || k < 1) return 0;
+    if (w->scale_format == W_E8M0) /* mxfp4: MLX's only form of it, and no biases */
+        return w->bits == 4 && w->group == 32 && !w->biases && k % 32 == 0;
     const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 8;
     const int group_ok = w->group == 32 || w->group == 64 || w->group == 128;
     const int scales_ok = w->scale_format == W_F32 || w->scale_format == W_F16 ||
                           w->scale_format == W_BF16;
-    return w->format == W_AFFINE && bits_ok && group_ok && scales_ok && w->data && w->scales &&
-           w->biases && n > 0 && k > 0 && k % w->group == 0;
+    return bits_ok && group_ok && scales_ok && w->biases && k % w->group == 0;
 }
 
 /* Columns [j0, j1) of C from W_AFFINE weights; bits fixed (a constant in each instance). */
 ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) {
     const int k = p->k, groups = k / p->group;
-    const size_t row_bytes = (size_t)k * bits / 8;
+    const size_t row_bytes = (size_t)k * CODE_BITS(bits) / 8;
     const unsigned char *base = p->w;
     /* the matrix's last row, copied with room for what unit_load reads past it */
     unsigned char *padded = NULL;
@@ -670,8 +712,8 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
     float *widened = thread_buffer(1, (size_t)2 * STREAM_RW * groups);
     float dot[BLOCK_RA * STREAM_RW > 2 * STREAM_RW ? BLOCK_RA * STREAM_RW : 2 * STREAM_RW];
     if (p->m <= STREAM_ROWS) {
-        const stream_fn one = bits == 4 ? stream_4_1 : bits == 5 ? stream_5_1 : stream_8_1;
-        const stream_fn two = bits == 4 ? stream_4_2 : bits == 5 ? stream_5_2 : stream_8_2;
+        const stream_fn one = bits == 4 ? stream_4_1 : bits == 5 ? stream_5_1 : bits == 8 ? stream_8_1 : stream_FP4_1;
+        const stream_fn two = bits == 4 ? stream_4_2 : bits == 5 ? stream_5_2 : bits == 8 ? stream_8_2 : stream_FP4_2;
         for (int j = j0; j < j1; j += STREAM_RW) {
             const int nj = j1 - j < STREAM_RW ? j1 - j : STREAM_RW;
             const unsigned char *rows[STREAM_RW];
@@ -679,8 +721,9 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
             /* the block's rows' scales and biases (one run each) widened at once */
             const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
             const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, widened);
-            const float *b0 = float_scales(p->biases, p->scale_format, first, (int)count,
-                                           widened + (size_t)STREAM_RW * groups);
+            const float *b0 = bits == FP4 ? s0 /* no bias: not read */
+                                          : float_scales(p->biases, p->scale_format, first, (int)count,
+                                                         widened + (size_t)STREAM_RW * groups);
             for (int r = 0; r < STREAM_RW; r++) {
                 const int row = r < nj ? r : 0;
                 rows[r] = ROW(j + row);
@@ -694,12 +737,12 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
             const char *codes = fetch ? (const char *)(base + (size_t)ahead * row_bytes) : NULL;
             const int lines = (int)(STREAM_RW * row_bytes / 64);
             if (fetch) {
-                const int size = p->scale_format == W_F32 ? 4 : 2;
+                const int size = p->scale_format == W_F32 ? 4 : p->scale_format == W_E8M0 ? 1 : 2;
                 const char *sa = (const char *)p->scales + (size_t)ahead * groups * size;
-                const char *ba = (const char *)p->biases + (size_t)ahead * groups * size;
+                const char *ba = bits == FP4 ? NULL : (const char *)p->biases + (size_t)ahead * groups * size;
                 for (size_t o = 0; o < (size_t)STREAM_RW * groups * size; o += 64) {
                     __builtin_prefetch(sa + o, 0, 3);
-                    __builtin_prefetch(ba + o, 0, 3);
+                    if (ba) __builtin_prefetch(ba + o, 0, 3);
                 }
             }
             for (int i = 0; i < p->m; i += 2) {
@@ -721,6 +764,7 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
 static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p, j0, j1); }
 static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
 static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
+static void columns_fp4(const struct product *p, int j0, int j1) { columns_of(FP4, p, j0, j1); }
 
 /* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI, or with
  * AVX2 (256-bit tiles); MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with
@@ -760,7 +804,10 @@ void affine_columns(const struct product *p, int j0, int j1) {
         return;
     }
 #endif
-    (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
+    if (p->scale_format == W_E8M0)
+        columns_fp4(p, j0, j1);
+    else
+        (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
 }
 
 /* Whether a GGML block format has limb tiles: all but IQ4_NL, where the build has limbs (the

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 23
+#define RUNNER_NATIVE_ABI_VERSION 24
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -29,6 +29,10 @@
  *   stands for is MLX's dequantized value in float32, (scale * q) + bias, each operation
  *   rounded to float32 (scale and bias widened exactly): products read the codes and compute
  *   float32 sums of those values (quantized.c), never a float32 copy of W.
+ *   With `scale_format` W_E8M0 it is MLX's mxfp4 mode (mx.quantize, mode "mxfp4"; GGUF's
+ *   MXFP4 maps onto it): 4-bit e2m1 codes packed the same way, `group` 32, one scale byte e a
+ *   group, `biases` NULL; the weight code q stands for is e2m1(q) * 2^(e - 127), exact in
+ *   float32 (MLX's dequantized value).
  * - W_Q6K: GGML's Q6_K blocks as a GGUF file stores them ([n, k / 256] blocks of 210 bytes,
  *   k a multiple of 256): the weight is llama.cpp's dequantized value in float32 (quantized.c
  *   says how it is computed); products compute float32 sums of those values.
@@ -42,14 +46,16 @@
  *   same way ([n, k / 256] blocks of 66, 74, 82, 98, 110, 50 and 56 bytes). */
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5, W_Q5K = 6, W_Q3K = 7, W_Q2K = 8,
        W_IQ4XS = 9, W_IQ4NL = 10, W_IQ2XXS = 11, W_IQ2XS = 12, W_IQ2S = 13, W_IQ3XXS = 14, W_IQ3S = 15,
-       W_IQ1S = 16, W_IQ1M = 17 };
+       W_IQ1S = 16, W_IQ1M = 17,
+       /* a scale format only (W_AFFINE's mxfp4 mode): a byte e a scale, 2^(e - 127) */
+       W_E8M0 = 18 };
 
 /* One product's W [n, k]. */
 struct step_weight {
     int format; /* W_F32, W_F16, W_BF16, W_AFFINE, or a GGML block format (W_Q6K .. W_IQ1M) */
-    int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16 */
+    int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16/E8M0 */
     const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
-    const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` */
+    const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` (mxfp4: no biases) */
     /* NULL, or W in float32 (the source of an exact half copy), which a product of more rows
      * than the tiles take goes to the BLAS with (products.c: to_blas) */
     const float *f32;
