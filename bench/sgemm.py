@@ -29,7 +29,9 @@ and the like) and their `-1t` (the same products as
 a decode step's rows: by integer limbs where the library has them, runner_limb_products), any
 of these with `-noamx` after it (`q4k-noamx`, `q4k-1t-noamx`: with OLLAMA_MLX_RUNNER_AMX=0,
 the float tiles where Intel's AMX tiles would take Q4_K's rows: runner/native/amx.c), and
-`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights). `--library
+`mlx-q4`, `mlx-q8` (MLX's own CPU `quantized_matmul` on the same weights); `fp4`, `fp4-1t`
+and `mlx-fp4` the same for MLX's mxfp4 mode (gpt-oss's experts; `--shape
+gpt-oss-20b-experts`: the 4 experts a gpt-oss-20b token chooses in each of 4 layers). `--library
 FILE` runs another build of the library instead of this CPU's (x86-64-v3's, what an AVX2-only
 CPU runs: `bench.decode_builds`' `library_for`).
 
@@ -60,6 +62,9 @@ SHAPES = {
                     (3072, 1024), (3072, 1024), (1024, 3072)], 28),
     "tiny": ([(48, 32), (16, 32), (16, 32), (32, 48), (72, 32), (72, 32), (32, 72)], 2),  # tests
     "tiny-blocks": ([(24, 256), (8, 256), (8, 256), (16, 256), (40, 256), (40, 256), (16, 512)], 2),
+    # gpt-oss-20b's experts as a token meets them: the 4 it chooses a layer, each its fused
+    # gate/up [5760, 2880] and its down [2880, 2880]; 4 of its 24 layers (212 MB as mxfp4)
+    "gpt-oss-20b-experts": ([(5760, 2880), (2880, 2880)] * 4, 4),
 }  # fmt: skip
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
@@ -73,12 +78,13 @@ EXTRA_SETTINGS = (
     *("q5-decode", "q5-decode-1t"),
     *("q4k-noamx", "q4k-1t-noamx"),
     *("mlx-q4", "mlx-q8"),
+    *("fp4", "fp4-1t", "mlx-fp4"),
     *(f"{g}{end}" for g in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m")
       for end in ("", "-1t")),
 )  # fmt: skip
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
-WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0}
+WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0, "fp4": 0.5 + 1 / 32}
 # GGML blocks: bytes a block of 256 weights (IQ4_NL: of 32, GGML_BLOCK_WEIGHTS)
 GGML_BLOCK_BYTES = {
     "q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136, "iq4nl": 18,
@@ -99,14 +105,16 @@ def setting_kind(setting: str) -> str:
     as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
     quantized_matmul)."""
     base = setting.removesuffix("-noamx").removesuffix("-1t")
-    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8"):
+    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8", "fp4"):
         return base
-    known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8")
+    known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8", "mlx-fp4")
     return base if base in known else "sgemm"
 
 
 def weight_bytes(setting: str) -> float:
     kind = setting_kind(setting).removeprefix("mlx-").removesuffix("-decode")
+    if kind == "fp4":
+        return WEIGHT_BYTES[kind]  # a byte of scale a group of 32
     if kind in ("q4", "q5", "q8"):
         return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
     if kind in GGML_BLOCK_BYTES:
@@ -143,11 +151,17 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
                 layer[i] = _panels(functions, w.astype(np.float16).astype(np.float32))
             elif kind in GGML_BLOCK_BYTES:
                 layer[i] = _ggml_blocks(kind, w.shape, rng)
+            elif kind.endswith("fp4"):
+                layer[i] = _mxfp4(w, kind.startswith("mlx-"))
             elif kind != "sgemm":
                 layer[i] = _affine(w, int(kind[-1]), kind.startswith("mlx-"))
 
     def multiply(m: int, n: int, k: int, w: Any, a: np.ndarray, c: np.ndarray) -> None:
-        if kind.startswith("mlx-"):
+        if kind == "mlx-fp4":
+            import mlx.core as mx
+
+            mx.eval(mx.quantized_matmul(a, *w, transpose=True, group_size=32, bits=4, mode="mxfp4"))
+        elif kind.startswith("mlx-"):
             import mlx.core as mx
 
             mx.eval(
@@ -224,6 +238,26 @@ def _panels(functions: Any, exact: Any) -> Any:
     if not functions.narrow_panels(exact.ctypes.data_as(abi.F32), n, k, panels.ctypes.data, 1):
         raise SystemExit("a float16 value did not survive the narrowing")
     return abi.Weight(format=abi.HALF_FORMATS["float16"], data=panels.ctypes.data), panels
+
+
+def _mxfp4(w: Any, for_mlx: bool) -> Any:
+    """`w` in MLX's mxfp4 mode (e2m1 codes, an e8m0 scale a group of 32, no biases: gpt-oss's
+    experts): MLX's arrays (for_mlx), or a step_weight over them with the arrays."""
+    import mlx.core as mx
+    import numpy as np
+
+    from runner.native import abi
+
+    q, s = mx.quantize(mx.array(w), 32, 4, mode="mxfp4")
+    mx.eval(q, s)
+    if for_mlx:
+        return q, s
+    arrays = [np.array(x) for x in (q, s)]
+    weight = abi.Weight(
+        format=abi.AFFINE, bits=4, group=32, scale_format=abi.E8M0,
+        data=arrays[0].ctypes.data, scales=arrays[1].ctypes.data, biases=None,
+    )  # fmt: skip
+    return weight, arrays
 
 
 def _affine(w: Any, bits: int, for_mlx: bool) -> Any:

@@ -425,6 +425,23 @@ def test_sgemm_bench_runs_the_library_it_is_given(tmp_path):
         sgemm.main(["--shape", "tiny-blocks", "--library", str(tmp_path / "absent.so")])
 
 
+def test_mxfp4_experts_bench_times_both_ways(capsys):
+    """`python -m bench.mxfp4_experts` on a narrow gpt-oss: each round times MLX's gather_qmm
+    and then the library's products on the same experts."""
+    from bench import mxfp4_experts
+    from runner.native import preload
+
+    if not preload.dispatch_active():
+        pytest.skip("needs the runner's dispatch library preloaded")
+    assert (
+        mxfp4_experts.main(["--layers", "2", "--experts", "4", "--rounds", "1", "--hidden", "64"])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].split()[-1] for line in lines] == ["gather_qmm", "library"]
+    assert all("prompt" in line and "a token" in line for line in lines)
+
+
 def _decode_builds_model(tmp_path):
     """A tiny Q4_K_M-like GGUF for bench.decode_builds' runners; skips where the runner's
     dispatch library is not preloaded or there is no C compiler."""
