@@ -311,17 +311,23 @@ def test_every_level_computes_products(level_library, m: int) -> None:
     assert np.abs(out - (0.5 * expected + 2.0)).max() < 1e-4
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (5, 32), (8, 128)])
-def test_every_level_computes_affine_products(level_library, bits: int, group: int) -> None:
-    """runner_weight_product on MLX's affine quantization (scales in each format): exactly
-    the sums the level's tiles define (its lanes, fused or not), the same bits for any number
-    of rows, and within 1e-4 of the float64 product of mx.dequantize's values."""
+def affine_level(level_library) -> tuple[abi.Functions, tuple[int, bool]]:
+    """The level's functions and its affine tiles' lanes (AFFINE_LANES), skipping where this
+    CPU cannot run it."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
     functions = abi.load(library)
     assert functions is not None
-    lanes = AFFINE_LANES[LEVELS[march][0]]
+    return functions, AFFINE_LANES[LEVELS[march][0]]
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (5, 32), (8, 128)])
+def test_every_level_computes_affine_products(level_library, bits: int, group: int) -> None:
+    """runner_weight_product on MLX's affine quantization (scales in each format): exactly
+    the sums the level's tiles define (its lanes, fused or not), the same bits for any number
+    of rows, and within 1e-4 of the float64 product of mx.dequantize's values."""
+    functions, lanes = affine_level(level_library)
     rng = np.random.default_rng(bits * group)
     n, k = 45, 384
     a = rng.normal(size=(41, k)).astype(np.float32)
@@ -343,12 +349,7 @@ def test_every_level_computes_mxfp4_products(level_library) -> None:
     float32, subnormal to 2^100 here), the same bits for any number of rows and as a decode
     step's rows, within 1e-6 of the float64 product's scale; and the formats the library
     refuses (another group, bits, or biases beside e8m0 scales)."""
-    march, library = level_library
-    if library is None:
-        pytest.skip(f"this CPU cannot run {march}")
-    functions = abi.load(library)
-    assert functions is not None
-    lanes = AFFINE_LANES[LEVELS[march][0]]
+    functions, lanes = affine_level(level_library)
     rng = np.random.default_rng(4)
     n, k = 45, 384
     a = rng.normal(size=(41, k)).astype(np.float32)
