@@ -5,7 +5,11 @@ and MLP weights, Q6_K for `ffn_down`, `attn_v` and the embedding, F32 norms; the
 finite, as llama.cpp's quantizer writes them) for a shape (`--shape 1b`: Llama 3.2 1B's
 sizes; `135m`: SmolLM2-135M's; `30b-a3b`: a Qwen3-MoE of Qwen3-30B-A3B's sizes, 128 experts
 a layer, its `attn_v` and `ffn_down_exps` Q6_K in the layers llama.cpp's Q4_K_M gives more
-bits, the others Q4_K, the head Q6_K), then times `load_gguf` (metadata, tokenizer, every
+bits, the others Q4_K, the head Q6_K; `gpt-oss-20b`: gpt-oss at gpt-oss-20b's widths, its
+experts MXFP4 as every gpt-oss GGUF keeps them, its other matrices Q8_0 as llama.cpp's
+MXFP4_MOE mix, written by the tests' GGUF writer with its 340-token tokenizer, so the head is
+small; `--experts N` for fewer than its 32 experts, 4 a token either way), then times
+`load_gguf` (metadata, tokenizer, every
 tensor converted) and `build_model`, and reports the resident size of the built model's
 weights (its parameters: what the runner holds once the load's own arrays are gone) against
 the file's. `--layers N` writes only the first N layers (the 30B's 48 would take 18.6 GB of
@@ -24,6 +28,7 @@ prefix; bench/llamacpp.py scores that way too).
     python -m bench.gguf_load --shape 30b-a3b --layers 4 --forwards
     python -m bench.gguf_load --file PATH.gguf
     python -m bench.gguf_load --file PATH.gguf --forwards --llama-cpp
+    python -m bench.gguf_load --shape gpt-oss-20b --layers 2 --experts 8 --forwards --llama-cpp
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "135m": (576, 30, 9, 3, 1536, 49152),
     "1b": (2048, 16, 32, 8, 8192, 128256),
     "30b-a3b": (2048, 48, 32, 4, 6144, 151936),
+    "gpt-oss-20b": (2880, 24, 64, 8, 2880, 340),  # (the tests' tokenizer: 340 tokens)
 }
 # Mixture-of-experts shapes: head dim, experts, experts a token, an expert's intermediate size
 EXPERTS = {"30b-a3b": (128, 128, 8, 768)}
@@ -50,6 +56,73 @@ Q4_K, Q6_K, F32 = 12, 14, 0
 def more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's `use_more_bits`: the layers whose attn_v and ffn_down Q4_K_M stores Q6_K."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+# gpt-oss shapes: head dim, experts, experts a token
+GPT_OSS = {"gpt-oss-20b": (64, 32, 4)}
+
+
+def write_gpt_oss(
+    shape: str, path: Path, cut: int | None = None, experts: int | None = None
+) -> Path:
+    """A random gpt-oss GGUF of `shape` (its first `cut` layers, `experts` experts a layer):
+    experts MXFP4, matrices Q8_0, the rest F32, through tests/gguf_models.py's writer (the
+    metadata llama.cpp's converter writes; values normal(0, 0.02), norms 1), one tensor in
+    float32 at a time."""
+    from tests.gguf_models import T, tiny_checkpoint
+    from tests.gguf_models import write_gguf as write_checkpoint
+
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    head_dim, count, used = GPT_OSS[shape]
+    layers = layers if cut is None else min(cut, layers)
+    count = count if experts is None else experts
+    rng = np.random.default_rng(0)
+    shapes: dict[str, tuple[int, ...]] = {
+        "output.weight": (vocab, hidden), "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+    }  # fmt: skip
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm.weight": (hidden,), p + "post_attention_norm.weight": (hidden,),
+            p + "ffn_gate_inp.weight": (count, hidden), p + "ffn_gate_inp.bias": (count,),
+            p + "attn_q.weight": (q, hidden), p + "attn_q.bias": (q,),
+            p + "attn_k.weight": (kv, hidden), p + "attn_k.bias": (kv,),
+            p + "attn_v.weight": (kv, hidden), p + "attn_v.bias": (kv,),
+            p + "attn_output.weight": (hidden, q), p + "attn_output.bias": (hidden,),
+            p + "attn_sinks.weight": (heads,),
+            p + "ffn_gate_exps.weight": (count, inter, hidden),
+            p + "ffn_gate_exps.bias": (count, inter),
+            p + "ffn_up_exps.weight": (count, inter, hidden),
+            p + "ffn_up_exps.bias": (count, inter),
+            p + "ffn_down_exps.weight": (count, hidden, inter),
+            p + "ffn_down_exps.bias": (count, hidden),
+        }  # fmt: skip
+
+    def value(name: str, dims: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm.weight"):
+            return np.ones(dims, np.float32)
+        return rng.normal(0.0, 0.02, dims).astype(np.float32)
+
+    def edit(arch: str, metadata: dict, tensors: Any) -> tuple[str, dict, Any]:
+        metadata = dict(metadata) | {
+            "block_count": layers, "embedding_length": hidden, "feed_forward_length": inter,
+            "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+            "expert_count": count, "expert_used_count": used, "attention.key_length": head_dim,
+            "attention.value_length": head_dim, "attention.sliding_window": 128,
+            "expert_feed_forward_length": inter,
+        }  # fmt: skip
+        return arch, metadata, ((n, value(n, d)) for n, d in shapes.items())
+
+    def rule(name: str, dims: tuple[int, ...], arch: str) -> Any:
+        if len(dims) < 2 or "ffn_gate_inp" in name or not name.endswith(".weight"):
+            return T.F32
+        return T.MXFP4 if "_exps" in name else T.Q8_0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = tiny_checkpoint("GptOssForCausalLM", Path(tmp) / "hf")  # its metadata
+        return write_checkpoint(checkpoint, path, rule, edit=edit)
 
 
 def write_gguf(shape: str, path: Path, cut: int | None = None) -> Path:
@@ -329,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gguf_load", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--layers", type=int, help="write only the shape's first LAYERS layers")
+    p.add_argument("--experts", type=int, help="gpt-oss shapes: EXPERTS experts a layer")
     p.add_argument(
         "--file", type=Path, help="time this GGUF (or model directory) instead of a random one"
     )
@@ -342,7 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         started = time.perf_counter()
-        path = write_gguf(args.shape, Path(tmp) / f"random-{args.shape}-q4_k_m.gguf", args.layers)
+        if args.shape in GPT_OSS:
+            path = Path(tmp) / f"random-{args.shape}-mxfp4.gguf"
+            write_gpt_oss(args.shape, path, args.layers, args.experts)
+        else:
+            path = Path(tmp) / f"random-{args.shape}-q4_k_m.gguf"
+            write_gguf(args.shape, path, args.layers)
         print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
         measure(path, args.forwards, llama_cpp=args.llama_cpp)
     return 0

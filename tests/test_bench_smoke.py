@@ -736,6 +736,39 @@ def test_harness_probes_only_our_latency_trials(model_dir, bench_engine, tmp_pat
     assert result.status == "error" and system.rate_probe is None
 
 
+def test_gguf_load_bench_writes_a_gpt_oss_the_runner_loads(tmp_path, monkeypatch, capsys):
+    """bench.gguf_load's gpt-oss writer (gpt-oss-20b's layout at a tiny size: a shape added for
+    the test): MXFP4 experts, Q8_0 matrices, F32 norms and biases, the experts it is asked
+    for; the runner loads it (its experts computed by the library where it is preloaded) and
+    `--forwards` times it."""
+    import re
+
+    import gguf
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from bench import gguf_load
+    from runner.backend import Backend, library_products
+    from runner.models import build_model, quantized
+    from runner.sources.gguf.model import load_gguf
+
+    monkeypatch.setitem(gguf_load.SHAPES, "tiny-oss", (64, 4, 4, 2, 64, 340))
+    monkeypatch.setitem(gguf_load.GPT_OSS, "tiny-oss", (16, 8, 2))
+    path = gguf_load.write_gpt_oss("tiny-oss", tmp_path / "oss.gguf", cut=2, experts=4)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == "MXFP4" and "blk.2.attn_q.weight" not in types
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_q.bias"] == "F32"
+    assert int(reader.fields["gpt-oss.expert_count"].contents()) == 4
+    model = build_model(load_gguf(path))
+    switch = [m for _, m in model.module.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert len(switch) == 3 * 2 and all(m.mode == "mxfp4" for m in switch)  # gate, up, down
+    if library_products.for_backend(Backend.for_device()) is not None:
+        assert all(type(m) is quantized.AffineSwitchLinear for m in switch)
+    gguf_load.measure(path, forwards=True, steps=2, prompt=8)
+    decode = re.search(r"decode ([\d.]+) ms a token", capsys.readouterr().out)
+    assert decode is not None and float(decode.group(1)) > 0
+
+
 def test_gguf_load_bench_writes_a_mixture_of_experts_and_counts_the_model(
     tmp_path, monkeypatch, capsys
 ):
