@@ -66,6 +66,7 @@ class Ranks:
         *flags: str,
         env: dict | None = None,
         command: list[str] | None = None,
+        late: dict[int, float] | None = None,
     ):
         self.tmp = tmp
         hostfile = tmp / "hosts.json"
@@ -86,6 +87,8 @@ class Ranks:
                 args = [sys.executable, *command]
             elif rank == 0:
                 args += ["--port", str(self.port)]
+            if late and rank in late:  # the same process, its Python started `late` s later
+                args = ["/bin/sh", "-c", f'sleep {late[rank]}; exec "$0" "$@"', *args]
             log = tmp / f"rank{rank}.log"
             self.logs.append(log)
             with open(log, "wb") as out:
@@ -425,6 +428,34 @@ def test_a_killed_rank_ends_the_group(tmp_path, dirs, victim, busy, sig):
         else:
             assert time.monotonic() - killed < 5
         assert pids_gone(pids)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_started_long_after_the_others_still_joins(tmp_path, dirs):
+    """MLX's ring gives a connect 15 s of tries: rank 1 started 20 s after ranks 0 and 2
+    (rank 0 had accepted rank 2 and was connecting to rank 1) ended the group with
+    "[ring] Couldn't connect" before the ranks met first. Now the group forms and serves."""
+    model = dirs["Qwen2ForCausalLM"]
+    with Ranks(tmp_path, 3, model, "--distributed", "pipeline", late={1: 20}) as ranks:
+        ranks.wait_ready(timeout=150)
+        assert len(ranks.score(SCORE_ROWS)) == len(SCORE_ROWS)
+        assert len(ranks.alive()) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_starts_ends_rank_0_at_the_deadline(tmp_path, dirs):
+    """MLX's ring accepts with no deadline and holds the interpreter lock meanwhile, so
+    rank 0 waited forever for a rank never started; now it exits 1 at the group's deadline
+    naming the rank."""
+    env = {"OLLAMA_MLX_RUNNER_GROUP_SECONDS": "4"}
+    model = dirs["Qwen2ForCausalLM"]
+    with Ranks(tmp_path, 2, model, "--distributed", "pipeline", env=env, late={1: 600}) as ranks:
+        assert ranks.procs[0].wait(timeout=40) == 1
+        errors = [x for x in ranks.output(0).splitlines() if x.startswith("Error: ")]
+        assert errors == [
+            "Error: the process group did not form within 4 s (ranks [1] did not start; "
+            "OLLAMA_MLX_RUNNER_GROUP_SECONDS sets the deadline)"
+        ], ranks.output(0)
 
 
 @pytest.mark.timeout(120)

@@ -11,10 +11,19 @@ port the system picks, and tells the others the port with one `all_sum` (the onl
 outside a forward). Each rank then connects and says hello: its rank and a key over the
 hostfile and the options, which must be rank 0's. Every wait has a deadline
 (`GROUP_SECONDS`): MLX's ring waits for a missing peer forever.
+
+Before MLX's ring forms, the ranks meet (`rendezvous`): MLX's ring gives a connect to a peer
+that is not listening yet five tries over 15 s, so a rank that starts more than 15 s after
+its neighbours (a slow machine, a loaded one, a slow ssh) ended the group with "Couldn't
+connect". Every rank first says hello on rank 0's ring address and waits for rank 0's go,
+sent once all have; only then does each call `mx.distributed.init`, all within moments.
+Nothing connects to a ring port once MLX listens there but MLX's own peers: no rank is
+still in the rendezvous when rank 0 says go (a stray connection would be taken for a peer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,6 +65,10 @@ def join(seconds: float) -> Joined:
             "--distributed needs a process group: start every rank under mlx.launch, or "
             "set MLX_RANK and MLX_HOSTFILE for each"
         )
+    deadline = time.monotonic() + seconds
+    ring = ring_nodes()
+    if ring is not None:
+        rendezvous(int(os.environ["MLX_RANK"]), ring, deadline, seconds)
     outcome: dict[str, Any] = {}
 
     def init() -> None:
@@ -64,9 +77,13 @@ def join(seconds: float) -> Joined:
         except Exception as e:  # MLX's own words: no backend, a bad hostfile
             outcome["error"] = f"{type(e).__name__}: {e}"
 
+    # MLX's init keeps the interpreter lock while its ring waits (2026-12-07: the thread
+    # that started it stopped at its next bytecode), so this join's deadline holds only
+    # where the lock is given back (another backend); in a ring the rendezvous's deadline
+    # is the one that holds, and MLX's own 15 s of connects after it.
     thread = threading.Thread(target=init, name="group-init", daemon=True)
     thread.start()
-    thread.join(seconds)
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         raise GroupError(
             f"the process group did not form within {seconds:g} s (rank "
@@ -79,6 +96,109 @@ def join(seconds: float) -> Joined:
     if group.size() < 2:
         raise GroupError("--distributed with a group of one process: run it without the flag")
     return Joined(group, group.rank(), group.size())
+
+
+def ring_nodes() -> list[tuple[str, int]] | None:
+    """Each rank's first address in MLX's ring hostfile, when MLX will form a ring (MLX_RANK
+    and MLX_HOSTFILE set, the file a list of `ip:port` lists); None otherwise (MPI, or a
+    file MLX itself will refuse with its own words)."""
+    path = os.environ.get("MLX_HOSTFILE", "")
+    if "MLX_RANK" not in os.environ or not path:
+        return None
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+        nodes = []
+        for addresses in hosts:
+            host, port = str(addresses[0]).rsplit(":", 1)
+            nodes.append((host, int(port)))
+    except (OSError, ValueError, LookupError, TypeError):
+        return None
+    return nodes if len(nodes) >= 2 else None
+
+
+def rendezvous(rank: int, nodes: list[tuple[str, int]], deadline: float, seconds: float) -> None:
+    """Every rank meets on rank 0's ring address before MLX's ring forms (module note)."""
+    size = len(nodes)
+    if not 0 <= rank < size:
+        return  # MLX says what is wrong with the rank
+    host, port = nodes[0]
+    if rank == 0:
+        _gather(host, port, size, deadline, seconds)
+        return
+    while True:
+        try:
+            sock = socket.create_connection(
+                (host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))
+            )
+        except OSError:
+            if time.monotonic() > deadline:
+                raise GroupError(
+                    f"the process group did not form within {seconds:g} s (rank {rank} cannot "
+                    f"reach rank 0 at {host}:{port}; {GROUP_SECONDS_ENV} sets the deadline)"
+                ) from None
+            time.sleep(0.1)
+            continue
+        if sock.getsockname() == sock.getpeername():
+            sock.close()  # TCP's self-connect: the port was free and the kernel chose it
+            continue
+        with sock:
+            sock.sendall(wire.encode("meet", rank=rank))
+            answer = _read_one(sock, deadline)
+        if answer is not None and answer.op == "go":
+            return
+        if time.monotonic() > deadline:
+            raise GroupError(
+                f"the process group did not form within {seconds:g} s (rank {rank}: every "
+                f"rank in MLX_HOSTFILE must be started; {GROUP_SECONDS_ENV} sets the deadline)"
+            )
+        # rank 0 went away before its go (it restarts, or it failed): meet again
+
+
+def _gather(host: str, port: int, size: int, deadline: float, seconds: float) -> None:
+    """Rank 0: a hello from every other rank on its ring address, then go to each."""
+    server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        server.bind((host, port))
+        server.listen(64)
+    except OSError as e:
+        server.close()
+        raise GroupError(f"cannot listen on rank 0's address {host}:{port}: {e}") from None
+    met: dict[int, socket.socket] = {}
+    try:
+        while len(met) < size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, size)) - set(met))
+                raise GroupError(
+                    f"the process group did not form within {seconds:g} s (ranks {missing} "
+                    f"did not start; {GROUP_SECONDS_ENV} sets the deadline)"
+                )
+            server.settimeout(left)
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            hello = _read_one(sock, min(deadline, time.monotonic() + 5.0))
+            rank = int(hello.get("rank", -1)) if hello is not None and hello.op == "meet" else -1
+            if not 0 < rank < size:
+                sock.close()  # not a rank of ours
+                continue
+            if rank in met:
+                met[rank].close()  # the same rank again: it lost its first connection
+            met[rank] = sock
+        # Stop listening before the first go: a rank told go connects MLX's ring to this
+        # port at once, and a connection this listener's backlog took would be lost to
+        # MLX (that rank would take it for its link to rank 0: both ranks then wait).
+        server.close()
+        for sock in met.values():
+            with contextlib.suppress(OSError):
+                sock.sendall(wire.encode("go"))
+    finally:
+        for sock in met.values():
+            sock.close()
+        server.close()
 
 
 def rank0_host() -> str:
