@@ -567,15 +567,17 @@ def test_decode_builds_rotate_their_turns(count):
 
 def test_families_bench_says_which_families_take_the_native_step():
     """`python -m bench.families`' measurement, in this process: a Llama and a Phi3 (fused
-    projections) and a Qwen3-MoE (experts) take the native step where the dispatch is
-    preloaded, a GPT-OSS (attention sinks) stays on MLX's path; every figure a time."""
+    projections), a Qwen3-MoE (experts) and a GPT-OSS (attention sinks, biased experts) take
+    the native step where the dispatch is preloaded, a Cohere2-MoE stays on MLX's path; every
+    figure a time."""
     from bench import families
     from runner.native import preload
 
     archs = ["LlamaForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"]
+    archs.append("Cohere2MoeForCausalLM")
     measured = {f.arch: f for f in families.measure(archs, steps=2)}
     step = preload.dispatch_active()
-    assert [measured[a].native for a in archs] == [step, step, step, False]
+    assert [measured[a].native for a in archs] == [step, step, step, step, False]
     for f in measured.values():
         times = (f.decode_ms, f.decode_mlx_ms, f.forward_ms, f.forward_mlx_ms)
         assert f.layers > 0 and all(ms > 0 for ms in times)

@@ -122,7 +122,7 @@ def swapped(mirror: type[ctypes.Structure], a: str, b: str) -> type[ctypes.Struc
             lambda m: type(
                 "L", (ctypes.Structure,), {"_fields_": [*m._fields_, ("x", ctypes.c_double)]}
             ),
-            "struct step_layer: 432 bytes, the mirror 440",
+            "struct step_layer: 440 bytes, the mirror 448",
         ),
     ],
 )

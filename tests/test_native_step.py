@@ -643,10 +643,91 @@ def test_experts_equal_mlx_however_they_route(norm_topk, top_k, dense, tmp_path)
     assert native._native.taken == len(cuts) - 1
 
 
+GPT_OSS = "GptOssForCausalLM"
+
+
+def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
+    """A tiny gpt-oss (a sliding layer of window 8, then a full one; 4 experts, 2 a token;
+    its clamped SwiGLU's limit 0.05, so that clamps bite) loaded with the step and without:
+    its float32 checkpoint, or the GGUF llama.cpp's quantizer would write (experts MXFP4,
+    attention Q4_0 / Q5_0 / Q4_1, norms, biases and sinks F32)."""
+    from runner.models import build_model
+    from runner.sources.gguf.model import load_gguf
+    from runner.sources.loader import load_local_dir
+    from tests.gguf_models import mixed, tiny_checkpoint, write_gguf
+
+    on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    off = on.replace(native_step_max_tokens=None)
+    checkpoint = tiny_checkpoint(GPT_OSS, tmp_path / "hf")
+    if source == "gguf":
+        path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed)
+        native, plain = build_model(load_gguf(path), on), build_model(load_gguf(path), off)
+    else:
+        native = build_model(load_local_dir(checkpoint), on)
+        plain = build_model(load_local_dir(checkpoint), off)
+    step = native._native
+    assert step is not None and step.activation == "swiglu_oai"
+    assert all(e is not None and e.router_bias and e.down_bias for e in step._experts)
+    assert all(s.sinks for s in step._structs)
+    # GGUF: every attention product, and each layer's three expert stacks (MXFP4) from codes
+    assert step.quantized == (7 * step.layers if source == "gguf" else 0)
+    native._native = Counting(step)
+    return native, plain
+
+
+@pytest.mark.parametrize("source", ["float32", "gguf"])
+def test_gpt_oss_equals_mlx(source, tmp_path):
+    """gpt-oss in the step (Ollama's gpt-oss:20b: its decode ran MLX's graph a layer at a
+    time): attention with sinks and biases over a sliding ring and a full cache, the router's
+    bias and top-k softmax, the experts' biases and clamped SwiGLU, MXFP4 experts read in
+    place. Prompts in chunks, decode steps past the window, and rows batched over a prefix
+    equal MLX's path."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    native, plain = gpt_oss_pair(tmp_path, source)
+    prompt = np.random.default_rng(5).integers(3, 300, size=60).tolist()
+    cuts = [0, 5, 30, 36, *range(37, 50)]
+    assert_chunks_equal(native, plain, prompt, cuts, rings=True)
+    assert native._native.taken == len(cuts) - 2  # all but the 25-token chunk
+    rows = []
+    suffixes = [prompt[50:53], prompt[53:54], prompt[54:60]]
+    for model in (native, plain):
+        caches = model.make_caches()
+        forward(model, caches, prompt[:8])
+        forward(model, caches, prompt[8:16])
+        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+        hidden = forward_suffixes(model, batch, suffixes)
+        mx.eval(hidden)
+        rows.append([np.array(hidden[i, : len(s)]) for i, s in enumerate(suffixes)])
+    for got, want in zip(*rows, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert native._native.taken == len(cuts) - 2 + 3
+
+
+def test_gpt_oss_sinks_and_clamps_change_what_the_step_computes(tmp_path):
+    """The step's sinks and its clamped SwiGLU matter on the tiny gpt-oss (so the test above
+    would see them dropped): without its sinks, or with SiLU's gate for the clamped one, a
+    step's logits move far past that test's tolerance."""
+    native, plain = gpt_oss_pair(tmp_path, "float32")
+    prompt = np.random.default_rng(6).integers(3, 300, size=6).tolist()
+    want = forward(plain, plain.make_caches(), prompt)
+    np.testing.assert_allclose(forward(native, native.make_caches(), prompt), want, atol=1e-4)
+    step = native._native.step
+    kept = [s.sinks for s in step._structs]
+    for s in step._structs:
+        s.sinks = None
+    assert np.abs(forward(native, native.make_caches(), prompt) - want).max() > 1e-2
+    for s, sinks in zip(step._structs, kept, strict=True):
+        s.sinks = sinks
+    step._args.activation = abi.ACTIVATIONS["silu"]
+    assert np.abs(forward(native, native.make_caches(), prompt) - want).max() > 1e-2
+
+
 def test_only_float32_llama_shapes_get_a_step(tmp_path):
     """Families without the step keep MLX's path, as does a Llama with the step turned off."""
-    moe = load_tiny_model("GptOssForCausalLM", tmp_path / "g")  # attention sinks, its experts
-    assert moe._native is None
+    other = load_tiny_model("Cohere2MoeForCausalLM", tmp_path / "g")  # no step for its family
+    assert other._native is None
     without = Backend.cpu().replace(native_step_max_tokens=None)
     off = load_tiny_model("LlamaForCausalLM", tmp_path / "l", backend=without)
     assert off._native is None

@@ -33,23 +33,25 @@ quantized embedding) is computed there too, for any number of rows (MLX's CPU
 `quantized_matmul` is ~40x slower); a quantized embedding's rows are dequantized here too
 where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
 
-It serves Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral3, Gemma2, Gemma3 and Phi3 as
-mlx-lm builds them (mlx-lm's llama, qwen2, qwen3, qwen3_moe, ministral3, gemma2, gemma3_text
-and phi3 classes, as the families adapt them): RMSNorm, optional q/k/v/o biases (Phi3's
-fused q/k/v and gate/up projections read as row ranges: `_attention_products`,
-`_mlp_products`), per-head q/k norms, rotate-half rotary embeddings from the runner's tables
-(runner/backend/rope.py; a table per rotary embedding the layers use), SwiGLU or Gemma's GELU
-MLP, full or sliding-window attention, Gemma2's soft-capped scores, Qwen3-MoE's sparse
-mixtures of experts (Kernels' `sparse_moe`: the router, its softmax and top-k, and the chosen
-experts' SwiGLU products from their stacked arrays in place, float32, MLX's affine or GGML
-blocks: `_experts`), and what a family's `NativeShape` adds around the layers (Gemma's norms
-of 1 + weight, four a layer, and its scaled embeddings; Ministral3's
-queries scaled by position). `build` returns None for anything else (a weight it cannot
-read: non-float32 floats, other quantizations (mxfp4, nvfp4, 2/3/6 bits, global scales);
-another module shape), and a call returns None where MLX's path must run: more tokens than
-the backend's limit, a cache that is none of a plain `KVCache` (one row), an empty-suffixed
-`SharedPrefixKV` (rows over a prefix) or a `RotatingKVCache` without a `keep`, or cache
-buffers it cannot read in place.
+It serves Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral3, Gemma2, Gemma3, Phi3 and
+gpt-oss as mlx-lm builds them (mlx-lm's llama, qwen2, qwen3, qwen3_moe, ministral3, gemma2,
+gemma3_text, phi3 and gpt_oss classes, as the families adapt them): RMSNorm, optional
+q/k/v/o biases (Phi3's fused q/k/v and gate/up projections read as row ranges:
+`_attention_products`, `_mlp_products`), per-head q/k norms, rotate-half rotary embeddings
+from the runner's tables (runner/backend/rope.py; a table per rotary embedding the layers
+use), SwiGLU or Gemma's GELU MLP, full or sliding-window attention, Gemma2's soft-capped
+scores, Qwen3-MoE's sparse mixtures of experts (Kernels' `sparse_moe`: the router, its
+softmax and top-k, and the chosen experts' SwiGLU products from their stacked arrays in
+place, float32, MLX's affine or GGML blocks: `_experts`), gpt-oss's attention sinks and its
+mixture (`oai_experts`: the router's bias, the softmax of the top k, the experts' biases and
+clamped SwiGLU; MXFP4 experts, MLX's mxfp4 mode, read in place: `_gpt_oss_experts`), and
+what a family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a
+layer, and its scaled embeddings; Ministral3's queries scaled by position). `build` returns
+None for anything else (a weight it cannot read: non-float32 floats, other quantizations
+(nvfp4, 2/3/6 bits, global scales; mxfp4 outside experts); another module shape), and a call
+returns None where MLX's path must run: more tokens than the backend's limit, a cache that
+is none of a plain `KVCache` (one row), an empty-suffixed `SharedPrefixKV` (rows over a
+prefix) or a `RotatingKVCache` without a `keep`, or cache buffers it cannot read in place.
 
 Sliding windows: a layer whose cache is a `RotatingKVCache` is windowed by the ring's size
 (the runner's layer_caches makes every windowed layer's ring the window's size, and mlx-lm's
@@ -86,6 +88,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
@@ -263,11 +266,13 @@ class _Matrix:
             assert self.codes is not None
             return abi.Weight(format=self.block_format, data=self.codes.ctypes.data)
         if self.codes is not None:
-            assert self.scales is not None and self.biases is not None
+            assert self.scales is not None
+            assert (self.biases is None) == (self.scale_format == abi.E8M0)
             return abi.Weight(
                 format=abi.AFFINE, bits=self.bits, group=self.group,
                 scale_format=self.scale_format, data=self.codes.ctypes.data,
-                scales=self.scales.ctypes.data, biases=self.biases.ctypes.data,
+                scales=self.scales.ctypes.data,
+                biases=None if self.biases is None else self.biases.ctypes.data,
             )  # fmt: skip
         assert self.f32 is not None
         if half is not None:
@@ -286,7 +291,7 @@ class _Matrix:
         if self.codes is None:
             assert self.f32 is not None
             return np.ascontiguousarray(self.f32[ids], dtype=np.float32)
-        assert self.scales is not None and self.biases is not None
+        assert self.scales is not None and self.biases is not None  # not mxfp4 (`_affine`)
         raw = self.codes[ids].view(np.uint8)  # each row one little-endian bit stream
         if self.bits == 8:
             codes = raw
@@ -329,9 +334,13 @@ def raw_view(array: Any, what: str) -> np.ndarray:
 def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
     """A quantized linear or embedding layer's weight, when it is an affine quantization the
     products read (AFFINE_BITS, AFFINE_GROUPS, scales and biases in float32, float16 or
-    bfloat16); mxfp4, nvfp4, other bits, global scales stay on MLX's path. `stacked`: a
-    quantized switch layer's experts [E, n, .], whose views keep that leading axis."""
+    bfloat16); nvfp4, other bits, global scales stay on MLX's path. `stacked`: a quantized
+    switch layer's experts [E, n, .], whose views keep that leading axis; these may also be
+    MLX's mxfp4 mode (gpt-oss's experts: 4-bit e2m1 codes, an e8m0 scale byte a group of 32,
+    no biases), which no embedding row is read from."""
     mode, bits, group = getattr(layer, "mode", "affine"), int(layer.bits), int(layer.group_size)
+    if stacked and mode == "mxfp4":
+        return _mxfp4(layer, what)
     if mode != "affine" or bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
         raise _Unsupported(f"{what}: {mode} quantization, {bits} bits, group {group}")
     if GLOBAL_SCALE in layer or "biases" not in layer:
@@ -351,6 +360,22 @@ def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
         n, k, codes=raw_view(codes, what), scales=raw_view(scales, what),
         biases=raw_view(biases, what), bits=bits, group=group,
         scale_format=abi.SCALE_FORMATS[SCALE_DTYPES[scales.dtype]],
+    )  # fmt: skip
+
+
+def _mxfp4(layer: nn.Module, what: str) -> _Matrix:
+    """Stacked experts [E, n, .] in MLX's mxfp4 mode (`_affine`)."""
+    codes, scales = layer["weight"], layer["scales"]
+    if GLOBAL_SCALE in layer or "biases" in layer or int(layer.bits) != 4:
+        raise _Unsupported(f"{what}: mxfp4 with a global scale, biases, or not 4 bits")
+    if int(layer.group_size) != 32 or codes.dtype != mx.uint32 or scales.dtype != mx.uint8:
+        raise _Unsupported(f"{what}: mxfp4 group {layer.group_size}, scales {scales.dtype}")
+    n, k = int(codes.shape[-2]), int(codes.shape[-1]) * 8
+    if codes.ndim != 3 or tuple(scales.shape) != (codes.shape[0], n, k // 32):
+        raise _Unsupported(f"{what}: shapes {codes.shape}, {scales.shape}")
+    return _Matrix(
+        n, k, codes=raw_view(codes, what), scales=raw_view(scales, what), bits=4, group=32,
+        scale_format=abi.E8M0,
     )  # fmt: skip
 
 
@@ -394,22 +419,24 @@ def _linear(parent: nn.Module, name: str) -> tuple[_Matrix, np.ndarray | None]:
 @dataclasses.dataclass(frozen=True)
 class _Stack:
     """A switch layer's stacked experts [count, n, k] as the step reads them: expert 0's
-    weight (views of the stack's memory), and the bytes from one expert's arrays to the
-    next's (its data; its scales and biases)."""
+    weight (views of the stack's memory), the bytes from one expert's arrays to the next's
+    (its data; its scales and biases), and the experts' biases [count, n] (float32), if any."""
 
     first: _Matrix
     count: int
     strides: tuple[int, int]
     arrays: tuple[np.ndarray, ...]  # the whole stack's views (their lifetimes)
+    bias: np.ndarray | None = None
 
 
-def _switch(parent: nn.Module, name: str) -> _Stack:
-    """A mixture of experts' switch layer: float32 (`SwitchLinear`), MLX's affine experts
-    (`QuantizedSwitchLinear`, read as `_affine` reads a matrix) or GGML blocks
-    (runner/models/quantized.py's GGMLSwitchLinear); no biases."""
+def _switch(parent: nn.Module, name: str, biased: bool = False) -> _Stack:
+    """A mixture of experts' switch layer: float32 (`SwitchLinear`), MLX's affine or mxfp4
+    experts (`QuantizedSwitchLinear`, read as `_affine` reads a matrix) or GGML blocks
+    (runner/models/quantized.py's GGMLSwitchLinear); with biases only where `biased`."""
     layer = getattr(parent, name, None)
-    if not isinstance(layer, nn.Module) or "bias" in layer:
+    if not isinstance(layer, nn.Module) or ("bias" in layer and not biased):
         raise _Unsupported(f"{name}: {type(layer).__name__}, or experts with biases")
+    bias = _view(layer["bias"], f"{name}.bias") if "bias" in layer else None
     stack = _ggml(layer, name, stacked=True)
     if stack is None and isinstance(layer, QuantizedSwitchLinear):
         stack = _affine(layer, name, stacked=True)
@@ -421,11 +448,11 @@ def _switch(parent: nn.Module, name: str) -> _Stack:
                       if getattr(stack, f) is not None},
         )  # fmt: skip
         strides = (arrays[0].strides[0], arrays[1].strides[0] if len(arrays) > 1 else 0)
-        return _Stack(first, int(arrays[0].shape[0]), strides, arrays)
+        return _Stack(first, int(arrays[0].shape[0]), strides, arrays, bias)
     if isinstance(layer, SwitchLinear) and layer.weight.ndim == 3:
         view = _view(layer.weight, f"{name}.weight")
         first = _Matrix(int(view.shape[1]), int(view.shape[2]), f32=view[0])
-        return _Stack(first, int(view.shape[0]), (view.strides[0], 0), (view,))
+        return _Stack(first, int(view.shape[0]), (view.strides[0], 0), (view,), bias)
     raise _Unsupported(f"{name}: {type(layer).__name__}")
 
 
@@ -438,8 +465,44 @@ def _experts(moe: nn.Module, hidden: int) -> tuple[abi.Experts, list[Any]]:
     router, bias = _linear(moe, "gate")
     if bias is not None:
         raise _Unsupported("a router with a bias")
-    stacks = {proj: _switch(switch, f"{proj}_proj") for proj in ("gate", "up", "down")}
-    count, top_k = int(moe.num_experts), int(moe.top_k)
+    norm_topk = int(bool(moe.norm_topk_prob))
+    return _stacked_experts(
+        switch, router, None, int(moe.num_experts), int(moe.top_k), norm_topk, hidden
+    )
+
+
+def oai_experts(moe: nn.Module) -> tuple[float, float] | None:
+    """(alpha, limit) of a mixture of experts shaped as mlx-lm's gpt_oss MLPBlock (a `router`
+    with its bias, top-k then softmax, `experts` a SwitchGLU of clamped SwiGLU with biases);
+    None for any other module."""
+    switch = getattr(moe, "experts", None)
+    if not (isinstance(moe, nn.Module) and "router" in moe and isinstance(switch, SwitchGLU)):
+        return None
+    activation = switch.activation
+    if type(activation) is not SwigluOAI or getattr(moe, "sharding_group", None) is not None:
+        return None
+    return float(activation._alpha), float(activation._limit)
+
+
+def _gpt_oss_experts(moe: nn.Module, hidden: int) -> tuple[abi.Experts, list[Any]]:
+    """The struct step_experts of a gpt-oss MLPBlock (`oai_experts`): the softmax of the top
+    k logits is the softmax's top k renormalised (norm_topk)."""
+    router, bias = _linear(moe, "router")
+    count, top_k = int(moe.num_local_experts), int(moe.num_experts_per_tok)
+    return _stacked_experts(moe.experts, router, bias, count, top_k, 1, hidden, biased=True)
+
+
+def _stacked_experts(
+    switch: nn.Module,
+    router: _Matrix,
+    router_bias: np.ndarray | None,
+    count: int,
+    top_k: int,
+    norm_topk: int,
+    hidden: int,
+    biased: bool = False,
+) -> tuple[abi.Experts, list[Any]]:
+    stacks = {proj: _switch(switch, f"{proj}_proj", biased) for proj in ("gate", "up", "down")}
     inner = stacks["gate"].first.n
     shapes = {proj: (st.count, st.first.n, st.first.k) for proj, st in stacks.items()}
     if (router.n, router.k) != (count, hidden) or shapes != {
@@ -450,8 +513,15 @@ def _experts(moe: nn.Module, hidden: int) -> tuple[abi.Experts, list[Any]]:
         raise _Unsupported(f"experts of shapes {shapes}, a router {(router.n, router.k)}")
     if stacks["gate"].strides != stacks["up"].strides or not 0 < top_k <= count:
         raise _Unsupported("gate and up experts stored differently, or top_k")
+    widths = {"gate": inner, "up": inner, "down": hidden}
+    biases = {p: st.bias for p, st in stacks.items()}
+    for proj, b in biases.items():
+        if b is not None and b.shape != (count, widths[proj]):
+            raise _Unsupported(f"{proj} biases of shape {b.shape}")
+    if router_bias is not None and router_bias.shape != (count,):
+        raise _Unsupported(f"a router bias of shape {router_bias.shape}")
     experts = abi.Experts(
-        count=count, top_k=top_k, norm_topk=int(bool(moe.norm_topk_prob)), intermediate=inner,
+        count=count, top_k=top_k, norm_topk=norm_topk, intermediate=inner,
         router=router.weight(), gate=stacks["gate"].first.weight(),
         up=stacks["up"].first.weight(), down=stacks["down"].first.weight(),
     )  # fmt: skip
@@ -459,7 +529,19 @@ def _experts(moe: nn.Module, hidden: int) -> tuple[abi.Experts, list[Any]]:
     experts.down_stride[:] = stacks["down"].strides
     keep: list[Any] = [router, *(a for st in stacks.values() for a in st.arrays)]
     keep += [st.first for st in stacks.values()]
+    for name, b in (("router_bias", router_bias), *((f"{p}_bias", b) for p, b in biases.items())):
+        if b is not None:
+            setattr(experts, name, _pointer(b))
+            keep.append(b)
     return experts, keep
+
+
+def _attention_shape(attn: nn.Module) -> tuple[int, int, float]:
+    """(heads, KV heads, scale) of an attention: mlx-lm's Llama-shaped attributes, or
+    gpt-oss's AttentionBlock's."""
+    if hasattr(attn, "sm_scale"):
+        return int(attn.num_attention_heads), int(attn.num_key_value_heads), float(attn.sm_scale)
+    return int(attn.n_heads), int(attn.n_kv_heads), float(attn.scale)
 
 
 def _rows(matrix: _Matrix, start: int, stop: int) -> _Matrix:
@@ -613,8 +695,7 @@ class NativeStep:
         structs = (abi.Layer * len(layers))()
         layer_products: list[dict[str, _Matrix]] = []  # each layer's weights by abi.PRODUCTS
         first = layers[0].self_attn
-        self.heads, self.kv_heads = int(first.n_heads), int(first.n_kv_heads)
-        self.scale = float(first.scale)
+        self.heads, self.kv_heads, self.scale = _attention_shape(first)
         if not self.scale > 0:  # the attention takes maxima of unscaled scores
             raise _Unsupported(f"attention scale {self.scale}")
         rope = first.rope
@@ -625,6 +706,7 @@ class NativeStep:
         cap = getattr(first, "softcap", None)  # Gemma2's attention soft-cap, or none
         self.softcap = float(cap) if cap else 0.0
         self.activation = ""
+        self.act_params = (0.0, 0.0)  # gpt-oss's clamped SwiGLU: (alpha, limit)
         q_weight = _attention_products(first, self.heads, self.kv_heads)[0]["q"]
         self.head_dim = q_weight.n // self.heads
         self.hidden = q_weight.k
@@ -633,9 +715,12 @@ class NativeStep:
         checked: list[_Matrix] = []  # the experts' weights, for the check below
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
+            oai = oai_experts(mlp)
             sparse = isinstance(mlp, kernels.sparse_moe)
             activation = (
-                "silu"
+                "swiglu_oai"
+                if oai is not None
+                else "silu"
                 if sparse or isinstance(mlp, kernels.swiglu)
                 else "gelu_tanh"
                 if isinstance(mlp, kernels.gelu_glu)
@@ -643,9 +728,18 @@ class NativeStep:
             )
             if not isinstance(attn, kernels.attention) or activation is None:
                 raise _Unsupported("a layer of other classes than the family declares")
-            if self.activation not in ("", activation):
+            if self.activation not in ("", activation) or (
+                oai is not None and i and oai != self.act_params
+            ):
                 raise _Unsupported("layers of different activations")
             self.activation = activation
+            self.act_params = oai or self.act_params
+            if "sinks" in attn:  # gpt-oss's
+                fields_sinks = _view(attn.sinks, "sinks")
+                if fields_sinks.shape != (self.heads,):
+                    raise _Unsupported(f"sinks of shape {fields_sinks.shape}")
+            else:
+                fields_sinks = None
             if not (isinstance(attn.rope, TableRoPE) and attn.rope.dims == rope.dims):
                 raise _Unsupported("layers rotate differently")
             cap = getattr(attn, "softcap", None)
@@ -656,7 +750,7 @@ class NativeStep:
                 self._ropes.append(attn.rope)
                 keys.append(attn.rope.key)
             structs[i].rope_table = keys.index(attn.rope.key)
-            fields: dict[str, np.ndarray | None] = {}
+            fields: dict[str, np.ndarray | None] = {"sinks": fields_sinks}
             products: dict[str, _Matrix] = {}
             fields["input_norm"], e1 = _norm(layer, "input_layernorm", plus_one)
             if "pre_feedforward_layernorm" in layer:  # Gemma's four norms a layer
@@ -679,8 +773,8 @@ class NativeStep:
                 "o": (self.hidden, q_rows),
             }:
                 raise _Unsupported(f"attention projections {shapes}")
-            if sparse:
-                experts, held = _experts(mlp, self.hidden)
+            if sparse or oai is not None:
+                experts, held = (_gpt_oss_experts if oai else _experts)(mlp, self.hidden)
                 self._keep += held
                 checked += [m for m in held if isinstance(m, _Matrix)]
                 structs[i].experts = ctypes.pointer(experts)
@@ -700,7 +794,7 @@ class NativeStep:
                     eps_all.add(e)
             if len(eps_all) != 1:
                 raise _Unsupported("norms with different eps")
-            if int(attn.n_heads) != self.heads or int(attn.n_kv_heads) != self.kv_heads:
+            if _attention_shape(attn) != (self.heads, self.kv_heads, self.scale):
                 raise _Unsupported("layers of different shapes")
             for name, view in fields.items():
                 if view is not None:
@@ -784,7 +878,8 @@ class NativeStep:
             hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, intermediate=self.intermediate, layers=self.layers,
             rope_dims=self._ropes[0].dims, activation=abi.ACTIVATIONS[self.activation],
-            eps=self.eps, scale=self.scale, softcap=self.softcap, layer=self._structs,
+            act_alpha=self.act_params[0], act_limit=self.act_params[1], eps=self.eps,
+            scale=self.scale, softcap=self.softcap, layer=self._structs,
             final_norm=_pointer(self._final_norm),
         )  # fmt: skip
         self._row_caches = (abi.Cache * self.layers)()

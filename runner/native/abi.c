@@ -40,12 +40,14 @@ static const struct field step_layer_fields[] = {
     FIELD(step_layer, mlp_out_norm), FIELD(step_layer, q), FIELD(step_layer, k),
     FIELD(step_layer, v), FIELD(step_layer, o), FIELD(step_layer, gate), FIELD(step_layer, up),
     FIELD(step_layer, down), FIELD(step_layer, rope_table), FIELD(step_layer, experts),
+    FIELD(step_layer, sinks),
 };
 static const struct field step_experts_fields[] = {
     FIELD(step_experts, count), FIELD(step_experts, top_k), FIELD(step_experts, norm_topk),
     FIELD(step_experts, intermediate), FIELD(step_experts, router), FIELD(step_experts, gate),
     FIELD(step_experts, up), FIELD(step_experts, down), FIELD(step_experts, gate_up_stride),
-    FIELD(step_experts, down_stride),
+    FIELD(step_experts, down_stride), FIELD(step_experts, router_bias),
+    FIELD(step_experts, gate_bias), FIELD(step_experts, up_bias), FIELD(step_experts, down_bias),
 };
 static const struct field step_cache_fields[] = {
     FIELD(step_cache, keys), FIELD(step_cache, values), FIELD(step_cache, head_stride),
@@ -58,7 +60,8 @@ static const struct field step_args_fields[] = {
     FIELD(step_args, heads), FIELD(step_args, kv_heads), FIELD(step_args, head_dim),
     FIELD(step_args, intermediate), FIELD(step_args, layers), FIELD(step_args, offset),
     FIELD(step_args, rope_dims), FIELD(step_args, activation), FIELD(step_args, eps),
-    FIELD(step_args, scale), FIELD(step_args, softcap), FIELD(step_args, cos),
+    FIELD(step_args, scale), FIELD(step_args, act_alpha), FIELD(step_args, act_limit),
+    FIELD(step_args, softcap), FIELD(step_args, cos),
     FIELD(step_args, sin), FIELD(step_args, query_scale),
     FIELD(step_args, layer), FIELD(step_args, cache), FIELD(step_args, final_norm),
     FIELD(step_args, x), FIELD(step_args, new_keys), FIELD(step_args, new_values),

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 24  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 25  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -43,8 +43,8 @@ SCALE_FORMATS = {"float32": F32_FORMAT, **HALF_FORMATS}
 # 2^(e - 127); e2m1 codes; no biases)
 E8M0 = 18
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's weight matrices
-# The gated MLP's activations (step_args' `activation`: ACT_SILU, ACT_GELU_TANH)
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# The gated MLP's activations (step_args' `activation`: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 
 class Weight(ctypes.Structure):  # struct step_weight
@@ -72,6 +72,10 @@ class Experts(ctypes.Structure):  # struct step_experts
         ("down", Weight),
         ("gate_up_stride", ctypes.c_long * 2),
         ("down_stride", ctypes.c_long * 2),
+        ("router_bias", F32),
+        ("gate_bias", F32),
+        ("up_bias", F32),
+        ("down_bias", F32),
     ]
 
 
@@ -87,6 +91,7 @@ class Layer(ctypes.Structure):  # struct step_layer
         *((name, Weight) for name in PRODUCTS),
         ("rope_table", ctypes.c_int),
         ("experts", ctypes.POINTER(Experts)),
+        ("sinks", F32),
     ]  # fmt: skip
 
 
@@ -116,6 +121,8 @@ class Args(ctypes.Structure):  # struct step_args
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("act_alpha", ctypes.c_float),
+        ("act_limit", ctypes.c_float),
         ("softcap", ctypes.c_float),
         ("cos", F32),
         ("sin", F32),

@@ -157,6 +157,7 @@ enum { ROW_ITEMS_ENOUGH = 4 };
 struct attention_job {
     const struct step_args *a;
     const struct step_cache *cache;
+    const float *sinks;         /* NULL, or [heads]: the layer's sinks (step_layer) */
     const float *q;             /* [batch * tokens, heads, head_dim] */
     const float *nk, *nv;       /* this step's keys, values: [batch, kv_heads, tokens, head_dim] */
     float *out;                 /* [batch * tokens, heads, head_dim] */
@@ -462,6 +463,7 @@ static void attention_merge(const void *arg, int index, int count) {
             total += w * p[1];
             for (int t = 0; t < D; t++) out[t] += w * p[2 + t];
         }
+        if (j->sinks) total += expf(j->sinks[row % a->heads] - top);
         const float inv = 1.0f / total;
         for (int t = 0; t < D; t++) out[t] *= inv;
     }
@@ -657,7 +659,9 @@ static void attend_rows(const struct attention_job *j, int g, int b, int r0, int
                      nk + (size_t)(k0 + nc) * D, next, 1, windowed, own_shift, qt, st);
     }
     for (int r = 0; r < o.rows; r++) {
-        const float inv = 1.0f / o.l[r / VL][r % VL];
+        float l = o.l[r / VL][r % VL];
+        if (j->sinks) l += expf(j->sinks[grow[r] % a->heads] - o.m[r / VL][r % VL]);
+        const float inv = 1.0f / l;
         for (int t = 0; t < D; t += VL) store_vec(o.out[r] + t, load(o.out[r] + t) * inv);
     }
 }
@@ -690,12 +694,14 @@ long attention_scratch_floats(const struct step_args *a) {
            (long)MAX_THREADS * (ROW_BLOCK + a->head_dim) * KEY_CHUNK;
 }
 
-/* softmax(q k^T * scale, causal) v for every query row of this layer, into `out`: row items
+/* softmax(q k^T * scale, causal) v for every query row of this layer, into `out` (with a
+ * head's sink, e^(sink - m) joins its row's denominator, m the row's running max): row items
  * where a layer makes ROW_ITEMS_ENOUGH (SmolLM2, 15 tokens over 483 cached, attention alone:
  * 6.5-6.7 ms against 9.5-11 for split items; the whole step 0.91x), else split items. */
-void attention(const struct step_args *a, const struct step_cache *cache, const float *q,
-                      const float *nk, const float *nv, float *out, float *scratch) {
-    struct attention_job j = {.a = a, .cache = cache, .q = q, .nk = nk, .nv = nv, .out = out};
+void attention(const struct step_args *a, const struct step_cache *cache, const float *sinks,
+               const float *q, const float *nk, const float *nv, float *out, float *scratch) {
+    struct attention_job j = {.a = a, .cache = cache, .sinks = sinks, .q = q, .nk = nk, .nv = nv,
+                              .out = out};
     j.prefix_blocks = prefix_blocks(a);
     j.own_blocks = ceil_div((long)a->tokens * (a->heads / a->kv_heads), ROW_BLOCK);
     j.cached = a->offset - cache->start;

@@ -1,7 +1,7 @@
 /*
- * The decoder layers of a Llama-shaped model (Llama, Qwen2, Qwen3, Mistral; Gemma2 and Gemma3
- * with their parameters) for a few tokens, in one call: the products on products.c's tiles
- * and pool, attention in attention.c.
+ * The decoder layers of a Llama-shaped model (Llama, Qwen2, Qwen3, Mistral; Gemma2, Gemma3,
+ * Qwen3-MoE and gpt-oss with their parameters) for a few tokens, in one call: the products on
+ * products.c's tiles and pool, attention in attention.c.
  *
  * Why: on MLX's CPU backend a decode step of SmolLM2 is ~3,000 primitive operations at
  * ~5 us each, beside reading the weights once (docs/DESIGN.md §4). Here a step is 7
@@ -11,11 +11,11 @@
  *   (Qwen3) q, k = rms_norm per head ; rotary on q, k (cos/sin tables from the caller)
  *   (Ministral3) q *= the caller's scale of its position
  *   o = softmax(q k^T * scale, causal) v over the cached keys and these (a layer's window,
- *       where its cache says; Gemma2's soft-capped scores: attention.c) ;
+ *       where its cache says; Gemma2's soft-capped scores; gpt-oss's sinks: attention.c) ;
  *   x += o Wo^T (+b)            (Gemma: x += rms_norm(o Wo^T), `attn_out_norm`)
  *   h = rms_norm(x) ; x += (act(h Wg^T) * h Wu^T) Wd^T   (Gemma: the sum's rms_norm added,
- *       `mlp_out_norm`; act: SiLU, or Gemma's tanh-approximate GELU), or a layer's mixture of
- *       experts (struct step_experts: `experts_mlp`)
+ *       `mlp_out_norm`; act: SiLU, or Gemma's tanh-approximate GELU, or gpt-oss's clamped
+ *       SwiGLU), or a layer's mixture of experts (struct step_experts: `experts_mlp`)
  *   then the final rms_norm.
  * Gemma's norms scale by 1 + weight: the caller passes that sum, as MLX computes it; its
  * embeddings' scale is the caller's too (x comes in embedded and scaled).
@@ -52,32 +52,52 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
 }
 
 
-/* The gate's activation: silu(g) = g / (1 + e^-g), or GELU's tanh approximation as MLX's
- * gelu_approx computes it, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). */
-static inline vf activated(vf g, int activation) {
-    if (activation == ACT_GELU_TANH) {
+/* How a gated MLP combines its gate and up products (step_args' activation and its
+ * parameters; an expert's biases, added to both before the activation, or NULL). */
+struct glu {
+    int activation;
+    float alpha, limit;
+    const float *gate_bias, *up_bias;
+};
+
+/* act(g) * u: silu(g) = g / (1 + e^-g), or GELU's tanh approximation as MLX's gelu_approx
+ * computes it, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))); or gpt-oss's clamped
+ * SwiGLU as mlx-lm's swiglu_oai, (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g') with
+ * g' = min(g, limit). */
+static inline vf glu_of(vf g, vf u, const struct glu *f) {
+    if (f->activation == ACT_GELU_TANH) {
         const vf inner = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
-        return g * 0.5f * (vtanh(inner) + 1.0f);
+        return g * 0.5f * (vtanh(inner) + 1.0f) * u;
     }
-    return g / (vexp(-g) + 1.0f);
+    if (f->activation == ACT_SWIGLU_OAI) {
+        const vf lim = splat(f->limit), low = splat(-f->limit);
+        g = select_(g > lim, lim, g);
+        u = select_(u > lim, lim, select_(u < low, low, u));
+        return (u + 1.0f) * (g * (1.0f / (vexp(-(g * f->alpha)) + 1.0f)));
+    }
+    return g / (vexp(-g) + 1.0f) * u;
 }
 
-/* gate[r, j0:j1] = act(gate) * up over rows [0, m) of [m, n], every element through
- * `activated` (a partial vector through a copy): the same value whichever share of the
- * columns it falls in. */
+/* gate[r, j0:j1] = act(gate) * up over rows [0, m) of [m, n] (each first plus its bias where
+ * `f` has one), every element through `glu_of` (a partial vector through a copy): the same
+ * value whichever share of the columns it falls in. */
 static void glu_columns(float *gate, const float *up, int m, int n, int j0, int j1,
-                        int activation) {
+                        const struct glu *f) {
     for (int r = 0; r < m; r++) {
         float *g = gate + (size_t)r * n;
         const float *u = up + (size_t)r * n;
         int j = j0;
-        for (; j + VL <= j1; j += VL) store_vec(g + j, activated(load(g + j), activation) * load(u + j));
-        if (j < j1) {
-            float tg[VL] = {0}, tu[VL] = {0};
-            memcpy(tg, g + j, sizeof(float) * (j1 - j));
-            memcpy(tu, u + j, sizeof(float) * (j1 - j));
-            store_vec(tg, activated(load(tg), activation) * load(tu));
-            memcpy(g + j, tg, sizeof(float) * (j1 - j));
+        if (!f->gate_bias && !f->up_bias)
+            for (; j + VL <= j1; j += VL) store_vec(g + j, glu_of(load(g + j), load(u + j), f));
+        for (; j < j1; j += VL) { /* with biases, or the last partial vector */
+            const int w = j1 - j < VL ? j1 - j : VL;
+            float tg[VL] = {0}, tu[VL] = {0}, bg[VL] = {0}, bu[VL] = {0};
+            memcpy(tg, g + j, sizeof(float) * w);
+            memcpy(tu, u + j, sizeof(float) * w);
+            if (f->gate_bias) memcpy(bg, f->gate_bias + j, sizeof(float) * w);
+            if (f->up_bias) memcpy(bu, f->up_bias + j, sizeof(float) * w);
+            store_vec(tg, glu_of(load(tg) + load(bg), load(tu) + load(bu), f));
+            memcpy(g + j, tg, sizeof(float) * w);
         }
     }
 }
@@ -86,7 +106,7 @@ struct gate_up_job {
     struct product p[2]; /* gate, up: one shape and format, so the same column shares */
     float *gate;
     const float *up;
-    int activation;
+    const struct glu *f;
     atomic_int next; /* the next chunk to take */
 };
 
@@ -99,7 +119,7 @@ static void gate_up_share(const void *arg, int index, int count) {
         product_share(&job->p[1], c, chunks);
         int j0, j1;
         share_columns(&job->p[0], c, chunks, &j0, &j1);
-        if (j0 < j1) glu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1, job->activation);
+        if (j0 < j1) glu_columns(job->gate, job->up, job->p[0].m, job->p[0].n, j0, j1, job->f);
     }
 }
 
@@ -108,7 +128,7 @@ static void gate_up_share(const void *arg, int index, int count) {
  * while the other waited). */
 static void gate_up(int m, int k, int n, const float *a, const struct step_weight *wg,
                     const struct step_weight *wu, float *gate, float *up, float *reordered,
-                    const void *limbs, int activation) {
+                    const void *limbs, const struct glu *f) {
     const int widths[2] = {n, n};
     const struct step_weight *ws[2] = {wg, wu};
     float *cs[2] = {gate, up};
@@ -116,13 +136,13 @@ static void gate_up(int m, int k, int n, const float *a, const struct step_weigh
     const int alike = wg->format == wu->format && (wg->format != W_AFFINE || wg->bits == wu->bits);
     if (!alike || to_blas(m, wg) || to_blas(m, wu)) {
         products_of(m, k, a, 2, widths, ws, cs, reordered, limbs); /* the BLAS, or shares that differ */
-        glu_columns(gate, up, m, n, 0, n, activation);
+        glu_columns(gate, up, m, n, 0, n, f);
         return;
     }
     const float *rows = rows_for(wg, m, k, a, k, reordered);
     struct gate_up_job job = {
         {tiles_product(m, n, k, rows, k, wg, gate, n, limbs), tiles_product(m, n, k, rows, k, wu, up, n, limbs)},
-        gate, up, activation, 0};
+        gate, up, f, 0};
     struct amx_rows amx; /* a forward's Q4_K / Q5_K rows on AMX's tiles (amx.c) */
     job.p[0].amx = job.p[1].amx = amx_rows_of(m, k, a, k, wg, limbs, &amx);
     if ((long)m * k * n < (1L << 18))
@@ -239,7 +259,8 @@ static struct step_weight expert_weight(const struct step_weight *w, int e, cons
 }
 
 /* out[T, H] = the experts' MLP of the normed rows h[T, H] (struct step_experts), as mlx-lm's
- * Qwen3MoeSparseMoeBlock computes it in float32: the router's softmax, each row's top_k
+ * Qwen3MoeSparseMoeBlock (or gpt_oss MLPBlock: the biases where given) computes it in
+ * float32: the router's softmax, each row's top_k
  * experts (of equal probabilities, the lower index first), their probabilities (renormalised
  * where norm_topk says), and the sum of each chosen expert's gated MLP scaled by its
  * probability. Each expert that any row chose runs once, over the rows that chose it
@@ -254,6 +275,7 @@ static void experts_mlp(const struct step_args *a, const struct step_experts *e,
     int *picks = (int *)(chosen_weight + (size_t)T * K), *chosen = picks + (size_t)T * K;
     int *start = chosen + (size_t)T * K, *fill = start + E + 1;
     product(T, E, H, h, H, &e->router, probs, E, reordered, limbs_of(a, T, H, h, limb_area));
+    add_bias(probs, e->router_bias, T, E);
     /* each row's softmax (in place), then its top_k in order of probability, counted per expert */
     for (int x = 0; x <= E; x++) start[x] = 0;
     for (int t = 0; t < T; t++) {
@@ -294,9 +316,12 @@ static void experts_mlp(const struct step_args *a, const struct step_experts *e,
         const struct step_weight wg = expert_weight(&e->gate, x, e->gate_up_stride);
         const struct step_weight wu = expert_weight(&e->up, x, e->gate_up_stride);
         const struct step_weight wd = expert_weight(&e->down, x, e->down_stride);
-        gate_up(m, H, I, rows, &wg, &wu, gate, up, reordered, limbs_of(a, m, H, rows, limb_area),
-                a->activation);
+        const struct glu f = {a->activation, a->act_alpha, a->act_limit,
+                              e->gate_bias ? e->gate_bias + (size_t)x * I : NULL,
+                              e->up_bias ? e->up_bias + (size_t)x * I : NULL};
+        gate_up(m, H, I, rows, &wg, &wu, gate, up, reordered, limbs_of(a, m, H, rows, limb_area), &f);
         product(m, H, I, gate, I, &wd, done, H, reordered, limbs_of(a, m, I, gate, limb_area));
+        if (e->down_bias) add_bias(done, e->down_bias + (size_t)x * H, m, H);
         for (int r = 0; r < m; r++) {
             const float w = chosen_weight[start[x] + r];
             float *o = out + (size_t)chosen[start[x] + r] * H;
@@ -346,7 +371,9 @@ int runner_decoder_step(const struct step_args *a) {
     const int I = a->intermediate;
     const int qd = a->heads * D, kd = a->kv_heads * D;
     if (a->rope_dims > 1024 || a->rope_dims > D || a->heads % a->kv_heads || D % VL) return -1;
-    if (a->activation != ACT_SILU && a->activation != ACT_GELU_TANH) return -1;
+    if (a->activation != ACT_SILU && a->activation != ACT_GELU_TANH &&
+        a->activation != ACT_SWIGLU_OAI)
+        return -1;
     if (!weights_supported(a)) return -1;
     float *h = a->scratch, *tmp = h + (size_t)T * H, *q = tmp + (size_t)T * H;
     float *o = q + (size_t)T * qd, *k = o + (size_t)T * qd, *v = k + (size_t)T * kd;
@@ -400,7 +427,7 @@ int runner_decoder_step(const struct step_args *a) {
                     memcpy(c->append_keys + to, nk + ((size_t)g * W + t) * D, sizeof(float) * D);
                     memcpy(c->append_values + to, nv + ((size_t)g * W + t) * D, sizeof(float) * D);
                 }
-        attention(a, &a->cache[l], q, nk, nv, o, scores);
+        attention(a, &a->cache[l], w->sinks, q, nk, nv, o, scores);
         product(T, H, qd, o, qd, &w->o, tmp, H, reordered, limbs_of(a, T, qd, o, limb_area));
         add_bias(tmp, w->o_bias, T, H);
         if (w->attn_out_norm)
@@ -410,8 +437,9 @@ int runner_decoder_step(const struct step_args *a) {
         if (w->experts) {
             experts_mlp(a, w->experts, T, h, tmp, gate, up, reordered, moe, limb_area);
         } else {
+            const struct glu f = {a->activation, a->act_alpha, a->act_limit, NULL, NULL};
             gate_up(T, H, I, h, &w->gate, &w->up, gate, up, reordered, limbs_of(a, T, H, h, limb_area),
-                    a->activation);
+                    &f);
             product(T, H, I, gate, I, &w->down, tmp, H, reordered, limbs_of(a, T, I, gate, limb_area));
         }
         if (w->mlp_out_norm)

@@ -296,8 +296,8 @@ void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float
                      float *bias);
 
 /* attention.c: one layer's attention, and the scratch floats it needs. */
-void attention(const struct step_args *a, const struct step_cache *cache, const float *q,
-               const float *nk, const float *nv, float *out, float *scores);
+void attention(const struct step_args *a, const struct step_cache *cache, const float *sinks,
+               const float *q, const float *nk, const float *nv, float *out, float *scores);
 long attention_scratch_floats(const struct step_args *a);
 
 #endif

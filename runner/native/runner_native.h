@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 24
+#define RUNNER_NATIVE_ABI_VERSION 25
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -66,6 +66,9 @@ struct step_weight {
  *   p = softmax(h Wr^T) over the `count` experts ; its `top_k` largest ;
  *   (norm_topk) those p divided by their sum ;
  *   out = the sum over them of p_e * (act(h Wg_e^T) * h Wu_e^T) Wd_e^T
+ * (gpt-oss's, as mlx-lm's gpt_oss MLPBlock computes it: the router's logits plus its bias,
+ * the softmax of the top_k of them, which is norm_topk's; each product plus its expert's
+ * bias, the gate's before the activation; its clamped SwiGLU, ACT_SWIGLU_OAI)
  * Expert e's gate and up weights [intermediate, hidden] are `gate` and `up` with `data`
  * (and `f32`) `e * gate_up_stride[0]` bytes further and `scales` / `biases`
  * `e * gate_up_stride[1]` bytes further; its down weight [hidden, intermediate] is `down`
@@ -75,6 +78,9 @@ struct step_experts {
     struct step_weight router; /* [count, hidden] */
     struct step_weight gate, up, down;
     long gate_up_stride[2], down_stride[2];
+    /* NULL: none; else float32 [count], and per expert [count, intermediate] (gate, up) and
+     * [count, hidden] (down), added to the products */
+    const float *router_bias, *gate_bias, *up_bias, *down_bias;
 };
 
 struct step_layer {
@@ -90,11 +96,16 @@ struct step_layer {
     /* NULL: the gated MLP of gate, up and down (step_args' `intermediate`); else the layer's
      * experts, and gate, up, down are not read */
     const struct step_experts *experts;
+    /* NULL: none; else [heads]: each head's sink, a logit beside its scaled scores in the
+     * softmax's denominator that weighs no value (gpt-oss) */
+    const float *sinks;
 };
 
 /* The gated MLP's activation of its gate (step_args' `activation`): SiLU (SwiGLU), or GELU
- * with tanh's approximation as MLX's gelu_approx computes it (Gemma). */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+ * with tanh's approximation as MLX's gelu_approx computes it (Gemma), or gpt-oss's clamped
+ * SwiGLU as mlx-lm's swiglu_oai computes it: with g' = min(g, limit), the product is
+ * (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g') (step_args' act_alpha, act_limit). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
 
 struct step_cache {
     /* [kv_heads, capacity, head_dim]: head h at h * head_stride; row i holds position
@@ -119,8 +130,9 @@ struct step_cache {
 
 struct step_args {
     int batch, tokens, hidden, heads, kv_heads, head_dim, intermediate, layers, offset, rope_dims;
-    int activation; /* ACT_SILU or ACT_GELU_TANH */
+    int activation; /* ACT_SILU, ACT_GELU_TANH or ACT_SWIGLU_OAI */
     float eps, scale;
+    float act_alpha, act_limit; /* ACT_SWIGLU_OAI's */
     /* 0: none; else attention scores are soft-capped, cap * tanh(q.k * scale / cap), before
      * the softmax (Gemma2) */
     float softcap;
