@@ -30,6 +30,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,18 +169,11 @@ def _gather(host: str, port: int, size: int, deadline: float, seconds: float) ->
     met: dict[int, socket.socket] = {}
     try:
         while len(met) < size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, size)) - set(met))
-                raise GroupError(
-                    f"the process group did not form within {seconds:g} s (ranks {missing} "
-                    f"did not start; {GROUP_SECONDS_ENV} sets the deadline)"
-                )
-            server.settimeout(left)
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                continue
+            sock = _next_connection(
+                server, size, met, deadline,
+                lambda missing: f"the process group did not form within {seconds:g} s (ranks "
+                f"{missing} did not start; {GROUP_SECONDS_ENV} sets the deadline)",
+            )  # fmt: skip
             hello = _read_one(sock, min(deadline, time.monotonic() + 5.0))
             rank = int(hello.get("rank", -1)) if hello is not None and hello.op == "meet" else -1
             if not 0 < rank < size:
@@ -253,17 +247,11 @@ def accept(server: socket.socket, size: int, key: str, seconds: float) -> dict[i
     deadline = time.monotonic() + seconds
     links: dict[int, socket.socket] = {}
     while len(links) < size - 1:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = sorted(set(range(1, size)) - set(links))
-            raise GroupError(
-                f"ranks {missing} did not connect to rank 0's control channel within {seconds:g} s"
-            )
-        server.settimeout(left)
-        try:
-            sock, _ = server.accept()
-        except TimeoutError:
-            continue
+        sock = _next_connection(
+            server, size, links, deadline,
+            lambda missing: f"ranks {missing} did not connect to rank 0's control channel "
+            f"within {seconds:g} s",
+        )  # fmt: skip
         hello = _read_one(sock, deadline)
         if hello is None or hello.op != "hello":
             sock.close()
@@ -308,6 +296,26 @@ def connect(host: str, port: int, rank: int, key: str, seconds: float) -> socket
         raise GroupError(f"rank 0 refused rank {rank}: {said}")
     sock.settimeout(None)
     return sock
+
+
+def _next_connection(
+    server: socket.socket,
+    size: int,
+    have: dict[int, socket.socket],
+    deadline: float,
+    missing_said: Callable[[list[int]], str],
+) -> socket.socket:
+    """Rank 0: the next connection to `server` before `deadline`; past it, a GroupError that
+    names the ranks of [1, size) not in `have`."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GroupError(missing_said(sorted(set(range(1, size)) - set(have))))
+        server.settimeout(left)
+        try:
+            return server.accept()[0]
+        except TimeoutError:
+            continue
 
 
 def _read_one(sock: socket.socket, deadline: float) -> wire.Message | None:
