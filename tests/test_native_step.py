@@ -650,7 +650,8 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     """A tiny gpt-oss (a sliding layer of window 8, then a full one; 4 experts, 2 a token;
     its clamped SwiGLU's limit 0.05, so that clamps bite) loaded with the step and without:
     its float32 checkpoint, or the GGUF llama.cpp's quantizer would write (experts MXFP4,
-    attention Q4_0 / Q5_0 / Q4_1, norms, biases and sinks F32)."""
+    attention Q4_0 / Q5_0 / Q4_1, norms, biases and sinks F32), in llama.cpp's layout or as
+    Ollama's converter publishes it (`gptoss`, its own tensor names)."""
     from runner.models import build_model
     from runner.sources.gguf.model import load_gguf
     from runner.sources.loader import load_local_dir
@@ -659,8 +660,8 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
     off = on.replace(native_step_max_tokens=None)
     checkpoint = tiny_checkpoint(GPT_OSS, tmp_path / "hf")
-    if source == "gguf":
-        path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed)
+    if source in ("gguf", "ollama-gguf"):
+        path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed, ollama=source != "gguf")
         native, plain = build_model(load_gguf(path), on), build_model(load_gguf(path), off)
     else:
         native = build_model(load_local_dir(checkpoint), on)
@@ -670,12 +671,12 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     assert all(e is not None and e.router_bias and e.down_bias for e in step._experts)
     assert all(s.sinks for s in step._structs)
     # GGUF: every attention product, and each layer's three expert stacks (MXFP4) from codes
-    assert step.quantized == (7 * step.layers if source == "gguf" else 0)
+    assert step.quantized == (0 if source == "float32" else 7 * step.layers)
     native._native = Counting(step)
     return native, plain
 
 
-@pytest.mark.parametrize("source", ["float32", "gguf"])
+@pytest.mark.parametrize("source", ["float32", "gguf", "ollama-gguf"])
 def test_gpt_oss_equals_mlx(source, tmp_path):
     """gpt-oss in the step (Ollama's gpt-oss:20b: its decode ran MLX's graph a layer at a
     time): attention with sinks and biases over a sliding ring and a full cache, the router's
