@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -651,7 +655,8 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     its clamped SwiGLU's limit 0.05, so that clamps bite) loaded with the step and without:
     its float32 checkpoint, or the GGUF llama.cpp's quantizer would write (experts MXFP4,
     attention Q4_0 / Q5_0 / Q4_1, norms, biases and sinks F32), in llama.cpp's layout or as
-    Ollama's converter publishes it (`gptoss`, its own tensor names)."""
+    Ollama's converter publishes it (`gptoss`, its own tensor names), or as mlx-community's
+    gpt-oss conversions hold it (`mlx_mxfp4_q8`)."""
     from runner.models import build_model
     from runner.sources.gguf.model import load_gguf
     from runner.sources.loader import load_local_dir
@@ -663,6 +668,10 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     if source in ("gguf", "ollama-gguf"):
         path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed, ollama=source != "gguf")
         native, plain = build_model(load_gguf(path), on), build_model(load_gguf(path), off)
+    elif source == "mlx":
+        path = mlx_mxfp4_q8(checkpoint, tmp_path / "mlx")
+        native = build_model(load_local_dir(path), on)
+        plain = build_model(load_local_dir(path), off)
     else:
         native = build_model(load_local_dir(checkpoint), on)
         plain = build_model(load_local_dir(checkpoint), off)
@@ -670,13 +679,44 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     assert step is not None and step.activation == "swiglu_oai"
     assert all(e is not None and e.router_bias and e.down_bias for e in step._experts)
     assert all(s.sinks for s in step._structs)
-    # GGUF: every attention product, and each layer's three expert stacks (MXFP4) from codes
+    # quantized: every attention product, and each layer's three expert stacks, from codes
     assert step.quantized == (0 if source == "float32" else 7 * step.layers)
     native._native = Counting(step)
     return native, plain
 
 
-@pytest.mark.parametrize("source", ["float32", "gguf", "ollama-gguf"])
+def mlx_mxfp4_q8(checkpoint: Path, out: Path) -> Path:
+    """`checkpoint` (a tiny gpt-oss) as mlx-community's gpt-oss-*-MXFP4-Q8 conversions store
+    it: the experts in MLX's mxfp4 mode (biases beside them in float32), the other linear
+    layers affine 8-bit in groups of 64, the router, embedding and head float32."""
+    from mlx.utils import tree_flatten
+
+    from runner.models import build_model
+    from runner.sources.loader import load_local_dir
+
+    module = build_model(load_local_dir(checkpoint), Backend.cpu()).module
+    quantization: dict[str, Any] = {"group_size": 64, "bits": 8, "mode": "affine"}
+
+    def chosen(path: str, layer: nn.Module) -> dict[str, Any] | bool:
+        if not hasattr(layer, "to_quantized") or "router" in path or "embed" in path:
+            return False
+        if path == "lm_head":
+            return False
+        spec = {"group_size": 32, "bits": 4, "mode": "mxfp4"} if ".experts." in path else None
+        quantization[path] = spec or {"group_size": 64, "bits": 8, "mode": "affine"}
+        return quantization[path]
+
+    nn.quantize(module, class_predicate=chosen)
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(module.parameters())))
+    config = json.loads((checkpoint / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization": quantization}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("source", ["float32", "gguf", "ollama-gguf", "mlx"])
 def test_gpt_oss_equals_mlx(source, tmp_path):
     """gpt-oss in the step (Ollama's gpt-oss:20b: its decode ran MLX's graph a layer at a
     time): attention with sinks and biases over a sliding ring and a full cache, the router's
