@@ -27,13 +27,20 @@ QUANTIZED_DIMS = {
 
 
 def write_quantized_model(
-    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", **kwargs: Any
+    arch: str,
+    path: Path,
+    bits: int,
+    group: int,
+    dtype: str = "float32",
+    mode: str = "affine",
+    **kwargs: Any,
 ) -> Path:
     """A tiny model (`write_tiny_model` with QUANTIZED_DIMS, and `kwargs`) quantized as
     `mlx_lm.convert(..., quantize=True, q_bits=bits, q_group_size=group, dtype=dtype)`
     quantizes it: its weights cast to `dtype` (so scales and biases come out in it), every
     linear layer and the embedding quantized (affine) by mlx-lm's `quantize_model`, and
-    written as mlx-lm writes a converted model; returns `path`."""
+    written as mlx-lm writes a converted model; returns `path`. `mode`: mlx-lm's `q_mode`
+    (affine, or e.g. mxfp4 with 4 bits in groups of 32)."""
     from mlx.utils import tree_map
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
@@ -47,7 +54,7 @@ def write_quantized_model(
             module.parameters(),
         )
     )
-    module, config = quantize_model(module, config, group, bits)
+    module, config = quantize_model(module, config, group, bits, mode=mode)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, module)
     save_config(config, path / "config.json")
@@ -57,14 +64,21 @@ def write_quantized_model(
 
 
 def load_quantized_model(
-    arch: str, path: Path, bits: int, group: int, dtype: str = "float32", *, backend: Any = None
+    arch: str,
+    path: Path,
+    bits: int,
+    group: int,
+    dtype: str = "float32",
+    *,
+    backend: Any = None,
+    mode: str = "affine",
 ) -> Any:
     """`write_quantized_model`, loaded by the runner (`backend`, default the device's)."""
     from runner.models import build_model
     from runner.sources.loader import load_local_dir
 
     return build_model(
-        load_local_dir(write_quantized_model(arch, path, bits, group, dtype)), backend
+        load_local_dir(write_quantized_model(arch, path, bits, group, dtype, mode)), backend
     )
 
 

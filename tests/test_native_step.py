@@ -33,6 +33,7 @@ from tests.quantized_models import (
     QUANTIZED_DIMS,
     SCALE_DTYPES,
     Affine,
+    Mxfp4,
     affine_in_order,
     load_quantized_model,
 )
@@ -1098,6 +1099,54 @@ def test_quantized_embedding_rows_are_mlx_dequantized_values(bits, scales):
     np.testing.assert_array_equal(matrix.values(ids), w.values[ids])
 
 
+def test_mxfp4_embedding_rows_are_mlx_dequantized_values():
+    """An mxfp4 embedding's rows (mlx-lm's `--q-mode mxfp4` quantizes it) in numpy: exactly
+    mx.dequantize's values, scales from subnormal powers of two to large ones."""
+    from runner.backend.native_step import _Matrix
+
+    rng = np.random.default_rng(4)
+    shift = rng.integers(-126, 120, size=40)
+    w = Mxfp4(rng.normal(size=(40, 256)).astype(np.float32), shift)
+    codes, scales = w.arrays
+    matrix = _Matrix(40, 256, codes=codes, scales=scales, bits=4, group=32, scale_format=abi.E8M0)
+    ids = np.array([0, 39, 7, 7, 20])
+    np.testing.assert_array_equal(matrix.values(ids), w.values[ids])
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_mxfp4_conversions_take_the_step(arch, tmp_path):
+    """mlx-lm's mxfp4 conversions (`mlx_lm.convert --q-mode mxfp4`: every linear layer and
+    the embedding MLX's mxfp4 mode) are read in place by the step, head included (Llama's
+    lm_head, Qwen3's tied embedding), where it declined them and MLX's graph ran each layer:
+    chunks, decode steps and rows batched over a prefix equal MLX's path."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    native = load_quantized_model(arch, tmp_path / "a", 4, 32, "float32", backend=on, mode="mxfp4")
+    plain = load_quantized_model(
+        arch, tmp_path / "b", 4, 32, "float32", backend=on.replace(native_step_max_tokens=None),
+        mode="mxfp4",
+    )  # fmt: skip
+    step = native._native
+    assert step is not None and step.quantized == 7 * step.layers
+    assert step._head is not None and step._head.scale_format == abi.E8M0
+    native._native = Counting(step)
+    prompt = np.random.default_rng(7).integers(3, 300, size=40).tolist()
+    cuts = [0, 5, 25, 29, 30, 31, 32]
+    a, b = native.make_caches(), plain.make_caches()
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert native._native.taken == len(cuts) - 2  # all but the 20-token chunk
+    suffixes = [prompt[32:35], prompt[35:36], prompt[36:40]]
+    rows = []
+    for model, caches in ((native, a), (plain, b)):
+        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+        rows.append(np.array(forward_suffixes(model, batch, suffixes)))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
     """GGML blocks' rows dequantized in numpy for the step: exactly the values of MLX's path
@@ -1116,13 +1165,14 @@ def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
 
 
 def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
-    """mxfp4 layers, and affine codes of other widths (3 bits), leave the whole model on
-    MLX's path; a head of such codes over layers it reads leaves only the head on MLX's,
-    which then computes the same logits."""
+    """nvfp4 layers, and affine codes of other widths (3 bits), leave the whole model on
+    MLX's path (mxfp4 ones the step reads: test_mxfp4_conversions_take_the_step); a head of
+    such codes over layers it reads leaves only the head on MLX's, which then computes the
+    same logits."""
     from mlx_lm.utils import quantize_model
 
     backend = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
-    for i, (bits, group, mode) in enumerate([(4, 32, "mxfp4"), (3, 64, "affine")]):
+    for i, (bits, group, mode) in enumerate([(4, 16, "nvfp4"), (3, 64, "affine")]):
         model = load_tiny_model(
             "LlamaForCausalLM",
             tmp_path / f"f{i}",

@@ -26,12 +26,13 @@ available.
 
 Quantized weights: an `nn.QuantizedLinear` in MLX's affine mode (4, 5 or 8 bits, groups of
 32, 64 or 128, scales and biases in float32, float16 or bfloat16: what mlx-lm's conversions
-and the runner's GGUF repacks hold) is read as MLX stores it, the codes unpacked in registers
-by the library's tiles (runner/native/quantized.c): no float copy is made, and the numbers are
-the float32 sums of MLX's dequantized values. A quantized head (an `lm_head`, or a tied
-quantized embedding) is computed there too, for any number of rows (MLX's CPU
-`quantized_matmul` is ~40x slower); a quantized embedding's rows are dequantized here too
-where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
+and the runner's GGUF repacks hold), or in its mxfp4 mode (e2m1 codes, an e8m0 scale a group
+of 32: gpt-oss's experts, a GGUF's MXFP4, `--q-mode mxfp4` conversions), is read as MLX
+stores it, the codes unpacked in registers by the library's tiles (runner/native/quantized.c):
+no float copy is made, and the numbers are the float32 sums of MLX's dequantized values. A
+quantized head (an `lm_head`, or a tied quantized embedding) is computed there too, for any
+number of rows (MLX's CPU `quantized_matmul` is ~40x slower); a quantized embedding's rows are
+dequantized here too where MLX's are float32 values (`_Matrix.values`), else gathered by MLX.
 
 It serves Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral3, Gemma2, Gemma3, Phi3 and
 gpt-oss as mlx-lm builds them (mlx-lm's llama, qwen2, qwen3, qwen3_moe, ministral3, gemma2,
@@ -48,7 +49,7 @@ clamped SwiGLU; MXFP4 experts, MLX's mxfp4 mode, read in place: `_gpt_oss_expert
 what a family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a
 layer, and its scaled embeddings; Ministral3's queries scaled by position). `build` returns
 None for anything else (a weight it cannot read: non-float32 floats, other quantizations
-(nvfp4, 2/3/6 bits, global scales; mxfp4 outside experts); another module shape), and a call
+(nvfp4, 2/3/6 bits, global scales); another module shape), and a call
 returns None where MLX's path must run: more tokens than the backend's limit, a cache that
 is none of a plain `KVCache` (one row), an empty-suffixed `SharedPrefixKV` (rows over a
 prefix) or a `RotatingKVCache` without a `keep`, or cache buffers it cannot read in place.
@@ -238,6 +239,10 @@ GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in abi.BLOCK_FORMA
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
 AFFINE_BITS = (4, 5, 8)
+# the values of MLX's mxfp4 codes (e2m1: sign, 2-bit exponent, 1-bit mantissa)
+E2M1 = np.array(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
+)
 AFFINE_GROUPS = (32, 64, 128)
 SCALE_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
@@ -291,8 +296,13 @@ class _Matrix:
         if self.codes is None:
             assert self.f32 is not None
             return np.ascontiguousarray(self.f32[ids], dtype=np.float32)
-        assert self.scales is not None and self.biases is not None  # not mxfp4 (`_affine`)
+        assert self.scales is not None
         raw = self.codes[ids].view(np.uint8)  # each row one little-endian bit stream
+        if self.scale_format == abi.E8M0:  # e2m1 codes times 2^(e - 127), exact
+            codes = np.stack([raw & 15, raw >> 4], axis=-1).reshape(len(ids), -1, 32)
+            scale = np.ldexp(np.float32(1), self.scales[ids].astype(np.int32) - 127)
+            return (E2M1[codes] * scale[..., None]).reshape(len(ids), self.k)
+        assert self.biases is not None
         if self.bits == 8:
             codes = raw
         elif self.bits == 4:
@@ -334,13 +344,13 @@ def raw_view(array: Any, what: str) -> np.ndarray:
 def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
     """A quantized linear or embedding layer's weight, when it is an affine quantization the
     products read (AFFINE_BITS, AFFINE_GROUPS, scales and biases in float32, float16 or
-    bfloat16); nvfp4, other bits, global scales stay on MLX's path. `stacked`: a quantized
-    switch layer's experts [E, n, .], whose views keep that leading axis; these may also be
-    MLX's mxfp4 mode (gpt-oss's experts: 4-bit e2m1 codes, an e8m0 scale byte a group of 32,
-    no biases), which no embedding row is read from."""
+    bfloat16), or MLX's mxfp4 mode (4-bit e2m1 codes, an e8m0 scale byte a group of 32, no
+    biases: gpt-oss's experts, mlx-lm's `--q-mode mxfp4` conversions); nvfp4, other bits,
+    global scales stay on MLX's path. `stacked`: a quantized switch layer's experts
+    [E, n, .], whose views keep that leading axis."""
     mode, bits, group = getattr(layer, "mode", "affine"), int(layer.bits), int(layer.group_size)
-    if stacked and mode == "mxfp4":
-        return _mxfp4(layer, what)
+    if mode == "mxfp4":
+        return _mxfp4(layer, what, stacked)
     if mode != "affine" or bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
         raise _Unsupported(f"{what}: {mode} quantization, {bits} bits, group {group}")
     if GLOBAL_SCALE in layer or "biases" not in layer:
@@ -363,15 +373,16 @@ def _affine(layer: nn.Module, what: str, stacked: bool = False) -> _Matrix:
     )  # fmt: skip
 
 
-def _mxfp4(layer: nn.Module, what: str) -> _Matrix:
-    """Stacked experts [E, n, .] in MLX's mxfp4 mode (`_affine`)."""
+def _mxfp4(layer: nn.Module, what: str, stacked: bool) -> _Matrix:
+    """A weight [n, .] (or `stacked` experts [E, n, .]) in MLX's mxfp4 mode (`_affine`)."""
     codes, scales = layer["weight"], layer["scales"]
     if GLOBAL_SCALE in layer or "biases" in layer or int(layer.bits) != 4:
         raise _Unsupported(f"{what}: mxfp4 with a global scale, biases, or not 4 bits")
     if int(layer.group_size) != 32 or codes.dtype != mx.uint32 or scales.dtype != mx.uint8:
         raise _Unsupported(f"{what}: mxfp4 group {layer.group_size}, scales {scales.dtype}")
     n, k = int(codes.shape[-2]), int(codes.shape[-1]) * 8
-    if codes.ndim != 3 or tuple(scales.shape) != (codes.shape[0], n, k // 32):
+    lead = tuple(codes.shape[:1]) if stacked else ()
+    if codes.ndim != 2 + len(lead) or tuple(scales.shape) != (*lead, n, k // 32):
         raise _Unsupported(f"{what}: shapes {codes.shape}, {scales.shape}")
     return _Matrix(
         n, k, codes=raw_view(codes, what), scales=raw_view(scales, what), bits=4, group=32,
