@@ -461,12 +461,18 @@ def moe_checkpoint(path: Path, dims: dict[str, Any] = MOE_DIMS, dtype: str = "fl
 
 
 def quantized_moe(
-    checkpoint: Path, path: Path, bits: int, group: int, dtype: str = "float32"
+    checkpoint: Path,
+    path: Path,
+    bits: int,
+    group: int,
+    dtype: str = "float32",
+    mode: str = "affine",
 ) -> Path:
     """`checkpoint` (moe_checkpoint's) quantized as mlx_lm.convert quantizes a Qwen3-MoE:
-    affine, `bits` and `group`, every linear layer, the experts and the embedding, the
-    router at 8 bits (mlx-lm's qwen3_moe `quant_predicate`), the weights cast to `dtype`
-    first (the scales come out in it); written as a converted model's directory at `path`."""
+    `mode` (affine, or mxfp4: 4 bits, groups of 32), `bits` and `group`, every linear layer,
+    the experts and the embedding, the router at 8 bits affine (mlx-lm's qwen3_moe
+    `quant_predicate`), the weights cast to `dtype` first (the scales come out in it);
+    written as a converted model's directory at `path`."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
@@ -485,12 +491,12 @@ def quantized_moe(
             return False
         return {"group_size": 64, "bits": 8} if name.endswith("mlp.gate") else True
 
-    nn.quantize(module, group, bits, class_predicate=quantizable)
+    nn.quantize(module, group, bits, mode=mode, class_predicate=quantizable)
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(module.parameters())))
-    config["quantization"] = {"group_size": group, "bits": bits}
+    config["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
     config["quantization"] |= {
-        name: {"group_size": 64, "bits": 8}
+        name: {"group_size": 64, "bits": 8, "mode": "affine"}
         for name, layer in module.named_modules()
         if name.endswith("mlp.gate") and isinstance(layer, nn.QuantizedLinear)
     }

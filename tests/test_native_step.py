@@ -107,7 +107,9 @@ MOE_DIMS = {
     "num_local_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0],
     "num_hidden_layers": 3, "moe_intermediate_size": 64,
 }  # fmt: skip
-MOE_PAIRS = [(MOE, "float32"), (MOE, "bfloat16"), (MOE, "float16", 4, 64)]
+MOE_PAIRS = [
+    (MOE, "float32"), (MOE, "bfloat16"), (MOE, "float16", 4, 64), (MOE, "float32", 4, 32, "mxfp4"),
+]  # fmt: skip
 MAX_TOKENS = 8
 
 
@@ -129,9 +131,10 @@ class Counting:
         return getattr(self.step, name)
 
 
-def load_moe(path: Any, dtype: str, quantization: list[int], backend: Backend) -> Any:
+def load_moe(path: Any, dtype: str, quantization: list[Any], backend: Backend) -> Any:
     """A tiny Qwen3-MoE of MOE_DIMS (widened to QUANTIZED_DIMS, its experts 128 wide, for a
-    quantization: mlx-lm's, `quantization` = [bits, group]), loaded by the runner."""
+    quantization: mlx-lm's, `quantization` = [bits, group] or [bits, group, mode]), loaded
+    by the runner."""
     from runner.models import build_model
     from runner.sources.loader import load_local_dir
 
@@ -139,7 +142,7 @@ def load_moe(path: Any, dtype: str, quantization: list[int], backend: Backend) -
         return build_model(load_local_dir(moe_checkpoint(path, MOE_DIMS, dtype)), backend)
     dims = MOE_DIMS | QUANTIZED_DIMS | {"moe_intermediate_size": 128}
     checkpoint = moe_checkpoint(path.with_name(path.name + "-float"), dims)
-    written = quantized_moe(checkpoint, path, *quantization, dtype)
+    written = quantized_moe(checkpoint, path, *quantization[:2], dtype, *quantization[2:])
     return build_model(load_local_dir(written), backend)
 
 
