@@ -181,6 +181,21 @@ def forward(model: Any, caches: list[Any], tokens: list[int]) -> np.ndarray:
     return np.array(logits)
 
 
+def assert_rows_over_caches_equal(
+    native: tuple[Any, list[Any]], plain: tuple[Any, list[Any]], suffixes: list[list[int]]
+) -> None:
+    """Rows of `suffixes` batched over each model's caches (runner/cache/batch.py, as scoring
+    batches them) give the same hidden states within 1e-4."""
+    from runner.cache.batch import broadcast, forward_suffixes
+    from runner.cache.kinds import kind_of
+
+    rows = []
+    for model, caches in (native, plain):
+        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
+        rows.append(np.array(forward_suffixes(model, batch, suffixes)))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+
+
 def assert_caches_equal(a: list[Any], b: list[Any]) -> None:
     assert [c.offset for c in a] == [c.offset for c in b]
     for x, y in zip(a, b, strict=True):
@@ -250,8 +265,6 @@ def test_attention_of_other_head_sizes_equals_mlx(head_dim, heads, kv_heads, tmp
     split items (2 tokens, decode steps) over a cache of 300 positions equal MLX's path.
     A decode step's rows a group take the few-row scores: 3 (SmolLM2's 9 heads over 3) the
     3x4 tiles, 2 the 2x6, 1 (as many KV heads as heads) the 1x8."""
-    from runner.cache.batch import broadcast, forward_suffixes
-    from runner.cache.kinds import kind_of
 
     config = tiny_config("LlamaForCausalLM") | {
         "head_dim": head_dim,
@@ -278,13 +291,7 @@ def test_attention_of_other_head_sizes_equals_mlx(head_dim, heads, kv_heads, tmp
     assert_caches_equal(a, b)
     assert native._native.taken == 5
     suffixes = [prompt[i : i + 9] for i in range(0, 36, 9)]  # 4 batched rows over 342
-    rows = []
-    for model, caches in ((native, a), (plain, b)):
-        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
-        hidden = forward_suffixes(model, batch, suffixes)
-        mx.eval(hidden)
-        rows.append(np.array(hidden))
-    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+    assert_rows_over_caches_equal((native, a), (plain, b), suffixes)
     assert native._native.taken == 6
 
 
@@ -621,8 +628,6 @@ def test_experts_equal_mlx_however_they_route(norm_topk, top_k, dense, tmp_path)
     whether its probabilities are renormalised or not, a token takes one expert or all of
     them, and whichever layers are dense: prompts in chunks, decode steps and rows batched
     over a prefix equal MLX's path."""
-    from runner.cache.batch import broadcast, forward_suffixes
-    from runner.cache.kinds import kind_of
     from runner.models import build_model
     from runner.sources.loader import load_local_dir
 
@@ -643,11 +648,7 @@ def test_experts_equal_mlx_however_they_route(norm_topk, top_k, dense, tmp_path)
     assert_caches_equal(a, b)
     assert native._native.taken == len(cuts) - 2  # all but the 23-token chunk
     suffixes = [prompt[34:37], prompt[37:38], prompt[38:40]]
-    rows = []
-    for model, caches in ((native, a), (plain, b)):
-        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
-        rows.append(np.array(forward_suffixes(model, batch, suffixes)))
-    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+    assert_rows_over_caches_equal((native, a), (plain, b), suffixes)
     assert native._native.taken == len(cuts) - 1
 
 
@@ -1122,8 +1123,6 @@ def test_mxfp4_conversions_take_the_step(arch, tmp_path):
     the embedding MLX's mxfp4 mode) are read in place by the step, head included (Llama's
     lm_head, Qwen3's tied embedding), where it declined them and MLX's graph ran each layer:
     chunks, decode steps and rows batched over a prefix equal MLX's path."""
-    from runner.cache.batch import broadcast, forward_suffixes
-    from runner.cache.kinds import kind_of
 
     on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
     native = load_quantized_model(arch, tmp_path / "a", 4, 32, "float32", backend=on, mode="mxfp4")
@@ -1143,11 +1142,7 @@ def test_mxfp4_conversions_take_the_step(arch, tmp_path):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert native._native.taken == len(cuts) - 2  # all but the 20-token chunk
     suffixes = [prompt[32:35], prompt[35:36], prompt[36:40]]
-    rows = []
-    for model, caches in ((native, a), (plain, b)):
-        batch = broadcast([kind_of(c) for c in caches], caches, len(suffixes))
-        rows.append(np.array(forward_suffixes(model, batch, suffixes)))
-    np.testing.assert_allclose(rows[0], rows[1], atol=1e-4, rtol=1e-4)
+    assert_rows_over_caches_equal((native, a), (plain, b), suffixes)
 
 
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])

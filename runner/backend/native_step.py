@@ -745,12 +745,9 @@ class NativeStep:
                 raise _Unsupported("layers of different activations")
             self.activation = activation
             self.act_params = oai or self.act_params
-            if "sinks" in attn:  # gpt-oss's
-                fields_sinks = _view(attn.sinks, "sinks")
-                if fields_sinks.shape != (self.heads,):
-                    raise _Unsupported(f"sinks of shape {fields_sinks.shape}")
-            else:
-                fields_sinks = None
+            sinks = _view(attn.sinks, "sinks") if "sinks" in attn else None  # gpt-oss's
+            if sinks is not None and sinks.shape != (self.heads,):
+                raise _Unsupported(f"sinks of shape {sinks.shape}")
             if not (isinstance(attn.rope, TableRoPE) and attn.rope.dims == rope.dims):
                 raise _Unsupported("layers rotate differently")
             cap = getattr(attn, "softcap", None)
@@ -761,7 +758,7 @@ class NativeStep:
                 self._ropes.append(attn.rope)
                 keys.append(attn.rope.key)
             structs[i].rope_table = keys.index(attn.rope.key)
-            fields: dict[str, np.ndarray | None] = {"sinks": fields_sinks}
+            fields: dict[str, np.ndarray | None] = {"sinks": sinks}
             products: dict[str, _Matrix] = {}
             fields["input_norm"], e1 = _norm(layer, "input_layernorm", plus_one)
             if "pre_feedforward_layernorm" in layer:  # Gemma's four norms a layer

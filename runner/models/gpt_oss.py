@@ -92,25 +92,18 @@ class _TextModel(LayerKinds, gpt_oss.GptOssMoeModel):
 
 def _expert_weights(name: str, value: mx.array) -> dict[str, mx.array]:
     """One transformers expert tensor as mlx-lm's switch-layer weights (output-major, gate and
-    up de-interleaved, each contiguous as mlx-lm's sanitize makes them: the native step reads
-    them in place); other names unchanged."""
+    up de-interleaved: views, made contiguous by `_Model.sanitize`); other names unchanged."""
     prefix, _, last = name.rpartition(".experts.")
     if not prefix.endswith(".mlp"):
         return {name: value}
     p = f"{prefix}.experts"
     if last == "gate_up_proj":
         v = value.swapaxes(-1, -2)  # [E, 2I, H]
-        return {
-            f"{p}.gate_proj.weight": mx.contiguous(v[..., ::2, :]),
-            f"{p}.up_proj.weight": mx.contiguous(v[..., 1::2, :]),
-        }
+        return {f"{p}.gate_proj.weight": v[..., ::2, :], f"{p}.up_proj.weight": v[..., 1::2, :]}
     if last == "gate_up_proj_bias":
-        return {
-            f"{p}.gate_proj.bias": mx.contiguous(value[..., ::2]),
-            f"{p}.up_proj.bias": mx.contiguous(value[..., 1::2]),
-        }
+        return {f"{p}.gate_proj.bias": value[..., ::2], f"{p}.up_proj.bias": value[..., 1::2]}
     if last == "down_proj":
-        return {f"{p}.down_proj.weight": mx.contiguous(value.swapaxes(-1, -2))}
+        return {f"{p}.down_proj.weight": value.swapaxes(-1, -2)}
     if last == "down_proj_bias":
         return {f"{p}.down_proj.bias": value}
     return {name: value}
@@ -132,8 +125,8 @@ class _Model(gpt_oss.Model):
         out: dict[str, mx.array] = {}
         for name, value in weights.items():
             out |= _expert_weights(name, value)
-        # stacked experts passed through (an import's views) contiguous, as the native step
-        # reads them in place (a no-op for a file's arrays)
+        # the experts contiguous, as mlx-lm's sanitize makes them: the native step reads them
+        # in place (the views above; an import's; a no-op for a file's arrays)
         return {k: mx.contiguous(v) if ".experts." in k else v for k, v in out.items()}
 
     def make_cache(self) -> list[Any]:

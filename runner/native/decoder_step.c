@@ -87,17 +87,20 @@ static void glu_columns(float *gate, const float *up, int m, int n, int j0, int 
         float *g = gate + (size_t)r * n;
         const float *u = up + (size_t)r * n;
         int j = j0;
-        if (!f->gate_bias && !f->up_bias)
-            for (; j + VL <= j1; j += VL) store_vec(g + j, glu_of(load(g + j), load(u + j), f));
-        for (; j < j1; j += VL) { /* with biases, or the last partial vector */
-            const int w = j1 - j < VL ? j1 - j : VL;
+        for (; j + VL <= j1; j += VL) {
+            vf gv = load(g + j), uv = load(u + j);
+            if (f->gate_bias) gv += load(f->gate_bias + j);
+            if (f->up_bias) uv += load(f->up_bias + j);
+            store_vec(g + j, glu_of(gv, uv, f));
+        }
+        if (j < j1) { /* the last partial vector, through copies */
             float tg[VL] = {0}, tu[VL] = {0}, bg[VL] = {0}, bu[VL] = {0};
-            memcpy(tg, g + j, sizeof(float) * w);
-            memcpy(tu, u + j, sizeof(float) * w);
-            if (f->gate_bias) memcpy(bg, f->gate_bias + j, sizeof(float) * w);
-            if (f->up_bias) memcpy(bu, f->up_bias + j, sizeof(float) * w);
+            memcpy(tg, g + j, sizeof(float) * (j1 - j));
+            memcpy(tu, u + j, sizeof(float) * (j1 - j));
+            if (f->gate_bias) memcpy(bg, f->gate_bias + j, sizeof(float) * (j1 - j));
+            if (f->up_bias) memcpy(bu, f->up_bias + j, sizeof(float) * (j1 - j));
             store_vec(tg, glu_of(load(tg) + load(bg), load(tu) + load(bu), f));
-            memcpy(g + j, tg, sizeof(float) * w);
+            memcpy(g + j, tg, sizeof(float) * (j1 - j));
         }
     }
 }
