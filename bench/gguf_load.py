@@ -8,11 +8,14 @@ a layer, its `attn_v` and `ffn_down_exps` Q6_K in the layers llama.cpp's Q4_K_M 
 bits, the others Q4_K, the head Q6_K; `gpt-oss-20b`: gpt-oss at gpt-oss-20b's widths, its
 experts MXFP4 as every gpt-oss GGUF keeps them, its other matrices Q8_0 as llama.cpp's
 MXFP4_MOE mix, written by the tests' GGUF writer with its 340-token tokenizer, so the head is
-small; `--experts N` for fewer than its 32 experts, 4 a token either way), then times
+small; `--experts N` for fewer than its 32 experts, 4 a token either way; `--halves`: its
+matrices BF16 as Ollama's gpt-oss:20b stores them), then times
 `load_gguf` (metadata, tokenizer, every
 tensor converted) and `build_model`, and reports the resident size of the built model's
-weights (its parameters: what the runner holds once the load's own arrays are gone) against
-the file's. `--layers N` writes only the first N layers (the 30B's 48 would take 18.6 GB of
+weights (its parameters, and the native step's exact half copies of float32 weights: what
+the runner holds once the load's own arrays are gone) against the file's (`--keep PATH`:
+the random file written there and kept, for another checkout's `--file`). `--layers N`
+writes only the first N layers (the 30B's 48 would take 18.6 GB of
 disk). `--file PATH` times an existing GGUF instead (the default model's, a store's blob), or
 a model directory. `--forwards` then times the loaded model in process: decode steps (16
 greedy tokens after a 64-token prompt, ms a token), a 128-token prompt (median of 3, ms a
@@ -63,12 +66,16 @@ GPT_OSS = {"gpt-oss-20b": (64, 32, 4)}
 
 
 def write_gpt_oss(
-    shape: str, path: Path, cut: int | None = None, experts: int | None = None
+    shape: str,
+    path: Path,
+    cut: int | None = None,
+    experts: int | None = None,
+    halves: bool = False,
 ) -> Path:
     """A random gpt-oss GGUF of `shape` (its first `cut` layers, `experts` experts a layer):
-    experts MXFP4, matrices Q8_0, the rest F32, through tests/gguf_models.py's writer (the
-    metadata llama.cpp's converter writes; values normal(0, 0.02), norms 1), one tensor in
-    float32 at a time."""
+    experts MXFP4, matrices Q8_0 (`halves`: BF16, as Ollama's gpt-oss:20b stores them), the
+    rest F32, through tests/gguf_models.py's writer (the metadata llama.cpp's converter
+    writes; values normal(0, 0.02), norms 1), one tensor in float32 at a time."""
     from tests.gguf_models import T, tiny_checkpoint
     from tests.gguf_models import write_gguf as write_checkpoint
 
@@ -118,7 +125,7 @@ def write_gpt_oss(
     def rule(name: str, dims: tuple[int, ...], arch: str) -> Any:
         if len(dims) < 2 or "ffn_gate_inp" in name or not name.endswith(".weight"):
             return T.F32
-        return T.MXFP4 if "_exps" in name else T.Q8_0
+        return T.MXFP4 if "_exps" in name else T.BF16 if halves else T.Q8_0
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint("GptOssForCausalLM", Path(tmp) / "hf")  # its metadata
@@ -243,11 +250,15 @@ def measure(
     built = time.perf_counter()
     del source  # what the model holds: its parameters (kept blocks, or their conversions)
     resident = sum(int(w.nbytes) for _, w in tree_flatten(model.module.parameters()))
+    # and the native step's exact half copies of float32 weights, which it keeps beside them
+    copies = sum(int(c.nbytes) for c in getattr(model.native, "half_copies", ()))
+    resident += copies
     files = [path] if path.is_file() else [f for f in path.iterdir() if f.is_file()]
     size = sum(f.stat().st_size for f in files)
     print(f"{path.name}: {size / 1e6:.1f} MB file")
     print(f"  load_gguf {loaded - started:.2f} s, build_model {built - loaded:.2f} s")
-    print(f"  resident {resident / 1e6:.1f} MB ({resident / size:.2f}x the file)")
+    of_it = f", {copies / 1e6:.1f} MB of it the step's half copies" if copies else ""
+    print(f"  resident {resident / 1e6:.1f} MB ({resident / size:.2f}x the file{of_it})")
     if forwards:
         decode, prefill = time_forwards(model, steps, prompt)
         print(f"  decode {decode:.2f} ms a token ({steps} steps after a 64-token prompt)")
@@ -404,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="write only the shape's first LAYERS layers")
     p.add_argument("--experts", type=int, help="gpt-oss shapes: EXPERTS experts a layer")
     p.add_argument(
+        "--halves",
+        action="store_true",
+        help="gpt-oss shapes: the matrices BF16 (Ollama's gpt-oss:20b), not Q8_0",
+    )
+    p.add_argument("--keep", type=Path, help="write the random GGUF here, and keep it")
+    p.add_argument(
         "--file", type=Path, help="time this GGUF (or model directory) instead of a random one"
     )
     p.add_argument("--forwards", action="store_true", help="time decode steps, a prompt and rows")
@@ -416,11 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         started = time.perf_counter()
+        name = f"random-{args.shape}-{'mxfp4' if args.shape in GPT_OSS else 'q4_k_m'}.gguf"
+        path = Path(tmp) / name if args.keep is None else args.keep.expanduser()
         if args.shape in GPT_OSS:
-            path = Path(tmp) / f"random-{args.shape}-mxfp4.gguf"
-            write_gpt_oss(args.shape, path, args.layers, args.experts)
+            write_gpt_oss(args.shape, path, args.layers, args.experts, args.halves)
         else:
-            path = Path(tmp) / f"random-{args.shape}-q4_k_m.gguf"
             write_gguf(args.shape, path, args.layers)
         print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s")
         measure(path, args.forwards, llama_cpp=args.llama_cpp)
