@@ -332,6 +332,17 @@ def mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     return chosen if shape[-1] % block == 0 else T.F16
 
 
+def halves(name: str, shape: tuple[int, ...], arch: str) -> T:
+    """A file in half precision, as Ollama's gpt-oss:20b is: GPT-OSS's experts MXFP4, every
+    other matrix BF16 but the head F16 (both half types read), norms, biases, sinks and the
+    router F32."""
+    if len(shape) < 2 or "ffn_gate_inp" in name or not name.endswith(".weight"):
+        return T.F32
+    if arch in ("gpt-oss", "gptoss") and "_exps" in name:
+        return T.MXFP4
+    return T.F16 if name.startswith("output.") else T.BF16
+
+
 def k_mixed(name: str, shape: tuple[int, ...], arch: str) -> T:
     """llama.cpp's Q4_K_M where a row is whole blocks of 256: Q6_K for the embedding, the
     head, `attn_v` and `ffn_down`, Q4_K for the other matrices; `mixed` elsewhere (gguf-py

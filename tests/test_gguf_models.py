@@ -60,8 +60,11 @@ def test_a_gguf_computes_what_its_stored_values_compute(tmp_path: Path, arch: st
     source = load_gguf(path)
     if rule is mixed:
         assert source.quantization  # kept quantized (repacked), not dequantized
-        layers = {k: v for k, v in source.quantization.items() if isinstance(v, dict)}
+        entries = {k: v for k, v in source.quantization.items() if isinstance(v, dict)}
+        layers = {k: v for k, v in entries.items() if "bits" in v}
         assert {v["bits"] for v in layers.values()} >= {4, 5, 8}
+        # the F16 matrices (an untied head, rows not whole blocks) as stored, for the step
+        assert {v["ggml_type"] for k, v in entries.items() if k not in layers} <= {"F16"}
         if arch == "GptOssForCausalLM":  # the experts in MLX's own mxfp4
             experts = {k: v["mode"] for k, v in layers.items() if ".experts." in k}
             assert len(experts) == 6 and set(experts.values()) == {"mxfp4"}
@@ -433,9 +436,10 @@ def test_decode_steps_of_quantized_files_are_within_float32_grade(
         np.testing.assert_allclose(step, forward, rtol=1e-5, atol=1e-5)
         differ.append(not np.array_equal(step, plain))
     assert any(differ) == (native.affine_limbs if rule is five_bits else native.limb_products)
-    # the head of a decode step takes limbs too where they read its format: the K-quant and
-    # IQ4_XS files' head is Q6_K, the Q5_0 file's Q8_0 or F16 (`mixed`), which no limbs read
-    assert any(head_differs) == (native.limb_products and rule is not five_bits)
+    # the head of a decode step takes limbs too where they read its format (the K-quant and
+    # IQ4_XS files' head is Q6_K), and the Q5_0 file's F16 head (`mixed`) its rows' stream
+    # tiles where other rows take panels made of them (builds with limbs have half panels)
+    assert any(head_differs) == native.limb_products
     steps = len(SEQUENCE) - prompt
     assert heads == [1, 0] * steps  # each step's head in decode_steps, then the same outside
     assert [d for t, d in flags if t > 1] == [0] * (steps + 2)  # the prompts and the forwards

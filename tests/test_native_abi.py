@@ -405,24 +405,41 @@ def ggml_level(level_library, ggml_type: str) -> tuple[str, abi.Functions, Any, 
             name: (getattr(quants, name), getattr(abi, name.replace("_", "")), None)
             for name in GRID_NAMES
         },
+        "F16": (quants.F16, abi.GF16, half_rows),
+        "BF16": (quants.BF16, abi.GBF16, functools.partial(half_rows, bfloat16=True)),
     }[ggml_type]
     if quantize is None:  # random blocks (tests/gguf_models.py: grid_blocks)
         quantize = functools.partial(grid_blocks, ggml_type=getattr(T, ggml_type))
     return march, functions, kind, form, quantize
 
 
+def half_rows(values: np.ndarray, bfloat16: bool = False) -> np.ndarray:
+    """A GGUF's F16 (BF16) matrix of `values` as its bytes [rows, 2 columns]: float16, or
+    bfloat16 rounded to nearest even from float32's bits (as gguf-py writes it)."""
+    if not bfloat16:
+        return values.astype(np.float16).view(np.uint8)
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return rounded.view(np.uint8)
+
+
 @pytest.mark.parametrize(
-    "ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", *GRID_NAMES]
+    "ggml_type",
+    ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", *GRID_NAMES, "F16", "BF16"],
 )
 def test_every_level_computes_ggml_block_products(level_library, ggml_type: str) -> None:
     """runner_weight_product on GGML Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL blocks and
     the grid i-quants' (random blocks: every index, sign and scale bit) as a GGUF stores
-    them: exactly the sums the level's block tiles define (the values in order of
+    them, and on a GGUF's F16 and BF16 matrices as stored (W_GF16, W_GBF16: row-major
+    halves): exactly the sums the level's block tiles define (the values in order of
     k, its lanes, fused or not), the same bits for any number of rows (the stream tiles of one
     and two rows, the block tiles of more), and within 1e-4 of the float64 product of
     llama.cpp's values (runner/sources/gguf/quants.py's dequantization, checked against
-    gguf-py's). A decode step's rows take the same tiles where the build has no limbs, and
-    always for IQ4_NL (which has none); IQ4_NL's rows need only be whole 32s (576:
+    gguf-py's). The halves, where the build has half panels, take the panel tiles (panels made
+    a block at a time: each value the sum in order of k, one fused step a weight); a decode
+    step's rows of them the stream tiles (the block tiles' lanes) where the build has limbs.
+    A decode step's rows take the same tiles where the build has no limbs, and always for
+    IQ4_NL (which has none); IQ4_NL's and the halves' rows need only be whole 32s (576:
     SmolLM2's)."""
     from runner.sources.gguf import quants
 
@@ -430,7 +447,7 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     lanes = AFFINE_LANES[LEVELS[march][0]]
     rng = np.random.default_rng(6)
     # n not a whole number of blocks of rows; IQ4_NL's k not whole 256s
-    n, k = 45, 576 if ggml_type == "IQ4_NL" else 512
+    n, k = 45, 576 if ggml_type in ("IQ4_NL", "F16", "BF16") else 512
     blocks = np.ascontiguousarray(quantize(rng.normal(size=(n, k)).astype(np.float32)))
     values = quants.dequantize(blocks.reshape(-1), kind, (n, k))
     weight = abi.Weight(format=form, data=blocks.ctypes.data)
@@ -439,9 +456,11 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
     def times(rows: np.ndarray) -> np.ndarray:
         return weight_times(functions, weight, (n, k), rows)
 
+    halves = ggml_type in ("F16", "BF16")
+    in_order = (1, True) if halves and functions.half_weights else lanes  # the panels' order
     with amx_turned_off(functions):  # the float tiles (AMX's: test_k_quant_rows_by_amx_tiles)
         c = times(a)
-        np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *lanes))  # natural order
+        np.testing.assert_array_equal(c, affine_in_order(a, values, 8, *in_order))
         for m in (1, 2, 3, 7):
             np.testing.assert_array_equal(times(a[:m]), c[:m])
         many = np.concatenate([a] * 16)  # 656 rows: chunks of rows (quantized.c: chunk_bytes)
@@ -454,6 +473,8 @@ def test_every_level_computes_ggml_block_products(level_library, ggml_type: str)
         if not functions.limb_products or ggml_type == "IQ4_NL":
             # the float tiles: the same bits
             np.testing.assert_array_equal(decode, c)
+        elif halves:  # the stream tiles
+            np.testing.assert_array_equal(decode, affine_in_order(a, values, 8, *lanes))
 
 
 def limb_operands(kind, form, quantize, rows: int, seed: int):

@@ -660,18 +660,20 @@ def gpt_oss_pair(tmp_path: Any, source: str) -> tuple[Any, Any]:
     its clamped SwiGLU's limit 0.05, so that clamps bite) loaded with the step and without:
     its float32 checkpoint, or the GGUF llama.cpp's quantizer would write (experts MXFP4,
     attention Q4_0 / Q5_0 / Q4_1, norms, biases and sinks F32), in llama.cpp's layout or as
-    Ollama's converter publishes it (`gptoss`, its own tensor names), or as mlx-community's
-    gpt-oss conversions hold it (`mlx_mxfp4_q8`)."""
+    Ollama's converter publishes it (`gptoss`, its own tensor names), the same with every
+    other matrix in half precision as Ollama's gpt-oss:20b (`ollama-halves`: BF16, the head
+    F16), or as mlx-community's gpt-oss conversions hold it (`mlx_mxfp4_q8`)."""
     from runner.models import build_model
     from runner.sources.gguf.model import load_gguf
     from runner.sources.loader import load_local_dir
-    from tests.gguf_models import mixed, tiny_checkpoint, write_gguf
+    from tests.gguf_models import halves, mixed, tiny_checkpoint, write_gguf
 
     on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
     off = on.replace(native_step_max_tokens=None)
     checkpoint = tiny_checkpoint(GPT_OSS, tmp_path / "hf")
-    if source in ("gguf", "ollama-gguf"):
-        path = write_gguf(checkpoint, tmp_path / "model.gguf", mixed, ollama=source != "gguf")
+    if source in ("gguf", "ollama-gguf", "ollama-halves"):
+        rule = halves if source == "ollama-halves" else mixed
+        path = write_gguf(checkpoint, tmp_path / "model.gguf", rule, ollama=source != "gguf")
         native, plain = build_model(load_gguf(path), on), build_model(load_gguf(path), off)
     elif source == "mlx":
         path = mlx_mxfp4_q8(checkpoint, tmp_path / "mlx")
@@ -721,7 +723,7 @@ def mlx_mxfp4_q8(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("source", ["float32", "gguf", "ollama-gguf", "mlx"])
+@pytest.mark.parametrize("source", ["float32", "gguf", "ollama-gguf", "ollama-halves", "mlx"])
 def test_gpt_oss_equals_mlx(source, tmp_path):
     """gpt-oss in the step (Ollama's gpt-oss:20b: its decode ran MLX's graph a layer at a
     time): attention with sinks and biases over a sliding ring and a full cache, the router's
@@ -749,6 +751,40 @@ def test_gpt_oss_equals_mlx(source, tmp_path):
     for got, want in zip(*rows, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert native._native.taken == len(cuts) - 2 + 3
+
+
+def test_half_precision_ggufs_are_held_at_their_own_size(tmp_path):
+    """A GGUF's BF16 and F16 matrices (Ollama's gpt-oss:20b: 1.8B of its weights, 3.6 of its
+    14 GB) are read by the step as stored: before, they became float32 for MLX's path with
+    exact half copies beside them for the step, 3x their bytes (the 20b: ~21 GB resident
+    against the file's 14). Every matrix is the file's own bytes, the whole model's
+    parameters no larger than the file; without the step (MLX's path) they are the plain
+    arrays they always were, widened."""
+    from mlx.utils import tree_flatten
+
+    from runner.models.quantized import GGMLEmbedding, GGMLLinear
+
+    native, plain = gpt_oss_pair(tmp_path, "ollama-halves")
+    file_bytes = (tmp_path / "model.gguf").stat().st_size
+    kept = GGMLLinear | GGMLEmbedding
+    layers = dict(native.module.named_modules())
+    halves = {p: m.ggml_type for p, m in layers.items() if isinstance(m, kept)}
+    attention = [p for p in halves if p.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))]
+    assert len(attention) == 4 * native._native.step.layers
+    assert set(halves.values()) == {"BF16", "F16"}  # the head F16, the rest BF16
+    assert native._native.step._head_rows == 1 << 30  # the head from its halves, any rows
+
+    def parameter_bytes(model: Any) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(model.module.parameters()))
+
+    assert parameter_bytes(native) <= file_bytes
+    assert not any(isinstance(m, kept) for _, m in plain.module.named_modules())
+    assert parameter_bytes(plain) > 1.5 * file_bytes  # float32 on MLX's path
+    step = native._native.step
+    prompt = np.random.default_rng(7).integers(3, 300, size=6).tolist()
+    want = forward(plain, plain.make_caches(), prompt)
+    np.testing.assert_allclose(forward(native, native.make_caches(), prompt), want, atol=1e-4)
+    assert native._native.taken >= 1 and step.quantized == 7 * step.layers
 
 
 def test_gpt_oss_sinks_and_clamps_change_what_the_step_computes(tmp_path):

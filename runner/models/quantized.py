@@ -29,7 +29,10 @@ a family without a native step, a forward the step declines), and otherwise (Met
 sharded model) makes the types AFFINE_REPACKS names the affine repack and the others float32
 weights, as before. A layer without products (MLX's path) dequantizes the blocks with MLX
 operations (the grid types with numpy), to the values llama.cpp's dequantization gives, bit
-for bit.
+for bit. A GGUF's F16 and BF16 matrices (HALF_TYPES) come as their rows' bytes too: kept so
+only where a native step reads them (on the CPU, float32 for MLX's path with exact half copies
+beside it for the step took 3x their bytes: Ollama's gpt-oss:20b holds all but its experts
+in BF16), else plain arrays of their dtype again.
 
 A mixture of experts' stacked projections ([experts, out, bytes a row] of blocks: Qwen3-MoE's
 Q4_K_M holds Q4_K and Q6_K experts, nearly all its bytes) become `GGMLSwitchLinear`s in
@@ -202,6 +205,15 @@ BLOCK_WEIGHTS = 256  # weights a block, of all these types but IQ4_NL
 IQ4_NL_WEIGHTS = 32
 Q6_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q3_K_BYTES, Q2_K_BYTES = 210, 144, 176, 110, 84  # a block
 IQ4_XS_BYTES, IQ4_NL_BYTES = 136, 18
+# GGUF's half-precision matrices, kept as stored only where a native step reads them (their
+# "blocks" are the rows' bytes; `adopt_blocks`), else plain arrays of their dtype again
+HALF_TYPES = {"F16": mx.float16, "BF16": mx.bfloat16}
+
+
+def dequantize_half(blocks: mx.array, ggml_type: str) -> mx.array:
+    """float32 [..., k] from a half-precision matrix's bytes [..., 2 k] (uint8): each value
+    widened exactly."""
+    return blocks.view(HALF_TYPES[ggml_type]).astype(mx.float32)
 
 
 def dequantize_q6_k(blocks: mx.array) -> mx.array:
@@ -379,11 +391,12 @@ DEQUANTIZE: dict[str, Callable[[mx.array], mx.array]] = {
     IQ4_XS: dequantize_iq4_xs,
     IQ4_NL: dequantize_iq4_nl,
     **{t: partial(dequantize_grid, ggml_type=t) for t in GRID_TYPES},
+    **{t: partial(dequantize_half, ggml_type=t) for t in HALF_TYPES},
 }
 BLOCK_BYTES = {
     Q6_K: Q6_K_BYTES, Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q3_K: Q3_K_BYTES, Q2_K: Q2_K_BYTES,
     IQ4_XS: IQ4_XS_BYTES, IQ4_NL: IQ4_NL_BYTES,
-    **{t: quants.BY_NAME[t].type_size for t in GRID_TYPES},
+    **{t: quants.BY_NAME[t].type_size for t in (*GRID_TYPES, *HALF_TYPES)},
 }  # fmt: skip
 
 
@@ -632,7 +645,9 @@ def adopt_blocks(
     GGMLEmbedding reading them when `keep` (a native step will) or where `products` reads
     them; stacked experts (`<p>.mlp.experts.<proj>`, [E, out, bytes]) become a
     GGMLSwitchLinear at their switch layer where `products` reads them; every layer kept
-    computes by `products` (None: MLX's path dequantizes). Otherwise the types AFFINE_REPACKS
+    computes by `products` (None: MLX's path dequantizes). F16 and BF16 matrices (HALF_TYPES)
+    are kept only where `keep` and `products` reads them, and are otherwise plain weights of
+    their dtype, as a GGUF's half tensors always were. Otherwise the types AFFINE_REPACKS
     names become MLX's affine quantization of the same values (`P.weight`, `P.scales`,
     `P.biases`, quantized as it says) and the others (Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XS,
     IQ2_S, IQ1_M, and a grid block with a scale that is not finite) float32 `P.weight`, as a
@@ -652,6 +667,12 @@ def adopt_blocks(
         width = block_columns(ggml_type, blocks.shape[-1])
         switch = _switch_layer(layers, path) if blocks.ndim == 3 else None
         computed = products is not None and products.reads(ggml_type, rows, width)
+        stepped = keep and computed and blocks.ndim == 2
+        if ggml_type in HALF_TYPES and not (stepped and type(layer) in (nn.Linear, nn.Embedding)):
+            # as stored only for a native step that reads them (where else MLX's path would
+            # widen them once, to the compute dtype), else a plain weight of its dtype again
+            weights[f"{path}.weight"] = weights.pop(name).view(HALF_TYPES[ggml_type])
+            continue
         new: GGMLLinear | GGMLEmbedding | GGMLSwitchLinear | None = None
         if (keep or computed) and blocks.ndim == 2 and type(layer) is nn.Linear:
             new = GGMLLinear(width, rows, "bias" in layer, ggml_type)

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 25  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
+ABI_VERSION = 26  # RUNNER_NATIVE_ABI_VERSION in runner_native.h
 
 F32 = ctypes.POINTER(ctypes.c_float)
 
@@ -28,12 +28,15 @@ F32 = ctypes.POINTER(ctypes.c_float)
 F32_FORMAT, AFFINE, Q6K, Q4K, Q5K, Q3K, Q2K, IQ4XS, IQ4NL = 0, 3, 4, 5, 6, 7, 8, 9, 10
 # GGML's grid i-quants (W_IQ2XXS .. W_IQ1M)
 IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M = 11, 12, 13, 14, 15, 16, 17
+# GGML's F16 and BF16 matrices as a GGUF stores them (W_GF16, W_GBF16: row-major halves, not
+# the panels of W_F16 / W_BF16)
+GF16, GBF16 = 19, 20
 # Each GGML type whose blocks products read, by its name (runner/sources/gguf/quants.py): its
 # weight format
 BLOCK_FORMATS = {
     "Q6_K": Q6K, "Q4_K": Q4K, "Q5_K": Q5K, "Q3_K": Q3K, "Q2_K": Q2K, "IQ4_XS": IQ4XS,
     "IQ4_NL": IQ4NL, "IQ2_XXS": IQ2XXS, "IQ2_XS": IQ2XS, "IQ2_S": IQ2S, "IQ3_XXS": IQ3XXS,
-    "IQ3_S": IQ3S, "IQ1_S": IQ1S, "IQ1_M": IQ1M,
+    "IQ3_S": IQ3S, "IQ1_S": IQ1S, "IQ1_M": IQ1M, "F16": GF16, "BF16": GBF16,
 }  # fmt: skip
 # The half-precision formats (W_F16, W_BF16): those tried, in order, for exact copies of float32
 # weights, and the formats of an affine quantization's scales and biases beside float32.

@@ -211,24 +211,12 @@ static int split_start(int offset, int s, int splits) {
 }
 
 #if defined(__AVX__) && VBYTES == 32
-/* dst[j * ld + i] = src[i * ls + j] for i, j < 8: the usual unpack / shuffle / permute. */
+/* dst[j * ld + i] = src[i * ls + j] for i, j < 8 (transpose8). */
 static inline void transpose_8x8(const float *src, long ls, float *dst, long ld) {
-    __m256 r[8], t[8];
+    __m256 r[8];
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ls);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
+    transpose8(r);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ld, r[i]);
 }
 #endif
 

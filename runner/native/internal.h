@@ -195,6 +195,9 @@ void tile_3x4(const float *const *a, const float *const *w, int kv, float *dot,
 
 /* panels.c: columns [j0, j1) from W's half panels; how many columns a block of one is. */
 void panel_columns(const struct product *p, int j0, int j1);
+/* panels.c: the same from a GGUF's F16 / BF16 rows (W_GF16, W_GBF16), made into panels a
+ * block at a time; where HALF_WEIGHTS, with alpha 1 and beta 0. */
+void half_rows_columns(const struct product *p, int j0, int j1);
 int panel_block(const struct product *p);
 
 /* quantized.c: columns [j0, j1) from W_AFFINE weights (p->a in the order affine_rows
@@ -208,9 +211,10 @@ int affine_supported(const struct step_weight *w, int n, int k);
 /* Whether a weight format is one of GGML's grid i-quants (W_IQ2XXS .. W_IQ1M). */
 static inline int grid_format(int format) { return format >= W_IQ2XXS && format <= W_IQ1M; }
 /* Whether a weight format is one of GGML's blocks (ggml_columns reads them). */
+static inline int half_row_format(int format) { return format == W_GF16 || format == W_GBF16; }
 static inline int ggml_format(int format) {
     return format == W_Q6K || format == W_Q4K || format == W_Q5K || format == W_Q3K || format == W_Q2K ||
-           format == W_IQ4XS || format == W_IQ4NL || grid_format(format);
+           format == W_IQ4XS || format == W_IQ4NL || grid_format(format) || half_row_format(format);
 }
 /* quantized.c: the same for the GGML block formats (ggml_format; A in order of k). */
 void ggml_columns(const struct product *p, int j0, int j1);
@@ -238,7 +242,7 @@ struct limb_block {
 /* quantized.c: buffer `slot` (< THREAD_BUFFERS) of the calling thread's (the pool's threads
  * keep theirs), `floats` floats at least, 64-byte aligned, grown as needed (aborts when memory
  * runs out). Slots 0-1: quantized.c's tiles; 2: amx.c's codes of W; 3-4: amx.c's rows of A. */
-enum { THREAD_BUFFERS = 5 };
+enum { THREAD_BUFFERS = 6 };
 float *thread_buffer(int slot, size_t floats);
 
 /* products.c */
@@ -257,6 +261,57 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
 void products_of(int m, int k, const float *a, int n_products, const int *n,
                  const struct step_weight *const *w, float *const *c, float *reordered,
                  const void *limbs);
+
+#if defined(__AVX__) && VBYTES == 32
+/* r[0 .. 8) transposed in place as an 8 x 8 matrix of 32-bit lanes (lane j of r[i] to lane i
+ * of r[j]): the usual unpack / shuffle / permute. */
+static inline void transpose8(__m256 *r) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m256 lo = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+        t[i] = lo;
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+}
+#endif
+
+#if defined(__AVX512F__)
+/* v[d] = lane d of each of the 16 vectors r[0 .. 16) (lane i of v[d] from r[i]): a 16 x 16
+ * transpose of 32-bit lanes (within 128-bit lanes, then the 128-bit lanes). */
+static inline void transpose16(const __m512i *r, __m512i *v) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* u[k + j]'s 128-bit lane L: rows k .. k + 3's lane 4L + j */
+        u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        v[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        v[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        v[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        v[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+#endif
 
 /* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles,
  * where the build has them (x86-64 Linux, AMX-INT8 and AVX512-VNNI) and the machine runs

@@ -202,6 +202,77 @@ void panel_columns(const struct product *p, int j0, int j1) {
     }
 }
 
+/* --- products from a GGUF's F16 / BF16 rows (W_GF16, W_GBF16) -----------------------------
+ *
+ * The rows as the file stores them, made into panels a block at a time (a buffer of the
+ * thread's, laid out as runner_narrow_panels lays them) and multiplied by the panel tiles
+ * above: every value the sum over t in order with one FMA a step, so the same bits for any
+ * number of rows, whichever block or thread holds a column, as the half copies' products.
+ * The interleaving moves each weight once a block for all rows of A. Measured (2026-12-07,
+ * Qwen3-0.6B's matrices x 28 in float16, the 2-core Xeon VM): by the rows' own block tiles
+ * (quantized.c, the dot products of the GGML formats) 1.4-1.5x the half copies' time at
+ * 8-128 rows; this way, bench/RESULTS.md "A GGUF's half-precision matrices as stored". */
+
+/* panel[t * PANEL + c] = rows[c][t] for t < k (a multiple of 32), c < PANEL. */
+static void interleave_rows(const unsigned short *const *rows, int k, unsigned short *panel) {
+    int t0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* 32 halves of each row as 16 pairs (dwords), transposed: v[d] holds pair d of every row,
+     * whose halves vpermw separates into steps 2d and 2d + 1 (one 64-byte store) */
+    const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (; t0 + 32 <= k; t0 += 32) {
+        __m512i r[PANEL], v[PANEL];
+        for (int c = 0; c < PANEL; c++) r[c] = _mm512_loadu_si512((const void *)(rows[c] + t0));
+        transpose16(r, v);
+        for (int d = 0; d < PANEL; d++)
+            _mm512_storeu_si512((void *)(panel + (size_t)(t0 + 2 * d) * PANEL), _mm512_permutexvar_epi16(split, v[d]));
+    }
+#elif defined(__AVX2__)
+    /* 16 halves of 8 rows at a time as 8 pairs, transposed (8 x 8 dwords), each pair's halves
+     * separated within 128-bit lanes (vpshufb) and the lanes' halves gathered (vpermq) */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (; t0 + 16 <= k; t0 += 16)
+        for (int c0 = 0; c0 < PANEL; c0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(rows[c0 + i] + t0)));
+            transpose8(r);
+            for (int d = 0; d < 8; d++) { /* pair d of the 8 rows: steps 2d and 2d + 1 */
+                const __m256i x = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_castps_si256(r[d]), split), 0xD8);
+                _mm_storeu_si128((__m128i *)(panel + (size_t)(t0 + 2 * d) * PANEL + c0), _mm256_castsi256_si128(x));
+                _mm_storeu_si128((__m128i *)(panel + (size_t)(t0 + 2 * d + 1) * PANEL + c0), _mm256_extracti128_si256(x, 1));
+            }
+        }
+#endif
+    for (int t = t0; t < k; t++)
+        for (int c = 0; c < PANEL; c++) panel[(size_t)t * PANEL + c] = rows[c][t];
+}
+
+void half_rows_columns(const struct product *p, int j0, int j1) {
+    const int k = p->k, block = panel_block(p);
+    const unsigned short *base = p->w;
+    unsigned short *panels = (unsigned short *)thread_buffer(5, (size_t)block * k / 2);
+    struct product q = *p;
+    q.format = p->format == W_GBF16 ? W_BF16 : W_F16;
+    q.w = panels;
+    for (int j = j0; j < j1; j += block) {
+        const int cols = j1 - j < block ? j1 - j : block;
+        /* the next block's rows fetched into L2 while this one is made and multiplied */
+        const int next = j1 - j - block < block ? j1 - j - block : block;
+        for (int r = 0; r < next; r++)
+            for (int t = 0; t < k; t += 32) __builtin_prefetch(base + (size_t)(j + block + r) * k + t, 0, 2);
+        for (int c0 = 0; c0 < cols; c0 += PANEL) {
+            const unsigned short *rows[PANEL];
+            for (int c = 0; c < PANEL; c++) /* past the columns wanted: any row (not kept) */
+                rows[c] = base + (size_t)(j + (c0 + c < cols ? c0 + c : 0)) * k;
+            interleave_rows(rows, k, panels + (size_t)(c0 / PANEL) * PANEL * k);
+        }
+        q.c = p->c + j;
+        panel_columns(&q, 0, cols);
+    }
+}
+
 /* The panels of W [n, k] in `format`: panel_halves(n, k) halves. */
 long runner_panel_halves(int n, int k) { return (long)ceil_div(n, PANEL) * PANEL * k; }
 
@@ -262,6 +333,7 @@ int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, in
 }
 #else
 void panel_columns(const struct product *p, int j0, int j1) { (void)p, (void)j0, (void)j1; }
+void half_rows_columns(const struct product *p, int j0, int j1) { (void)p, (void)j0, (void)j1; }
 long runner_panel_halves(int n, int k) { (void)n, (void)k; return 0; }
 int runner_narrow_panels(const float *src, int n, int k, unsigned short *dst, int format) {
     (void)src, (void)n, (void)k, (void)dst, (void)format;

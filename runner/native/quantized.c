@@ -814,11 +814,13 @@ void affine_columns(const struct product *p, int j0, int j1) {
  * grid i-quants since bench/RESULTS.md's "The grid i-quants by limbs": their codes are made
  * as the float tiles make them, and summed by limbs). */
 static int limb_format(int format) {
-    return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL;
+    return LIMB_PRODUCTS && ggml_format(format) && format != W_IQ4NL && !half_row_format(format);
 }
 
+/* A decode step's rows of W_GF16 / W_GBF16 are marked by limbs too (none read: `p->limbs` is
+ * what tells ggml_columns the rows are a decode step's): see half_rows_panels. */
 int limbs_read(const struct step_weight *w, int k) {
-    if (ggml_format(w->format)) return limb_format(w->format);
+    if (ggml_format(w->format)) return limb_format(w->format) || half_row_format(w->format);
     return w->format == W_AFFINE && affine_limbs_read(w->bits, w->group, k);
 }
 
@@ -1497,6 +1499,89 @@ static void iq4nl_stream_2(int k, const unsigned char *const *rows, const float 
                            const char *ahead, int lines) {
     iq4nl_stream_tile(2, k, rows, a, dot, ahead, lines);
 }
+
+/* --- GGML's F16 and BF16 rows (W_GF16, W_GBF16) --------------------------------------------- */
+
+/* A GGUF's float16 or bfloat16 matrix as it stores it, row-major halves, read as blocks of 32
+ * weights (64 bytes; k a multiple of 32): each value widened exactly to float32 (float16 by
+ * F16C's conversion, bfloat16 as a float32's top half), the sums those of the float32 values
+ * in the block tiles' lanes and order as every block format's, so the same bits for any
+ * number of rows. A model stored in half precision (gpt-oss's non-expert matrices in
+ * Ollama's files) is read in place at 2 bytes a weight, never widened into a float32 copy.
+ * No limb tiles: these values are not a scale times small integers. */
+enum { HALF_ROW_WEIGHTS = 32, HALF_ROW_BYTES = 64 };
+
+/* v[0 .. 32 / QL) = the float32 values of 32 halves at x (bfloat16 when `bf`), QL at a time. */
+ALWAYS void half_row_values(const int bf, const unsigned char *x, qv *v) {
+#if QPATH == 512
+    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+        v[i] = bf ? (qv)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                  : (qv)_mm512_cvtph_ps(h);
+    }
+#elif QPATH == 256 && defined(__F16C__)
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(x + 16 * i));
+        v[i] = bf ? (qv)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                  : (qv)_mm256_cvtph_ps(h);
+    }
+#else
+    for (int i = 0; i < HALF_ROW_WEIGHTS / QL; i++)
+        for (int l = 0; l < QL; l++) {
+            unsigned short h;
+            memcpy(&h, x + 2 * (i * QL + l), 2);
+            v[i][l] = scale_at(&h, bf ? W_BF16 : W_F16, 0);
+        }
+#endif
+}
+
+/* Row `row` of halves (k weights) widened into out[k], in order of k. */
+ALWAYS void half_row_dequantize(const int bf, int k, const unsigned char *row, float *out) {
+    for (int b = 0; b < k / HALF_ROW_WEIGHTS; b++) {
+        qv w[HALF_ROW_WEIGHTS / QL];
+        half_row_values(bf, row + (size_t)b * HALF_ROW_BYTES, w);
+        _Pragma("GCC unroll 8") for (int v = 0; v < HALF_ROW_WEIGHTS / QL; v++)
+            qstore(out + (size_t)b * HALF_ROW_WEIGHTS + v * QL, w[v]);
+    }
+}
+
+/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r], halves) over k: block_tile's lanes and
+ * order, each block's values widened in registers; `lines` cache lines from `ahead`
+ * prefetched, spread over the blocks (s16_stream_tile's way). */
+ALWAYS void half_row_stream_tile(const int bf, const int RA, int k, const unsigned char *const *rows,
+                                 const float *const *a, float *dot, const char *ahead, int lines) {
+    enum { RW = BLOCK_RW, V = HALF_ROW_WEIGHTS / QL };
+    qv acc[2 * RW], zero = {0};
+    QPIN(zero);
+    _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
+    const int blocks = k / HALF_ROW_WEIGHTS;
+    for (int b = 0; b < blocks; b++) {
+        fetch_share(ahead, lines, b, blocks);
+        const int t0 = b * HALF_ROW_WEIGHTS;
+        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
+            qv w[V];
+            half_row_values(bf, rows[r] + (size_t)b * HALF_ROW_BYTES, w);
+            _Pragma("GCC unroll 8") for (int v = 0; v < V; v++)
+                _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += qload(a[i] + t0 + v * QL) * w[v];
+        }
+    }
+    sums(dot, acc, RA * RW);
+}
+
+#define HALF_ROW_INSTANCES(name, bf)                                                                 \
+    static void name##_stream_1(int k, const unsigned char *const *rows, const float *const *a,     \
+                                float *dot, const char *ahead, int lines) {                         \
+        half_row_stream_tile(bf, 1, k, rows, a, dot, ahead, lines);                                 \
+    }                                                                                               \
+    static void name##_stream_2(int k, const unsigned char *const *rows, const float *const *a,     \
+                                float *dot, const char *ahead, int lines) {                         \
+        half_row_stream_tile(bf, 2, k, rows, a, dot, ahead, lines);                                 \
+    }                                                                                               \
+    static void name##_dequantize_row(int k, const unsigned char *row, float *out) {                \
+        half_row_dequantize(bf, k, row, out);                                                       \
+    }
+HALF_ROW_INSTANCES(gf16, 0)
+HALF_ROW_INSTANCES(gbf16, 1)
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
@@ -2680,6 +2765,10 @@ static const struct block_format *block_format_of(int format) {
     static const struct block_format iq4xs = {IQ4XS_BYTES, 256, iq4xs_stream_1, iq4xs_stream_2, iq4xs_dequantize_row};
     static const struct block_format iq4nl = {IQ4NL_BYTES, IQ4NL_WEIGHTS, iq4nl_stream_1, iq4nl_stream_2,
                                               iq4nl_dequantize_row};
+    static const struct block_format gf16 = {HALF_ROW_BYTES, HALF_ROW_WEIGHTS, gf16_stream_1, gf16_stream_2,
+                                             gf16_dequantize_row};
+    static const struct block_format gbf16 = {HALF_ROW_BYTES, HALF_ROW_WEIGHTS, gbf16_stream_1, gbf16_stream_2,
+                                              gbf16_dequantize_row};
 #define GRID_FORMAT(name, bytes) \
     static const struct block_format name = {bytes, 256, name##_stream_1, name##_stream_2, name##_dequantize_row}
     GRID_FORMAT(iq2xxs, IQ2XXS_BYTES);
@@ -2705,6 +2794,8 @@ static const struct block_format *block_format_of(int format) {
     case W_IQ3S: return &iq3s;
     case W_IQ1S: return &iq1s;
     case W_IQ1M: return &iq1m;
+    case W_GF16: return &gf16;
+    case W_GBF16: return &gbf16;
     default: return NULL;
     }
 }
@@ -2726,31 +2817,6 @@ static void ggml_rows_fill(const struct product *p, int j, int nj, float *w, con
 }
 
 #if AMX_PRODUCTS
-/* v[d] = lane d of each of the 16 vectors r[0 .. 16) (lane i of v[d] from r[i]): a 16 x 16
- * transpose of 32-bit lanes (within 128-bit lanes, then the 128-bit lanes). */
-static inline void transpose16(const __m512i *r, __m512i *v) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int k = 0; k < 16; k += 4) { /* u[k + j]'s 128-bit lane L: rows k .. k + 3's lane 4L + j */
-        u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
-        u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
-        u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
-        u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
-        v[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        v[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        v[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        v[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-}
-
 void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
                      float *bias) {
     const int blocks = p->k / Q4K_WEIGHTS, five = p->format == W_Q5K;
@@ -2817,7 +2883,19 @@ int ggml_supported(const struct step_weight *w, int n, int k) {
     return f && w->data && n > 0 && k > 0 && k % f->weights == 0;
 }
 
-int ggml_block(const struct product *p) { return p->amx ? AMX_BLOCK : BLOCK_RW; }
+/* Whether a product of GGUF F16 / BF16 rows takes the panel tiles (half_rows_columns): not a
+ * decode step's rows (limbs made for them: limbs_read), which the rows' own stream tiles
+ * read at memory's rate where making a block's panels for one row's product takes 1.6x the
+ * time (Qwen3-0.6B's matrices in float16, 2026-12-07): a decode step's own bits, as the
+ * K-quants' limbs give theirs. */
+static int half_rows_panels(const struct product *p) {
+    return HALF_WEIGHTS && half_row_format(p->format) && p->alpha == 1.0f && p->beta == 0.0f &&
+           !p->limbs;
+}
+
+int ggml_block(const struct product *p) {
+    return p->amx ? AMX_BLOCK : half_rows_panels(p) ? panel_block(p) : BLOCK_RW;
+}
 
 /* Columns [j0, j1) of C from W in a GGML block format: stream tiles for up to STREAM_ROWS rows
  * of A (BLOCK_RW rows of W at a time, the block PREFETCH_BLOCKS ahead fetched over the
@@ -2825,6 +2903,10 @@ int ggml_block(const struct product *p) { return p->amx ? AMX_BLOCK : BLOCK_RW; 
 void ggml_columns(const struct product *p, int j0, int j1) {
     const struct block_format *f = block_format_of(p->format);
     const size_t row_bytes = (size_t)p->k / f->weights * f->bytes;
+    if (half_rows_panels(p)) {
+        half_rows_columns(p, j0, j1);
+        return;
+    }
 #if AMX_PRODUCTS
     if (p->amx) { /* a forward's rows on AMX tiles (amx_rows_of) */
         amx_columns(p, j0, j1);

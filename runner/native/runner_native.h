@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 25
+#define RUNNER_NATIVE_ABI_VERSION 26
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -43,16 +43,21 @@
  * - W_IQ4XS: GGML's IQ4_XS blocks, the same way ([n, k / 256] blocks of 136 bytes).
  * - W_IQ4NL: GGML's IQ4_NL blocks, the same way ([n, k / 32] blocks of 18 bytes).
  * - W_IQ2XXS, W_IQ2XS, W_IQ2S, W_IQ3XXS, W_IQ3S, W_IQ1S, W_IQ1M: GGML's grid i-quants, the
- *   same way ([n, k / 256] blocks of 66, 74, 82, 98, 110, 50 and 56 bytes). */
+ *   same way ([n, k / 256] blocks of 66, 74, 82, 98, 110, 50 and 56 bytes).
+ * - W_GF16, W_GBF16: GGML's F16 and BF16 matrices as a GGUF stores them, [n, k] row-major
+ *   halves (k a multiple of 32): each value widened exactly; products compute float32 sums,
+ *   made into panels a block at a time where the build has half panels (a decode step's rows:
+ *   by rows), no float32 beside them. */
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5, W_Q5K = 6, W_Q3K = 7, W_Q2K = 8,
        W_IQ4XS = 9, W_IQ4NL = 10, W_IQ2XXS = 11, W_IQ2XS = 12, W_IQ2S = 13, W_IQ3XXS = 14, W_IQ3S = 15,
        W_IQ1S = 16, W_IQ1M = 17,
        /* a scale format only (W_AFFINE's mxfp4 mode): a byte e a scale, 2^(e - 127) */
-       W_E8M0 = 18 };
+       W_E8M0 = 18,
+       W_GF16 = 19, W_GBF16 = 20 };
 
 /* One product's W [n, k]. */
 struct step_weight {
-    int format; /* W_F32, W_F16, W_BF16, W_AFFINE, or a GGML block format (W_Q6K .. W_IQ1M) */
+    int format; /* W_F32, W_F16, W_BF16, W_AFFINE, or a GGML format (W_Q6K .. W_IQ1M, W_GF16, W_GBF16) */
     int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16/E8M0 */
     const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
     const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` (mxfp4: no biases) */

@@ -2,8 +2,9 @@
 (`architectures`), the tokenizer its `tokenizer.ggml.*` keys describe (`tokenizer`), and its
 tensors converted exactly (`quants`): repacked onto MLX's quantization where that is exact,
 kept as stored where they are floats or blocks the runner computes with (Q2_K to Q6_K, IQ4_XS,
-IQ4_NL and the grid i-quants' layer weights, and stacked experts' [experts, rows, bytes]:
-runner/models/quantized.py decides what each becomes), dequantized to float32 otherwise;
+IQ4_NL and the grid i-quants' layer weights, F16 and BF16 matrices as their rows' bytes, and
+stacked experts' [experts, rows, bytes]: runner/models/quantized.py decides what each
+becomes), dequantized to float32 otherwise;
 never through MLX's own GGUF reader (which corrupts Q4_K). Every tensor of the file is
 accounted for: one the architecture does not map fails the load, naming it.
 

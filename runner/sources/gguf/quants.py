@@ -14,7 +14,9 @@ Every type gets one of three treatments (`kind`):
   IQ3_S, IQ1_S: a grid value and its sign) become MLX's 8-bit codes, integer + 128, with the
   scale and -128 times it (10 bits a weight against float32's 32; every product in it exact).
   A model's matrices of the grid types, and of Q2_K to Q6_K, IQ4_XS and IQ4_NL, are kept as
-  stored instead (KEPT_TYPES, runner/sources/gguf/model.py) where a native step reads them.
+  stored instead (KEPT_TYPES, runner/sources/gguf/model.py) where a native step reads them;
+  so are F16 and BF16 matrices (on the CPU, where they would otherwise be widened to float32:
+  twice the file's bytes), and elsewhere they are plain arrays again.
 - "dequantize": the rest (groups of 16 weights, which MLX cannot group; non-uniform code books)
   become float32 exactly as llama.cpp computes them (`dequantize`): own numpy for Q2_K, Q3_K,
   Q6_K, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, the `gguf` package's for the grid-based IQ types
@@ -65,9 +67,11 @@ class GGMLType(NamedTuple):
 # the types a loaded model may keep as stored (runner/sources/gguf/model.py)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = 16, 17, 22, 18, 21, 19, 29
+F16, BF16 = 1, 30
 KEPT_TYPES = (
     *(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
     *(IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M),  # the grid i-quants
+    *(F16, BF16),  # half-precision matrices: as stored where the CPU's native step reads them
 )
 TYPES: dict[int, GGMLType] = {
     t.id: t
