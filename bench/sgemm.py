@@ -16,7 +16,9 @@ Settings: `openblas` (OpenBLAS alone, what a runner without a C compiler uses), 
 same on one thread: the kernel's efficiency, less sensitive to a busy second core), `panels`
 and `panels-1t` (the native step's products on exact float16 copies stored as panels,
 `runner_weight_product`: what a checkpoint stored in half precision gets; half the bytes, so
-their GB/s column counts two bytes a weight), `q4`, `q5`, `q8` and `q4-1t` (the native
+their GB/s column counts two bytes a weight), `f16-rows`, `f16-rows-1t` and their `-decode`
+(the same values as a GGUF's F16 matrix stored by rows, W_GF16: made into panels a block at
+a time, a decode step's rows by the rows' stream tiles), `q4`, `q5`, `q8` and `q4-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
 biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs`, `iq4nl` and their `-1t` (GGML's Q4_K,
@@ -36,6 +38,7 @@ FILE` runs another build of the library instead of this CPU's (x86-64-v3's, what
 CPU runs: `bench.decode_builds`' `library_for`).
 
     python -m bench.sgemm --rows 1,15,40 --settings openblas,dispatch,panels
+    python -m bench.sgemm --shape qwen3-0.6b --rows 1,8,18,128 --settings panels,f16-rows
     python -m bench.sgemm --rows 1,16,128,512 --settings dispatch,panels,q4,mlx-q4
     python -m bench.sgemm --shape qwen3-0.6b --rows 1,2,18 --settings q4k-1t,q6k-1t,q4-1t
     python -m bench.sgemm --shape qwen3-0.6b --rows 1,2 --settings q4k-1t,q4k-decode-1t
@@ -68,6 +71,7 @@ SHAPES = {
 }  # fmt: skip
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
+    *("f16-rows", "f16-rows-1t", "f16-rows-decode", "f16-rows-decode-1t"),
     *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
     *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t", "iq4nl", "iq4nl-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
@@ -84,7 +88,9 @@ EXTRA_SETTINGS = (
 )  # fmt: skip
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
-WEIGHT_BYTES = {"panels": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0, "fp4": 0.5 + 1 / 32}
+WEIGHT_BYTES = {
+    "panels": 2.0, "f16-rows": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0, "fp4": 0.5 + 1 / 32,
+}  # fmt: skip
 # GGML blocks: bytes a block of 256 weights (IQ4_NL: of 32, GGML_BLOCK_WEIGHTS)
 GGML_BLOCK_BYTES = {
     "q4k": 144, "q5k": 176, "q6k": 210, "q3k": 110, "q2k": 84, "iq4xs": 136, "iq4nl": 18,
@@ -105,7 +111,7 @@ def setting_kind(setting: str) -> str:
     as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
     quantized_matmul)."""
     base = setting.removesuffix("-noamx").removesuffix("-1t")
-    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8", "fp4"):
+    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8", "fp4", "f16-rows"):
         return base
     known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8", "mlx-fp4")
     return base if base in known else "sgemm"
@@ -149,6 +155,9 @@ def child(shape: str, rows: list[int], kind: str = "sgemm") -> dict[str, float]:
         for i, w in enumerate(layer):
             if kind == "panels":
                 layer[i] = _panels(functions, w.astype(np.float16).astype(np.float32))
+            elif kind == "f16-rows":  # a GGUF's F16 matrix as stored (W_GF16)
+                stored = np.ascontiguousarray(w.astype(np.float16))
+                layer[i] = abi.Weight(format=abi.GF16, data=stored.ctypes.data), stored
             elif kind in GGML_BLOCK_BYTES:
                 layer[i] = _ggml_blocks(kind, w.shape, rng)
             elif kind.endswith("fp4"):
