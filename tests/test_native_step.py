@@ -181,6 +181,18 @@ def forward(model: Any, caches: list[Any], tokens: list[int]) -> np.ndarray:
     return np.array(logits)
 
 
+def chunks_equal(
+    native: Any, plain: Any, prompt: list[int], cuts: list[int]
+) -> tuple[list[Any], list[Any]]:
+    """`prompt` forwarded in the chunks between `cuts` by both models into fresh caches, the
+    logits of every chunk within 1e-4; the two models' caches."""
+    a, b = native.make_caches(), plain.make_caches()
+    for start, stop in itertools.pairwise(cuts):
+        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    return a, b
+
+
 def assert_rows_over_caches_equal(
     native: tuple[Any, list[Any]], plain: tuple[Any, list[Any]], suffixes: list[list[int]]
 ) -> None:
@@ -212,14 +224,10 @@ def test_chunks_and_decode_steps_equal_mlx(pair):
     native, plain = pair
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 300, size=300).tolist()
-    a, b = native.make_caches(), plain.make_caches()
     # 0..5 (native, empty cache), 5..250 (MLX), 250..258 (native, grows the buffer), then
     # decode steps to 290 (native)
     cuts = [0, 5, 250, 258, *range(259, 291)]
-    for start, stop in itertools.pairwise(cuts):
-        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert_caches_equal(a, b)
+    assert_caches_equal(*chunks_equal(native, plain, prompt, cuts))
     assert native._native.taken == len(cuts) - 2  # all but the 245-token chunk
     assert native._native.declined == 1
 
@@ -241,17 +249,12 @@ def test_long_forwards_equal_mlx_however_attention_splits_its_work(tmp_path):
         )
         native._native = Counting(native._native)
         prompt = np.random.default_rng(1).integers(3, 300, size=1998).tolist()
-        a, b = native.make_caches(), plain.make_caches()
         # 300 tokens on an empty cache (row items: own keys only, 5 causal chunks), 1500 by
         # MLX's path (> 512), 150 after 1800 cached (row items: 29 chunks), 37 more (row
         # items), 8 (split items: 8 ranges of the cached keys, 16 rows a block), then
         # decode steps (split items: 8 ranges)
         cuts = [0, 300, 1800, 1950, 1987, 1995, 1996, 1997, 1998]
-        for start, stop in itertools.pairwise(cuts):
-            got = forward(native, a, prompt[start:stop])
-            want = forward(plain, b, prompt[start:stop])
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-        assert_caches_equal(a, b)
+        assert_caches_equal(*chunks_equal(native, plain, prompt, cuts))
         assert native._native.taken == len(cuts) - 2
 
 
@@ -641,10 +644,7 @@ def test_experts_equal_mlx_however_they_route(norm_topk, top_k, dense, tmp_path)
     native._native = Counting(native._native)
     prompt = np.random.default_rng(3).integers(3, 300, size=40).tolist()
     cuts = [0, 7, 30, 31, 32, 33, 34]
-    a, b = native.make_caches(), plain.make_caches()
-    for start, stop in itertools.pairwise(cuts):
-        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    a, b = chunks_equal(native, plain, prompt, cuts)
     assert_caches_equal(a, b)
     assert native._native.taken == len(cuts) - 2  # all but the 23-token chunk
     suffixes = [prompt[34:37], prompt[37:38], prompt[38:40]]
@@ -1172,10 +1172,7 @@ def test_mxfp4_conversions_take_the_step(arch, tmp_path):
     native._native = Counting(step)
     prompt = np.random.default_rng(7).integers(3, 300, size=40).tolist()
     cuts = [0, 5, 25, 29, 30, 31, 32]
-    a, b = native.make_caches(), plain.make_caches()
-    for start, stop in itertools.pairwise(cuts):
-        got, want = forward(native, a, prompt[start:stop]), forward(plain, b, prompt[start:stop])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    a, b = chunks_equal(native, plain, prompt, cuts)
     assert native._native.taken == len(cuts) - 2  # all but the 20-token chunk
     suffixes = [prompt[32:35], prompt[35:36], prompt[36:40]]
     assert_rows_over_caches_equal((native, a), (plain, b), suffixes)

@@ -1393,30 +1393,31 @@ ALWAYS void s16_stream_tile(const int type, const int RA, int k, const unsigned 
     sums(dot, acc, RA * RW);
 }
 
-/* Each format's stream tiles (one and two rows of A) and row dequantizer. */
-#define S16_INSTANCES(name, type)                                                                    \
+/* A format's stream tiles (one and two rows of A) and row dequantizer: its family's
+ * `family`_stream_tile and `family`_dequantize_row for its `kind` (a constant). */
+#define FORMAT_INSTANCES(name, family, kind)                                                         \
     static void name##_stream_1(int k, const unsigned char *const *rows, const float *const *a,     \
                                 float *dot, const char *ahead, int lines) {                         \
-        s16_stream_tile(type, 1, k, rows, a, dot, ahead, lines);                                    \
+        family##_stream_tile(kind, 1, k, rows, a, dot, ahead, lines);                               \
     }                                                                                               \
     static void name##_stream_2(int k, const unsigned char *const *rows, const float *const *a,     \
                                 float *dot, const char *ahead, int lines) {                         \
-        s16_stream_tile(type, 2, k, rows, a, dot, ahead, lines);                                    \
+        family##_stream_tile(kind, 2, k, rows, a, dot, ahead, lines);                               \
     }                                                                                               \
     static void name##_dequantize_row(int k, const unsigned char *row, float *out) {                \
-        s16_dequantize_row(type, k, row, out);                                                      \
+        family##_dequantize_row(kind, k, row, out);                                                 \
     }
-S16_INSTANCES(q6k, S16_Q6K)
-S16_INSTANCES(q3k, S16_Q3K)
-S16_INSTANCES(q2k, S16_Q2K)
-S16_INSTANCES(iq4xs, S16_IQ4XS)
-S16_INSTANCES(iq2xxs, S16_IQ2XXS)
-S16_INSTANCES(iq2xs, S16_IQ2XS)
-S16_INSTANCES(iq2s, S16_IQ2S)
-S16_INSTANCES(iq3xxs, S16_IQ3XXS)
-S16_INSTANCES(iq3s, S16_IQ3S)
-S16_INSTANCES(iq1s, S16_IQ1S)
-S16_INSTANCES(iq1m, S16_IQ1M)
+FORMAT_INSTANCES(q6k, s16, S16_Q6K)
+FORMAT_INSTANCES(q3k, s16, S16_Q3K)
+FORMAT_INSTANCES(q2k, s16, S16_Q2K)
+FORMAT_INSTANCES(iq4xs, s16, S16_IQ4XS)
+FORMAT_INSTANCES(iq2xxs, s16, S16_IQ2XXS)
+FORMAT_INSTANCES(iq2xs, s16, S16_IQ2XS)
+FORMAT_INSTANCES(iq2s, s16, S16_IQ2S)
+FORMAT_INSTANCES(iq3xxs, s16, S16_IQ3XXS)
+FORMAT_INSTANCES(iq3s, s16, S16_IQ3S)
+FORMAT_INSTANCES(iq1s, s16, S16_IQ1S)
+FORMAT_INSTANCES(iq1m, s16, S16_IQ1M)
 
 /* --- GGML's IQ4_NL blocks (W_IQ4NL) -------------------------------------------------------- */
 
@@ -1536,7 +1537,7 @@ ALWAYS void half_row_values(const int bf, const unsigned char *x, qv *v) {
 }
 
 /* Row `row` of halves (k weights) widened into out[k], in order of k. */
-ALWAYS void half_row_dequantize(const int bf, int k, const unsigned char *row, float *out) {
+ALWAYS void half_row_dequantize_row(const int bf, int k, const unsigned char *row, float *out) {
     for (int b = 0; b < k / HALF_ROW_WEIGHTS; b++) {
         qv w[HALF_ROW_WEIGHTS / QL];
         half_row_values(bf, row + (size_t)b * HALF_ROW_BYTES, w);
@@ -1568,20 +1569,8 @@ ALWAYS void half_row_stream_tile(const int bf, const int RA, int k, const unsign
     sums(dot, acc, RA * RW);
 }
 
-#define HALF_ROW_INSTANCES(name, bf)                                                                 \
-    static void name##_stream_1(int k, const unsigned char *const *rows, const float *const *a,     \
-                                float *dot, const char *ahead, int lines) {                         \
-        half_row_stream_tile(bf, 1, k, rows, a, dot, ahead, lines);                                 \
-    }                                                                                               \
-    static void name##_stream_2(int k, const unsigned char *const *rows, const float *const *a,     \
-                                float *dot, const char *ahead, int lines) {                         \
-        half_row_stream_tile(bf, 2, k, rows, a, dot, ahead, lines);                                 \
-    }                                                                                               \
-    static void name##_dequantize_row(int k, const unsigned char *row, float *out) {                \
-        half_row_dequantize(bf, k, row, out);                                                       \
-    }
-HALF_ROW_INSTANCES(gf16, 0)
-HALF_ROW_INSTANCES(gbf16, 1)
+FORMAT_INSTANCES(gf16, half_row, 0)
+FORMAT_INSTANCES(gbf16, half_row, 1)
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
