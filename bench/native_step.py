@@ -21,6 +21,17 @@ ratio to float's (the issue's target: at most 1.3, below 1 for a decode step).
     python -m bench.native_step --model default --tokens 1,15 --quantize 4:64
     python -m bench.native_step --model qwen3-0.6b --tokens 1,15 --quantize 4:64
 
+`--halves` compares a half-precision checkpoint's layouts on the CPU (runner/models/halves.py):
+`widened` (float32 weights with the step's exact half copies), `float32` (without the copies:
+what the runner held before the stored layout where memory was short) and `stored` (the
+matrices as the checkpoint stores them), each with its resident bytes (parameters and copies);
+each time as a ratio to widened's.
+
+    python -m bench.native_step --model qwen3-0.6b --tokens 1,18,128 --halves
+
+A forward of one token runs as a decode step (inside the model's `decode_steps`, as the
+runner's generation runs them: a quantized or stored model's limbs or rows' stream tiles).
+
 `--window N` windows every layer of the model at N positions (a Llama becomes the Mistral of
 the same weights, a Qwen gets `layer_types` all sliding): its layers' caches are then
 mlx-lm's rotating rings, read and masked by the step (docs/DESIGN.md §4.2), reset to the
@@ -32,6 +43,7 @@ prompt's state before every forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -103,6 +115,36 @@ def model_path(name: str) -> Path:
     return Path(name)
 
 
+def build_with_halves(path: Path, backend: Any, layout: str) -> Any:
+    """The model at `path` for `backend` with its half-precision matrices `widened`, `stored`
+    (runner/models/halves.py) or `float32` (widened without the step's half copies)."""
+    import os
+
+    from runner.models import build_model, halves
+    from runner.sources.loader import load_model_source
+
+    if layout == "float32":
+        backend, layout = backend.replace(native_half_formats=()), "widened"
+    before = os.environ.get(halves.SETTING)
+    os.environ[halves.SETTING] = layout
+    try:
+        return build_model(load_model_source(str(path)), backend)
+    finally:
+        if before is None:
+            del os.environ[halves.SETTING]
+        else:
+            os.environ[halves.SETTING] = before
+
+
+def resident_bytes(model: Any) -> int:
+    """The model's parameters' bytes and its native step's half copies'."""
+    from mlx.utils import tree_flatten
+
+    step = getattr(model, "_native", None)
+    copies = sum(c.nbytes for c in getattr(step, "half_copies", []))
+    return sum(v.nbytes for _, v in tree_flatten(model.module.parameters())) + copies
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     preload.reexec_preloaded("bench.native_step", argv)  # the BLAS is chosen at process start
@@ -114,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantize", default=None, help="BITS:GROUP (e.g. 4:64): see above")
     p.add_argument("--window", type=int, default=None, help="window every layer: see above")
+    p.add_argument("--halves", action="store_true", help="the half layouts: see above")
     p.add_argument(
         "--no-q-mlx", action="store_true", help="with --quantize: leave out q-mlx (slow)"
     )
@@ -144,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.no_q_mlx:
             del systems["q-mlx"]
+    elif args.halves:
+        systems = {
+            name: build_with_halves(path, native_backend, name)
+            for name in ("widened", "float32", "stored")
+        }
     else:
         source = load_model_source(str(path))
         systems = {
@@ -198,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     c.offset = s
             new = mx.array([prompt[args.cached : args.cached + t]], dtype=mx.int32)
             started = time.perf_counter()
-            hidden = model.hidden(new, caches)
-            mx.eval(model.unembed(hidden[:, -1:]))
+            with model.decode_steps() if t == 1 else contextlib.nullcontext():
+                hidden = model.hidden(new, caches)
+                mx.eval(model.unembed(hidden[:, -1:]))
             best = min(best, time.perf_counter() - started)
         return best
 
@@ -216,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens cached, then T new; best of {args.repeats} x {args.rounds} rounds (q-mlx: 1 "
         f"x {args.rounds}), {started}; ms for the forward and the head's last row"
     )
+    if args.halves:
+        for name, model in systems.items():
+            print(f"{name}: {resident_bytes(model) / 2**20:.1f} MB of weights")
     for t in sizes:
         ms = {name: best[(t, name)] * 1e3 for name in systems}
         cells = "  ".join(f"{name} {v:8.1f} ms" for name, v in ms.items())
-        if args.quantize:
+        if args.halves:
+            ratios = "  ".join(f"{n}/widened x{ms[n] / ms['widened']:.2f}" for n in systems)
+        elif args.quantize:
             ratios = f"q-native/float x{ms['q-native'] / ms['float']:.2f}"
             if "q-mlx" in ms:
                 ratios += f"  q-mlx/q-native x{ms['q-mlx'] / ms['q-native']:.1f}"

@@ -934,14 +934,18 @@ def test_half_copies_compute_what_float32_weights_compute(arch, dtype, tmp_path)
 @needs_half
 def test_no_half_copies_where_memory_is_short(tmp_path, monkeypatch):
     """The copies add half again the weights' size: not made when that is more than half of
-    the memory still available (the float32 step runs instead)."""
+    the memory still available (the float32 step runs instead; a checkpoint whose matrices
+    the halves' layout chooses to store has no float32 weights to copy, tests/
+    test_half_layouts.py)."""
     from runner.backend import native_step
 
     backend = Backend.cpu().replace(native_step_max_tokens=8)
     monkeypatch.setattr(native_step, "available_memory", lambda: 10_000)  # bytes
+    monkeypatch.setenv("OLLAMA_MLX_RUNNER_HALF_WEIGHTS", "widened")
     short = load_tiny_model("Qwen3ForCausalLM", tmp_path / "a", backend=backend, dtype="float16")
     assert short._native is not None and short._native.half_format is None
     assert short._native.half_copies == []
+    assert short._native.quantized == 0  # float32 weights, not the stored halves
     monkeypatch.setattr(native_step, "available_memory", lambda: 1 << 40)
     ample = load_tiny_model("Qwen3ForCausalLM", tmp_path / "b", backend=backend, dtype="float16")
     assert ample._native.half_format == "float16"

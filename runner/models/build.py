@@ -28,7 +28,7 @@ from runner.backend.install import install
 from runner.cache.batch import broadcast, forward_suffixes
 from runner.cache.kinds import kind_of
 from runner.cache.live import live_arrays
-from runner.models import quantized
+from runner.models import halves, quantized
 from runner.models.base import GenerationConfigReader, MLXPathSwitch, Model, SourceReader
 from runner.models.registry import resolve_architecture
 from runner.sources.source import ModelLoadError, ModelSource
@@ -58,12 +58,12 @@ def build_model(
     # GGML blocks (Q2_K to Q6_K, IQ4_XS, IQ4_NL, the grid i-quants): kept where a native step
     # will read them; elsewhere Q4_K / Q5_K MLX's affine 4- / 5-bit, IQ2_XXS / IQ3_XXS / IQ3_S /
     # IQ1_S 8-bit, the others float32
-    keep_blocks = (
-        bool(blocks)
-        and backend.native_step_max_tokens is not None
+    stepped = (
+        backend.native_step_max_tokens is not None
         and distribute is None
         and getattr(family, "NATIVE_STEP", False)
     )
+    keep_blocks = bool(blocks) and stepped
     # and where the CPU backend's library computes their products from MLX's graph (stacked
     # experts too, for any family)
     products = library_products.for_backend(backend) if distribute is None else None
@@ -73,6 +73,14 @@ def build_model(
         )
     if hasattr(module, "sanitize"):
         weights = module.sanitize(weights)
+    # a half-precision checkpoint's decoder matrices as stored, where widening them to float32
+    # (with the step's half copies) would take too much of the memory (runner/models/halves.py)
+    stored = (
+        stepped
+        and not blocks
+        and products is not None
+        and halves.store_if_chosen(module, weights, products)
+    )
     if quantization is not None:
         _quantize(module, weights, quantization)
         quantized.adopt(module, weights, backend.compute_dtype)  # global scales, row dtypes
@@ -91,6 +99,9 @@ def build_model(
     if keep_blocks and products is None and not native:
         # the native step declined this module: MLX's path would dequantize every forward
         quantized.release_blocks(module)
+        model = family(module, source.config, architecture, backend)
+    if stored and not native and halves.widen(module):
+        # no step reads them: MLX's path computes from float32 weights, as it always has
         model = family(module, source.config, architecture, backend)
     if products is not None:  # after the native step took what it reads (the plain classes)
         changed = quantized.compute_affine(module, products)

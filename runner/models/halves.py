@@ -1,0 +1,123 @@
+"""A half-precision checkpoint's matrices on the CPU: widened, or held as the file stores them.
+
+On the CPU the runner computes in float32 (the reference's numbers), and a float16 / bfloat16
+checkpoint's matrices (most Hugging Face checkpoints) have two layouts there:
+- widened: float32 weights for MLX's path, and exact half copies of them beside, which the
+  native step's short forwards and decode steps read as panels (runner/backend/native_step.py):
+  3x the file's bytes, the fastest products;
+- stored: each decoder matrix (the layers' projections, the embedding, the head) kept as its
+  own bytes in a `GGMLLinear` / `GGMLEmbedding` of type F16 / BF16, as a GGUF's half tensors
+  are (runner/models/quantized.py): the native step reads them by rows (the library's W_GF16 /
+  W_GBF16 formats: every value widened exactly, the same float32 numbers), and the library
+  computes MLX's path's products from them: 1x the file, at decode steps ~1.3x and products of
+  a few rows ~1.3x slower than the panels (docs/DESIGN.md §4).
+A 7B bfloat16 checkpoint (14 GB) takes ~42 GB widened: more than many machines have, where
+stored it loads in 14.
+
+`OLLAMA_MLX_RUNNER_HALF_WEIGHTS` chooses: `auto` (the default) widens where the widened
+layout takes at most WIDENED_MEMORY_SHARE of the memory available at load, else stores;
+`stored` and `widened` say which. Only for a family the native step serves, on a backend that
+runs it, not sharded; where the step then declines the module, the matrices are widened
+after all (`widen`), MLX's path computing as it always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runner.backend import native_step
+from runner.models import quantized
+from runner.models.quantized import BLOCKS, GGML_TYPE, BlockProducts, GGMLEmbedding, GGMLLinear
+from runner.sources.source import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SETTING = "OLLAMA_MLX_RUNNER_HALF_WEIGHTS"
+LAYOUTS = ("auto", "stored", "widened")
+# The widened layout's 3x the halves' bytes at most this share of the memory available at
+# load (the same bound as the half copies' own: they are made while at most half of what is
+# left after the float32 weights, runner/backend/native_step.py)
+WIDENED_MEMORY_SHARE = 0.75
+GGML_TYPES = {mx.float16: "F16", mx.bfloat16: "BF16"}
+
+
+def setting() -> str:
+    """The layout asked for by the environment; ModelLoadError for an unknown one."""
+    value = os.environ.get(SETTING, "auto").strip().lower() or "auto"
+    if value not in LAYOUTS:
+        raise ModelLoadError(f"{SETTING}={value!r}: expected one of {', '.join(LAYOUTS)}")
+    return value
+
+
+def decoder_halves(
+    module: nn.Module, weights: dict[str, Any], products: BlockProducts
+) -> dict[str, str]:
+    """The decoder's plain linear and embedding layers (under `model.`, and `lm_head`: what a
+    native step reads) whose weight in `weights` is a float16 / bfloat16 matrix that
+    `products` reads, each with its GGML type (F16, BF16)."""
+    found: dict[str, str] = {}
+    for path, layer in module.named_modules():
+        if type(layer) not in (nn.Linear, nn.Embedding):
+            continue
+        if not (path == "lm_head" or path.startswith("model.")):
+            continue
+        weight = weights.get(f"{path}.weight")
+        if not isinstance(weight, mx.array) or weight.ndim != 2:
+            continue
+        ggml_type = GGML_TYPES.get(weight.dtype)
+        if ggml_type and products.reads(ggml_type, int(weight.shape[0]), int(weight.shape[1])):
+            found[path] = ggml_type
+    return found
+
+
+def stores(half_bytes: int, layout: str, available: int | None) -> bool:
+    """Whether matrices of `half_bytes` are stored under `layout`, with `available` bytes of
+    memory (None: unknown, and so widened under `auto`)."""
+    if layout != "auto":
+        return layout == "stored"
+    return available is not None and 3 * half_bytes > WIDENED_MEMORY_SHARE * available
+
+
+def store(
+    module: nn.Module, weights: dict[str, Any], paths: dict[str, str], products: BlockProducts
+) -> None:
+    """The layers at `paths` (`decoder_halves`) become GGMLLinear / GGMLEmbedding over their
+    weights' own bytes, computed by `products`. Before the weights are loaded."""
+    for path in paths:
+        weights[f"{path}.{BLOCKS}"] = weights.pop(f"{path}.weight").view(mx.uint8)
+    quantization = {path: {GGML_TYPE: t} for path, t in paths.items()}
+    quantized.adopt_blocks(module, weights, quantization, paths, True, products)
+
+
+def store_if_chosen(module: nn.Module, weights: dict[str, Any], products: BlockProducts) -> bool:
+    """`store` the decoder's half matrices where the setting and the memory say so; whether
+    it did."""
+    paths = decoder_halves(module, weights, products)
+    if not paths:
+        return False
+    half_bytes = sum(weights[f"{p}.weight"].nbytes for p in paths)
+    available = native_step.available_memory()
+    if not stores(half_bytes, setting(), available):
+        return False
+    store(module, weights, paths, products)
+    log.info(
+        "half-precision matrices held as stored: %d MB (widened with copies: %d MB; %s MB "
+        "available)", half_bytes >> 20, 3 * half_bytes >> 20,
+        "?" if available is None else available >> 20,
+    )  # fmt: skip
+    return True
+
+
+def widen(module: nn.Module) -> bool:
+    """Every half GGMLLinear / GGMLEmbedding of `module` an nn.Linear / nn.Embedding of its
+    float32 values again (where no native step reads them); whether there was one."""
+    halves = any(
+        isinstance(m, (GGMLLinear, GGMLEmbedding)) and m.ggml_type in quantized.HALF_TYPES
+        for _, m in module.named_modules()
+    )
+    return halves and quantized.release_blocks(module)
