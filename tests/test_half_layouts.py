@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from runner.backend import Backend
 from runner.native import abi, preload
@@ -52,9 +53,9 @@ def _forward(model: Any, caches: list[Any], tokens: list[int]) -> np.ndarray:
 
 
 def _stored(model: Any) -> dict[str, str]:
-    from runner.models.quantized import GGMLEmbedding, GGMLLinear
+    from runner.models.quantized import GGMLEmbedding, GGMLLinear, GGMLSwitchLinear
 
-    kept = (GGMLLinear, GGMLEmbedding)
+    kept = (GGMLLinear, GGMLEmbedding, GGMLSwitchLinear)
     return {p: m.ggml_type for p, m in model.module.named_modules() if isinstance(m, kept)}
 
 
@@ -70,7 +71,8 @@ def _parameter_bytes(model: Any) -> int:
         ("Qwen3ForCausalLM", "float16"),
         ("Gemma3ForCausalLM", "bfloat16"),
         ("Phi3ForCausalLM", "float16"),  # fused projections, read as row ranges
-        ("GptOssForCausalLM", "bfloat16"),  # sinks, its experts float32 beside
+        ("GptOssForCausalLM", "bfloat16"),  # sinks, experts with biases
+        ("Qwen3MoeForCausalLM", "bfloat16"),  # stacked experts
     ],
 )
 def test_stored_halves_compute_what_widened_ones_compute(arch, dtype, tmp_path, monkeypatch):
@@ -89,10 +91,11 @@ def test_stored_halves_compute_what_widened_ones_compute(arch, dtype, tmp_path, 
     halves = _stored(stored)
     assert set(halves.values()) == {ggml_type}
     assert "model.embed_tokens" in halves and stored._native is not None
-    projections = [p for p in halves if p.startswith("model.layers.")]
+    layers = dict(stored.module.named_modules())
+    stacks = [p for p in halves if type(layers[p]).__name__ == "GGMLSwitchLinear"]
+    projections = [p for p in halves if p.startswith("model.layers.") and p not in stacks]
     assert len(projections) >= 4 * stored._native.layers  # attention's, at least
     assert stored._native.half_format is None and stored._native.half_copies == []
-    layers = dict(stored.module.named_modules())
     held = sum(layers[p].blocks.nbytes for p in halves)  # the halves, where float32 was 2x
     assert _parameter_bytes(stored) == _parameter_bytes(widened) - held
     prompt = np.random.default_rng(3).integers(3, 300, size=180).tolist()
@@ -106,7 +109,9 @@ def test_stored_halves_compute_what_widened_ones_compute(arch, dtype, tmp_path, 
         rows = np.array(forward_suffixes(model, batch, [[4, 5], [6], [7, 8, 9]]))
         results.append((logits, steps, rows))
     (want_logits, want_steps, want_rows), (got_logits, got_steps, got_rows) = results
-    experts = arch == "GptOssForCausalLM"  # float32 experts: another product order there
+    sparse = sum(e is not None for e in stored._native._experts)
+    assert len(stacks) == 3 * sparse  # stacked experts as stored too
+    experts = sparse > 0  # widened, float32 experts (another product order)
     for got, want in zip(got_logits, want_logits, strict=True):
         if experts:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -116,10 +121,11 @@ def test_stored_halves_compute_what_widened_ones_compute(arch, dtype, tmp_path, 
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
     # and the step reads the stored bytes, where MLX holds them: other bytes, other numbers
-    before = _forward(stored, stored.make_caches(), prompt[:5])
-    blocks = np.asarray(layers[projections[0]].blocks)
-    ctypes.memset(blocks.ctypes.data, 0, blocks.nbytes)
-    assert not np.array_equal(_forward(stored, stored.make_caches(), prompt[:5]), before)
+    for path in [projections[0], *stacks[:1]]:
+        before = _forward(stored, stored.make_caches(), prompt[:5])
+        blocks = np.asarray(layers[path].blocks)
+        ctypes.memset(blocks.ctypes.data, 0, blocks.nbytes)
+        assert not np.array_equal(_forward(stored, stored.make_caches(), prompt[:5]), before)
 
 
 @needs_half
@@ -168,6 +174,10 @@ def test_no_stored_halves_without_a_step(tmp_path, monkeypatch):
     assert declined._native is None and not _stored(declined)
     linears = [m for _, m in declined.module.named_modules() if type(m) is nn.Linear]
     assert linears and all(m.weight.dtype == mx.float32 for m in linears)
+    moe = _load("Qwen3MoeForCausalLM", tmp_path / "m", "bfloat16", "stored", monkeypatch)
+    assert moe._native is None and not _stored(moe)
+    stacks = [m for _, m in moe.module.named_modules() if isinstance(m, SwitchLinear)]
+    assert stacks and all(m.weight.dtype == mx.float32 for m in stacks)
     prompt = list(range(3, 40))
     want = _forward(widened, widened.make_caches(), prompt)
     np.testing.assert_allclose(

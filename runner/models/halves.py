@@ -5,12 +5,13 @@ checkpoint's matrices (most Hugging Face checkpoints) have two layouts there:
 - widened: float32 weights for MLX's path, and exact half copies of them beside, which the
   native step's short forwards and decode steps read as panels (runner/backend/native_step.py):
   3x the file's bytes, the fastest products;
-- stored: each decoder matrix (the layers' projections, the embedding, the head) kept as its
-  own bytes in a `GGMLLinear` / `GGMLEmbedding` of type F16 / BF16, as a GGUF's half tensors
-  are (runner/models/quantized.py): the native step reads them by rows (the library's W_GF16 /
+- stored: each decoder matrix (the layers' projections, the embedding, the head, a mixture's
+  stacked experts) kept as its own bytes in a `GGMLLinear` / `GGMLEmbedding` /
+  `GGMLSwitchLinear` of type F16 / BF16, as a GGUF's half tensors are
+  (runner/models/quantized.py): the native step reads them by rows (the library's W_GF16 /
   W_GBF16 formats: every value widened exactly, the same float32 numbers), and the library
-  computes MLX's path's products from them: 1x the file, at decode steps ~1.3x and products of
-  a few rows ~1.3x slower than the panels (docs/DESIGN.md §4).
+  computes MLX's path's products from them: 1x the file, decode steps ~1.1x and products of a
+  few rows ~1.3x the widened layout's time (docs/DESIGN.md §4).
 A 7B bfloat16 checkpoint (14 GB) takes ~42 GB widened: more than many machines have, where
 stored it loads in 14.
 
@@ -29,10 +30,19 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from runner.backend import native_step
 from runner.models import quantized
-from runner.models.quantized import BLOCKS, GGML_TYPE, BlockProducts, GGMLEmbedding, GGMLLinear
+from runner.models.quantized import (
+    BLOCKS,
+    GGML_TYPE,
+    BlockProducts,
+    GGMLEmbedding,
+    GGMLLinear,
+    GGMLSwitchLinear,
+)
 from runner.sources.source import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -57,20 +67,22 @@ def setting() -> str:
 def decoder_halves(
     module: nn.Module, weights: dict[str, Any], products: BlockProducts
 ) -> dict[str, str]:
-    """The decoder's plain linear and embedding layers (under `model.`, and `lm_head`: what a
-    native step reads) whose weight in `weights` is a float16 / bfloat16 matrix that
+    """The decoder's plain linear and embedding layers and mlx-lm switch layers (stacked
+    experts) (under `model.`, and `lm_head`: what a native step reads) whose weight in
+    `weights` is a float16 / bfloat16 matrix (a switch layer's: [experts, out, in]) that
     `products` reads, each with its GGML type (F16, BF16)."""
     found: dict[str, str] = {}
     for path, layer in module.named_modules():
-        if type(layer) not in (nn.Linear, nn.Embedding):
+        kind = type(layer)
+        if kind not in (nn.Linear, nn.Embedding, SwitchLinear):
             continue
         if not (path == "lm_head" or path.startswith("model.")):
             continue
         weight = weights.get(f"{path}.weight")
-        if not isinstance(weight, mx.array) or weight.ndim != 2:
+        if not isinstance(weight, mx.array) or weight.ndim != (3 if kind is SwitchLinear else 2):
             continue
         ggml_type = GGML_TYPES.get(weight.dtype)
-        if ggml_type and products.reads(ggml_type, int(weight.shape[0]), int(weight.shape[1])):
+        if ggml_type and products.reads(ggml_type, int(weight.shape[-2]), int(weight.shape[-1])):
             found[path] = ggml_type
     return found
 
@@ -88,10 +100,22 @@ def store(
 ) -> None:
     """The layers at `paths` (`decoder_halves`) become GGMLLinear / GGMLEmbedding over their
     weights' own bytes, computed by `products`. Before the weights are loaded."""
-    for path in paths:
-        weights[f"{path}.{BLOCKS}"] = weights.pop(f"{path}.weight").view(mx.uint8)
-    quantization = {path: {GGML_TYPE: t} for path, t in paths.items()}
-    quantized.adopt_blocks(module, weights, quantization, paths, True, products)
+    layers = dict(module.named_modules())
+    switches: list[tuple[str, nn.Module]] = []
+    for path, ggml_type in paths.items():
+        blocks = weights.pop(f"{path}.weight").view(mx.uint8)
+        weights[f"{path}.{BLOCKS}"] = blocks
+        layer = layers[path]
+        if type(layer) is SwitchLinear:  # (adopt_blocks makes only a GGUF's experts' names so)
+            experts, rows, _ = blocks.shape
+            stack = GGMLSwitchLinear(layer.input_dims, rows, experts, "bias" in layer, ggml_type)
+            stack.products = products
+            switches.append((path, stack))
+    if switches:
+        module.update_modules(tree_unflatten(switches))
+    matrices = {p: t for p, t in paths.items() if type(layers[p]) is not SwitchLinear}
+    quantization = {path: {GGML_TYPE: t} for path, t in matrices.items()}
+    quantized.adopt_blocks(module, weights, quantization, matrices, True, products)
 
 
 def store_if_chosen(module: nn.Module, weights: dict[str, Any], products: BlockProducts) -> bool:
@@ -114,10 +138,25 @@ def store_if_chosen(module: nn.Module, weights: dict[str, Any], products: BlockP
 
 
 def widen(module: nn.Module) -> bool:
-    """Every half GGMLLinear / GGMLEmbedding of `module` an nn.Linear / nn.Embedding of its
-    float32 values again (where no native step reads them); whether there was one."""
+    """Every half GGMLLinear / GGMLEmbedding / GGMLSwitchLinear of `module` (`store`'s) an
+    nn.Linear / nn.Embedding / SwitchLinear of its float32 values again (where no native step
+    reads them); whether there was one."""
+    switches: list[tuple[str, nn.Module]] = []
+    for path, layer in module.named_modules():
+        if isinstance(layer, GGMLSwitchLinear) and layer.ggml_type in quantized.HALF_TYPES:
+            blocks = layer[BLOCKS]
+            experts, rows, _ = blocks.shape
+            columns = quantized.block_columns(layer.ggml_type, blocks.shape[-1])
+            plain = SwitchLinear(columns, rows, experts, bias="bias" in layer)
+            plain.weight = quantized.dequantize_half(blocks, layer.ggml_type)
+            if "bias" in layer:
+                plain.bias = layer["bias"]
+            switches.append((path, plain))
+    if switches:
+        module.update_modules(tree_unflatten(switches))
+        mx.eval(module.parameters())
     halves = any(
         isinstance(m, (GGMLLinear, GGMLEmbedding)) and m.ggml_type in quantized.HALF_TYPES
         for _, m in module.named_modules()
     )
-    return halves and quantized.release_blocks(module)
+    return bool(switches) | (halves and quantized.release_blocks(module))
