@@ -132,7 +132,8 @@ def test_stored_halves_compute_what_widened_ones_compute(arch, dtype, tmp_path, 
 def test_auto_stores_halves_where_widening_would_not_fit(tmp_path, monkeypatch):
     """`auto`: widened (float32 weights and the step's half copies, 3x the halves' bytes)
     while that takes at most three quarters of the memory available at load; stored beyond
-    (where before only the copies were dropped, the float32 weights, 2x, kept)."""
+    (where before only the copies were dropped, the float32 weights, 2x, kept). A mixture's
+    stacked experts stored in any case."""
     from runner.backend import native_step
     from runner.models import halves
 
@@ -142,7 +143,19 @@ def test_auto_stores_halves_where_widening_would_not_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(native_step, "available_memory", lambda: 100_000)  # bytes
     short = _load("Qwen3ForCausalLM", tmp_path / "b", "bfloat16", "auto", monkeypatch)
     assert _stored(short) and short._native is not None and short._native.half_copies == []
+    # a mixture's experts are stored whatever the memory (widened, they have no copies)
+    monkeypatch.setattr(native_step, "available_memory", lambda: 1 << 40)
+    moe = _load("Qwen3MoeForCausalLM", tmp_path / "m", "bfloat16", "auto", monkeypatch)
+    layers = dict(moe.module.named_modules())
+    kinds = {type(layers[p]).__name__ for p in _stored(moe)}
+    assert kinds == {"GGMLSwitchLinear"} and moe._native.half_format == "bfloat16"
+    widened = _load("Qwen3MoeForCausalLM", tmp_path / "w", "bfloat16", "widened", monkeypatch)
+    prompt = list(range(3, 40))
+    want = _forward(widened, widened.make_caches(), prompt)
+    got = _forward(moe, moe.make_caches(), prompt)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert halves.stores(1000, "auto", 3999) and not halves.stores(1000, "auto", 4000)
+    assert halves.stores(1000, "auto", 4000, other_bytes=1)  # the experts' bytes count
     assert not halves.stores(1 << 40, "auto", None)  # memory unknown: as before
     assert halves.stores(1, "stored", 1 << 40) and not halves.stores(1 << 40, "widened", 1)
 
