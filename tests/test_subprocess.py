@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import platform
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.ollama_store import write_ollama_model
-from tools.spawned import SpawnedRunner
+from tools.spawned import SpawnedRunner, free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -184,6 +185,38 @@ def test_a_signal_while_loading_exits_0_without_a_traceback(ollama_store, delay)
             log = process.output()[-8000:]
             pytest.fail(f"alive 10 s after SIGINT at {delay} s; its log:\n{log}")
         assert_clean(process, 0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_pending_across_the_exec_stops_the_new_image(ollama_store, sig):
+    """A signal that comes while an image execs the runner (the runner's own re-exec, or a
+    supervisor's wrapper) is blocked across the exec and pending when the new image starts:
+    its first lines take it as a request to stop. Made deterministic here: a launcher blocks
+    the signal, sends it to itself, and execs the runner, which must exit 0 promptly, never
+    serving (with the signal left blocked it would load the model and serve on)."""
+    launcher = (
+        "import os, signal, sys, threading\n"
+        f"signal.pthread_sigmask(signal.SIG_BLOCK, {{{int(sig)}}})\n"
+        # to this thread, which execs: a process-wide signal may go to a thread that does not
+        # block it (OpenBLAS's, where LD_PRELOAD loads it)
+        f"signal.pthread_kill(threading.main_thread().ident, {int(sig)})\n"
+        f"assert {int(sig)} in signal.sigpending()\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'runner', *sys.argv[1:]])\n"
+    )
+    env = {**os.environ, "OLLAMA_MODELS": str(ollama_store)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", launcher, "--model", "tiny-llama", "--port", str(free_port())],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"still running 20 s after a pending {sig.name}; its log:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-2000:]
+    assert "listening" not in output and "loaded model" not in output, output[-2000:]
+    assert not any(mark in output for mark in ABORTS), output[-2000:]
 
 
 # tgkill's system call number, where the test knows it
