@@ -154,6 +154,9 @@ def test_auto_stores_halves_where_widening_would_not_fit(tmp_path, monkeypatch):
     want = _forward(widened, widened.make_caches(), prompt)
     got = _forward(moe, moe.make_caches(), prompt)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(halves, "vector_halves", lambda: False)  # halves a value at a time
+    scalar = _load("Qwen3MoeForCausalLM", tmp_path / "v", "bfloat16", "auto", monkeypatch)
+    assert not _stored(scalar)
     assert halves.stores(1000, "auto", 3999) and not halves.stores(1000, "auto", 4000)
     assert halves.stores(1000, "auto", 4000, other_bytes=1)  # the experts' bytes count
     assert not halves.stores(1 << 40, "auto", None)  # memory unknown: as before

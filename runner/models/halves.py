@@ -19,7 +19,8 @@ A mixture's stacked experts get no half copies when widened (float32 alone: 2x t
 read at 4 bytes a weight by every token's experts), so stored they are both smaller and faster
 (a Qwen3-30B-A3B-shaped model: decode steps 0.65x, prompts 0.78x the time).
 
-`OLLAMA_MLX_RUNNER_HALF_WEIGHTS` chooses: `auto` (the default) stores stacked experts, and
+`OLLAMA_MLX_RUNNER_HALF_WEIGHTS` chooses: `auto` (the default) stores stacked experts (where
+the library widens halves in vector registers: AVX2 + F16C), and
 widens the other matrices where that takes at most WIDENED_MEMORY_SHARE of the memory
 available at load (the experts' included), else stores them too; `stored` and `widened` say
 which for all. Only for a family the native step serves, on a backend that
@@ -48,6 +49,7 @@ from runner.models.quantized import (
     GGMLLinear,
     GGMLSwitchLinear,
 )
+from runner.native import abi
 from runner.sources.source import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,12 @@ def decoder_halves(
     return found
 
 
+def vector_halves() -> bool:
+    """Whether the preloaded library widens halves in vector registers (AVX2 + F16C)."""
+    functions = abi.load()
+    return functions is not None and bool(functions.half_weights)
+
+
 def stores(half_bytes: int, layout: str, available: int | None, other_bytes: int = 0) -> bool:
     """Whether matrices of `half_bytes` (3x widened, with the step's copies) are stored under
     `layout`, beside `other_bytes` held anyway, with `available` bytes of memory (None:
@@ -134,8 +142,11 @@ def store_if_chosen(module: nn.Module, weights: dict[str, Any], products: BlockP
         return False
     layers = dict(module.named_modules())
     # stacked experts widened get no half copies (float32 only: 2x the bytes, and a step reads
-    # each token's experts at 4 bytes a weight), so under `auto` they are always stored
-    stacks = {p: t for p, t in paths.items() if type(layers[p]) is SwitchLinear}
+    # each token's experts at 4 bytes a weight), so under `auto` they are always stored where
+    # the library widens halves in vector registers (a build without AVX2 + F16C widens them
+    # a value at a time: there the experts go with the other matrices)
+    vector = vector_halves()
+    stacks = {p: t for p, t in paths.items() if vector and type(layers[p]) is SwitchLinear}
     matrices = {p: t for p, t in paths.items() if p not in stacks}
     stack_bytes = sum(weights[f"{p}.weight"].nbytes for p in stacks)
     half_bytes = sum(weights[f"{p}.weight"].nbytes for p in matrices)
