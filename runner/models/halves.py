@@ -17,15 +17,15 @@ stored it loads in 14.
 
 A mixture's stacked experts get no half copies when widened (float32 alone: 2x their bytes,
 read at 4 bytes a weight by every token's experts), so stored they are both smaller and faster
-(a Qwen3-30B-A3B-shaped model: decode steps 0.65x, prompts 0.78x the time).
+(a Qwen3-30B-A3B-shaped model: decode steps 0.65x, prompts 0.77x the time).
 
 `OLLAMA_MLX_RUNNER_HALF_WEIGHTS` chooses: `auto` (the default) stores stacked experts (where
-the library widens halves in vector registers: AVX2 + F16C), and
-widens the other matrices where that takes at most WIDENED_MEMORY_SHARE of the memory
-available at load (the experts' included), else stores them too; `stored` and `widened` say
-which for all. Only for a family the native step serves, on a backend that
-runs it, not sharded; where the step then declines the module, the matrices are widened
-after all (`widen`), MLX's path computing as it always did.
+the library widens halves in vector registers: AVX2 + F16C), and widens the other matrices
+while that takes at most WIDENED_MEMORY_SHARE of the memory available at load (the experts'
+bytes included), else stores them too; `stored` and `widened` say which for all. Only for a
+family the native step serves, on a backend that runs it, not sharded; where the step then
+declines the module, the matrices are widened after all (`widen`), MLX's path computing as it
+always did.
 """
 
 from __future__ import annotations
@@ -113,15 +113,16 @@ def stores(half_bytes: int, layout: str, available: int | None, other_bytes: int
 def store(
     module: nn.Module, weights: dict[str, Any], paths: dict[str, str], products: BlockProducts
 ) -> None:
-    """The layers at `paths` (`decoder_halves`) become GGMLLinear / GGMLEmbedding over their
-    weights' own bytes, computed by `products`. Before the weights are loaded."""
+    """The layers at `paths` (`decoder_halves`) become GGMLLinear / GGMLEmbedding /
+    GGMLSwitchLinear over their weights' own bytes, computed by `products`. Before the weights
+    are loaded."""
     layers = dict(module.named_modules())
     switches: list[tuple[str, nn.Module]] = []
     for path, ggml_type in paths.items():
         blocks = weights.pop(f"{path}.weight").view(mx.uint8)
         weights[f"{path}.{BLOCKS}"] = blocks
         layer = layers[path]
-        if type(layer) is SwitchLinear:  # (adopt_blocks makes only a GGUF's experts' names so)
+        if type(layer) is SwitchLinear:  # (adopt_blocks knows stacked experts by a GGUF's names)
             experts, rows, _ = blocks.shape
             stack = GGMLSwitchLinear(layer.input_dims, rows, experts, "bias" in layer, ggml_type)
             stack.products = products
@@ -136,8 +137,8 @@ def store(
 def store_if_chosen(module: nn.Module, weights: dict[str, Any], products: BlockProducts) -> bool:
     """`store` the decoder's half matrices where the setting and the memory say so; whether
     it did."""
-    paths = decoder_halves(module, weights, products)
     layout = setting()
+    paths = decoder_halves(module, weights, products)
     if not paths or layout == "widened":
         return False
     layers = dict(module.named_modules())
@@ -185,4 +186,5 @@ def widen(module: nn.Module) -> bool:
         isinstance(m, (GGMLLinear, GGMLEmbedding)) and m.ggml_type in quantized.HALF_TYPES
         for _, m in module.named_modules()
     )
-    return bool(switches) | (halves and quantized.release_blocks(module))
+    released = halves and quantized.release_blocks(module)
+    return bool(switches) or released
