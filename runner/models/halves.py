@@ -12,8 +12,8 @@ checkpoint's matrices (most Hugging Face checkpoints) have two layouts there:
   W_GBF16 formats: every value widened exactly, the same float32 numbers), and the library
   computes MLX's path's products from them: 1x the file, decode steps ~1.1x and products of a
   few rows ~1.3x the widened layout's time (docs/DESIGN.md §4).
-A 7B bfloat16 checkpoint (14 GB) takes ~42 GB widened: more than many machines have, where
-stored it loads in 14.
+A 7B bfloat16 checkpoint (14 GB) takes ~42 GB widened, or ~28 as float32 alone where the
+copies do not fit (what the runner held before): more than many machines have; stored, 14.
 
 A mixture's stacked experts get no half copies when widened (float32 alone: 2x their bytes,
 read at 4 bytes a weight by every token's experts), so stored they are both smaller and faster
