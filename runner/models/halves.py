@@ -60,7 +60,7 @@ LAYOUTS = ("auto", "stored", "widened")
 # load (the same bound as the half copies' own: they are made while at most half of what is
 # left after the float32 weights, runner/backend/native_step.py)
 WIDENED_MEMORY_SHARE = 0.75
-GGML_TYPES = {mx.float16: "F16", mx.bfloat16: "BF16"}
+GGML_TYPES = {dtype: name for name, dtype in quantized.HALF_TYPES.items()}  # F16, BF16
 
 
 def setting() -> str:

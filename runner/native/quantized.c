@@ -1459,48 +1459,6 @@ ALWAYS void iq4nl_values(const unsigned char *x, qv *v) {
 #endif
 }
 
-/* Row `row` of IQ4_NL blocks (k weights) dequantized into out[k], in order of k. */
-static void iq4nl_dequantize_row(int k, const unsigned char *row, float *out) {
-    for (int b = 0; b < k / IQ4NL_WEIGHTS; b++) {
-        qv w[IQ4NL_WEIGHTS / QL];
-        iq4nl_values(row + (size_t)b * IQ4NL_BYTES, w);
-        _Pragma("GCC unroll 8") for (int v = 0; v < IQ4NL_WEIGHTS / QL; v++) qstore(out + (size_t)b * IQ4NL_WEIGHTS + v * QL, w[v]);
-    }
-}
-
-/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r], IQ4_NL blocks) over k: block_tile's lanes
- * and order, each block's values made in registers; `lines` cache lines from `ahead` prefetched,
- * spread over the blocks (s16_stream_tile's way). */
-ALWAYS void iq4nl_stream_tile(const int RA, int k, const unsigned char *const *rows, const float *const *a,
-                              float *dot, const char *ahead, int lines) {
-    enum { RW = BLOCK_RW, V = IQ4NL_WEIGHTS / QL };
-    qv acc[2 * RW], zero = {0};
-    QPIN(zero);
-    _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
-    const int blocks = k / IQ4NL_WEIGHTS;
-    for (int b = 0; b < blocks; b++) {
-        fetch_share(ahead, lines, b, blocks);
-        const int t0 = b * IQ4NL_WEIGHTS;
-        _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
-            qv w[V];
-            iq4nl_values(rows[r] + (size_t)b * IQ4NL_BYTES, w);
-            _Pragma("GCC unroll 8") for (int v = 0; v < V; v++)
-                _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += qload(a[i] + t0 + v * QL) * w[v];
-        }
-    }
-    sums(dot, acc, RA * RW);
-}
-
-static void iq4nl_stream_1(int k, const unsigned char *const *rows, const float *const *a, float *dot,
-                           const char *ahead, int lines) {
-    iq4nl_stream_tile(1, k, rows, a, dot, ahead, lines);
-}
-
-static void iq4nl_stream_2(int k, const unsigned char *const *rows, const float *const *a, float *dot,
-                           const char *ahead, int lines) {
-    iq4nl_stream_tile(2, k, rows, a, dot, ahead, lines);
-}
-
 /* --- GGML's F16 and BF16 rows (W_GF16, W_GBF16) --------------------------------------------- */
 
 /* A GGUF's float16 or bfloat16 matrix as it stores it, row-major halves, read as blocks of 32
@@ -1536,32 +1494,49 @@ ALWAYS void half_row_values(const int bf, const unsigned char *x, qv *v) {
 #endif
 }
 
-/* Row `row` of halves (k weights) widened into out[k], in order of k. */
-ALWAYS void half_row_dequantize_row(const int bf, int k, const unsigned char *row, float *out) {
-    for (int b = 0; b < k / HALF_ROW_WEIGHTS; b++) {
-        qv w[HALF_ROW_WEIGHTS / QL];
-        half_row_values(bf, row + (size_t)b * HALF_ROW_BYTES, w);
-        _Pragma("GCC unroll 8") for (int v = 0; v < HALF_ROW_WEIGHTS / QL; v++)
-            qstore(out + (size_t)b * HALF_ROW_WEIGHTS + v * QL, w[v]);
+/* --- Blocks of 32 weights made in registers: IQ4_NL's, and F16 / BF16 rows -----------------
+ *
+ * One stream tile and row dequantizer for the families whose blocks hold 32 weights with no
+ * limb tiles (`kind`, a constant: B32_IQ4NL, B32_F16, B32_BF16), each block's values made QL
+ * at a time in order of k by the family's own function. */
+enum { B32_WEIGHTS = 32, B32_IQ4NL = 0, B32_F16 = 1, B32_BF16 = 2 };
+_Static_assert((int)IQ4NL_WEIGHTS == (int)B32_WEIGHTS && (int)HALF_ROW_WEIGHTS == (int)B32_WEIGHTS, "blocks of 32");
+
+ALWAYS size_t b32_bytes(const int kind) { return kind == B32_IQ4NL ? IQ4NL_BYTES : HALF_ROW_BYTES; }
+
+ALWAYS void b32_values(const int kind, const unsigned char *x, qv *v) {
+    if (kind == B32_IQ4NL)
+        iq4nl_values(x, v);
+    else
+        half_row_values(kind == B32_BF16, x, v);
+}
+
+/* Row `row` of the family's blocks (k weights) made into out[k], in order of k. */
+ALWAYS void b32_dequantize_row(const int kind, int k, const unsigned char *row, float *out) {
+    for (int b = 0; b < k / B32_WEIGHTS; b++) {
+        qv w[B32_WEIGHTS / QL];
+        b32_values(kind, row + (size_t)b * b32_bytes(kind), w);
+        _Pragma("GCC unroll 8") for (int v = 0; v < B32_WEIGHTS / QL; v++)
+            qstore(out + (size_t)b * B32_WEIGHTS + v * QL, w[v]);
     }
 }
 
-/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r], halves) over k: block_tile's lanes and
- * order, each block's values widened in registers; `lines` cache lines from `ahead`
+/* dot[i * BLOCK_RW + r] = a[i] . row r of W (rows[r], the family's blocks) over k: block_tile's
+ * lanes and order, each block's values made in registers; `lines` cache lines from `ahead`
  * prefetched, spread over the blocks (s16_stream_tile's way). */
-ALWAYS void half_row_stream_tile(const int bf, const int RA, int k, const unsigned char *const *rows,
-                                 const float *const *a, float *dot, const char *ahead, int lines) {
-    enum { RW = BLOCK_RW, V = HALF_ROW_WEIGHTS / QL };
+ALWAYS void b32_stream_tile(const int kind, const int RA, int k, const unsigned char *const *rows,
+                            const float *const *a, float *dot, const char *ahead, int lines) {
+    enum { RW = BLOCK_RW, V = B32_WEIGHTS / QL };
     qv acc[2 * RW], zero = {0};
     QPIN(zero);
     _Pragma("GCC unroll 8") for (int q = 0; q < RA * RW; q++) acc[q] = zero;
-    const int blocks = k / HALF_ROW_WEIGHTS;
+    const int blocks = k / B32_WEIGHTS;
     for (int b = 0; b < blocks; b++) {
         fetch_share(ahead, lines, b, blocks);
-        const int t0 = b * HALF_ROW_WEIGHTS;
+        const int t0 = b * B32_WEIGHTS;
         _Pragma("GCC unroll 4") for (int r = 0; r < RW; r++) {
             qv w[V];
-            half_row_values(bf, rows[r] + (size_t)b * HALF_ROW_BYTES, w);
+            b32_values(kind, rows[r] + (size_t)b * b32_bytes(kind), w);
             _Pragma("GCC unroll 8") for (int v = 0; v < V; v++)
                 _Pragma("GCC unroll 2") for (int i = 0; i < RA; i++) acc[i * RW + r] += qload(a[i] + t0 + v * QL) * w[v];
         }
@@ -1569,8 +1544,9 @@ ALWAYS void half_row_stream_tile(const int bf, const int RA, int k, const unsign
     sums(dot, acc, RA * RW);
 }
 
-FORMAT_INSTANCES(gf16, half_row, 0)
-FORMAT_INSTANCES(gbf16, half_row, 1)
+FORMAT_INSTANCES(iq4nl, b32, B32_IQ4NL)
+FORMAT_INSTANCES(gf16, b32, B32_F16)
+FORMAT_INSTANCES(gbf16, b32, B32_BF16)
 
 /* --- GGML's Q4_K and Q5_K blocks (W_Q4K, W_Q5K) ------------------------------------------- */
 
