@@ -33,6 +33,7 @@ def write_quantized_model(
     group: int,
     dtype: str = "float32",
     mode: str = "affine",
+    recipe: str | None = None,
     **kwargs: Any,
 ) -> Path:
     """A tiny model (`write_tiny_model` with QUANTIZED_DIMS, and `kwargs`) quantized as
@@ -40,8 +41,11 @@ def write_quantized_model(
     quantizes it: its weights cast to `dtype` (so scales and biases come out in it), every
     linear layer and the embedding quantized (affine) by mlx-lm's `quantize_model`, and
     written as mlx-lm writes a converted model; returns `path`. `mode`: mlx-lm's `q_mode`
-    (affine, or e.g. mxfp4 with 4 bits in groups of 32)."""
+    (affine, or e.g. mxfp4 with 4 bits in groups of 32); `recipe`: mlx-lm's `quant_predicate`
+    (a mixed recipe, e.g. mixed_3_6: 3 bits, 6 for the head and some layers' v and down
+    projections; `bits` then unused)."""
     from mlx.utils import tree_map
+    from mlx_lm.convert import mixed_quant_predicate_builder
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
     config = kwargs.pop("config", None) or tiny_config(arch) | QUANTIZED_DIMS
@@ -54,7 +58,10 @@ def write_quantized_model(
             module.parameters(),
         )
     )
-    module, config = quantize_model(module, config, group, bits, mode=mode)
+    predicate = mixed_quant_predicate_builder(recipe, module, group) if recipe else None
+    module, config = quantize_model(
+        module, config, group, bits, mode=mode, quant_predicate=predicate
+    )
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, module)
     save_config(config, path / "config.json")
@@ -72,14 +79,14 @@ def load_quantized_model(
     *,
     backend: Any = None,
     mode: str = "affine",
+    recipe: str | None = None,
 ) -> Any:
     """`write_quantized_model`, loaded by the runner (`backend`, default the device's)."""
     from runner.models import build_model
     from runner.sources.loader import load_local_dir
 
-    return build_model(
-        load_local_dir(write_quantized_model(arch, path, bits, group, dtype, mode)), backend
-    )
+    written = write_quantized_model(arch, path, bits, group, dtype, mode, recipe)
+    return build_model(load_local_dir(written), backend)
 
 
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -261,6 +261,7 @@ def _file_tensors(path: Path) -> dict[str, np.ndarray]:
     ("bits", "group", "scales"),
     [
         (4, 64, "float32"), (4, 32, "bfloat16"), (5, 64, "float16"), (8, 128, "float32"),
+        (2, 64, "float16"), (3, 32, "bfloat16"), (6, 128, "float32"),  # mlx-community's 3/6-bit
         (4, 32, "mxfp4"),  # MLX's mxfp4 mode: e2m1 codes, e8m0 scales, no biases (gpt-oss)
     ],
 )  # fmt: skip

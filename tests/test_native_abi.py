@@ -322,7 +322,9 @@ def affine_level(level_library) -> tuple[abi.Functions, tuple[int, bool]]:
     return functions, AFFINE_LANES[LEVELS[march][0]]
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (5, 32), (8, 128)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(2, 64), (3, 32), (3, 128), (4, 32), (4, 64), (5, 32), (6, 64), (8, 128)]
+)
 def test_every_level_computes_affine_products(level_library, bits: int, group: int) -> None:
     """runner_weight_product on MLX's affine quantization (scales in each format): exactly
     the sums the level's tiles define (its lanes, fused or not), the same bits for any number

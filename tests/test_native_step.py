@@ -6,7 +6,7 @@ decode steps across a cache buffer's growth (mlx-lm grows KV buffers 256 positio
 time), a cache rewound and refilled. Hidden states, logits and the caches' contents agree
 within float32 rounding, and the step must actually have run (counted). The models are float
 checkpoints (float32, and half-precision ones the step reads through exact half copies) and
-mlx-lm quantizations of them (affine: 4, 5 and 8 bits, groups of 32, 64 and 128, scales in
+mlx-lm quantizations of them (affine: 2, 3, 4, 5, 6 and 8 bits, groups of 32, 64 and 128, scales in
 float32, float16 and bfloat16), whose codes the step reads where MLX keeps them.
 """
 
@@ -1061,7 +1061,7 @@ def test_affine_products_equal_float64_and_every_row_count():
     assert functions is not None
     lanes = AFFINE_LANES.get(abi.level() or "")
     rng = np.random.default_rng(11)
-    for bits, group, scales in itertools.product((4, 5, 8), (32, 64, 128), SCALE_DTYPES):
+    for bits, group, scales in itertools.product((2, 3, 4, 5, 6, 8), (32, 64, 128), SCALE_DTYPES):
         n, k = 37, 256
         w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
         a = rng.normal(size=(133, k)).astype(np.float32)
@@ -1126,7 +1126,7 @@ def test_quantized_weights_are_read_where_mlx_keeps_them(arch, tmp_path):
     assert (head.data, head.scales, head.biases) == addresses(owner)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("scales", ["float32", "float16", "bfloat16"])
 def test_quantized_embedding_rows_are_mlx_dequantized_values(bits, scales):
     """A quantized embedding's rows, dequantized in numpy for the step (`_Matrix.values`):
@@ -1184,6 +1184,58 @@ def test_mxfp4_conversions_take_the_step(arch, tmp_path):
     assert_rows_over_caches_equal((native, a), (plain, b), suffixes)
 
 
+@pytest.mark.parametrize(
+    ("arch", "dtype", "bits", "group", "recipe"),
+    [
+        ("LlamaForCausalLM", "bfloat16", 3, 64, None),
+        ("Qwen3ForCausalLM", "float16", 6, 32, None),
+        ("LlamaForCausalLM", "float32", 2, 128, None),
+        ("Qwen3ForCausalLM", "bfloat16", 3, 64, "mixed_3_6"),
+        ("LlamaForCausalLM", "float16", 2, 32, "mixed_2_6"),
+    ],
+)
+def test_low_and_mixed_bit_conversions_take_the_step(arch, dtype, bits, group, recipe, tmp_path):
+    """mlx-lm's 2-, 3- and 6-bit conversions (mlx-community's `-3bit`, `-6bit`) and its mixed
+    recipes (`--quant-predicate mixed_3_6`: 3-bit layers, 6-bit heads and some layers' v and
+    down projections) are read in place by the step, head included, where it declined them
+    and MLX's CPU quantized_matmul ran every layer (a Qwen3-0.6B shape's 32-token forward
+    ~45x the time: bench/RESULTS.md, "2-, 3- and 6-bit affine codes"): every product points
+    at its layer's codes, with its layer's bits; chunks, decode steps and rows batched over
+    a prefix equal MLX's path."""
+    on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
+    models = [
+        load_quantized_model(
+            arch, tmp_path / name, bits, group, dtype, backend=backend, recipe=recipe
+        )
+        for name, backend in (("a", on), ("b", on.replace(native_step_max_tokens=None)))
+    ]
+    native, plain = models
+    step = native._native
+    assert step is not None and step.quantized == 7 * step.layers and step._head is not None
+    read = set()
+    for struct, layer in zip(step._structs, native.module.model.layers, strict=True):
+        for name in abi.PRODUCTS:
+            block = layer.mlp if name in ("gate", "up", "down") else layer.self_attn
+            owner, weight = getattr(block, f"{name}_proj"), getattr(struct, name)
+            assert weight.format == abi.AFFINE
+            assert weight.data == np.asarray(owner.weight).ctypes.data
+            assert (weight.bits, weight.group) == (owner.bits, group)
+            read.add(weight.bits)
+    head = step._head
+    read.add(head.bits)
+    assert read == ({bits, 6} if recipe else {bits})
+    native._native = Counting(step)
+    prompt = np.random.default_rng(8).integers(3, 300, size=40).tolist()
+    cuts = [0, 5, 25, 29, 30, 31, 32]
+    a, b = chunks_equal(native, plain, prompt, cuts)
+    assert native._native.taken == len(cuts) - 2  # all but the 20-token chunk
+    with native.decode_steps(), plain.decode_steps():
+        a_, b_ = forward(native, a, prompt[32:33]), forward(plain, b, prompt[32:33])
+    np.testing.assert_allclose(a_, b_, atol=1e-4, rtol=1e-4)
+    suffixes = [prompt[33:36], prompt[36:37], prompt[37:40]]
+    assert_rows_over_caches_equal((native, a), (plain, b), suffixes)
+
+
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
     """GGML blocks' rows dequantized in numpy for the step: exactly the values of MLX's path
@@ -1202,14 +1254,14 @@ def test_ggml_embedding_rows_are_llama_cpp_values(ggml_type):
 
 
 def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
-    """nvfp4 layers, and affine codes of other widths (3 bits), leave the whole model on
-    MLX's path (mxfp4 ones the step reads: test_mxfp4_conversions_take_the_step); a head of
-    such codes over layers it reads leaves only the head on MLX's, which then computes the
-    same logits."""
+    """nvfp4 and mxfp8 layers leave the whole model on MLX's path (mxfp4 ones the step reads:
+    test_mxfp4_conversions_take_the_step; affine ones of any width:
+    test_low_and_mixed_bit_conversions_take_the_step); a head of such codes over layers it
+    reads leaves only the head on MLX's, which then computes the same logits."""
     from mlx_lm.utils import quantize_model
 
     backend = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
-    for i, (bits, group, mode) in enumerate([(4, 16, "nvfp4"), (3, 64, "affine")]):
+    for i, (bits, group, mode) in enumerate([(4, 16, "nvfp4"), (8, 32, "mxfp8")]):
         model = load_tiny_model(
             "LlamaForCausalLM",
             tmp_path / f"f{i}",
@@ -1219,8 +1271,8 @@ def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
         quantize_model(model.module, {}, group, bits, mode=mode)
         assert native_step_of(model) is None, (bits, mode)
 
-    def head_in_3_bits(path: str, module: Any) -> bool | dict:
-        return {"group_size": 64, "bits": 3} if path == "lm_head" else True
+    def head_in_mxfp8(path: str, module: Any) -> bool | dict:
+        return {"group_size": 32, "bits": 8, "mode": "mxfp8"} if path == "lm_head" else True
 
     def quantized(backend: Backend) -> Any:
         model = load_tiny_model(
@@ -1229,7 +1281,7 @@ def test_quantizations_it_cannot_read_stay_on_mlx(tmp_path):
             backend=backend,
             config=tiny_config("LlamaForCausalLM") | QUANTIZED_DIMS,
         )
-        quantize_model(model.module, {}, 64, 4, quant_predicate=head_in_3_bits)
+        quantize_model(model.module, {}, 64, 4, quant_predicate=head_in_mxfp8)
         model._native = native_step_of(model)
         return model
 

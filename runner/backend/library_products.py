@@ -91,9 +91,10 @@ class LibraryProducts:
     def reads_affine(self, layer: Any) -> bool:
         """Whether the library's products read the weight of `layer`, an `nn.QuantizedLinear`
         / `QuantizedEmbedding` [n, k] or an mlx-lm `QuantizedSwitchLinear` [experts, n, k]:
-        MLX's affine mode, 4, 5 or 8 bits, groups of 32, 64 or 128, scales and biases of one
-        dtype (float32, float16, bfloat16); or its mxfp4 mode (4-bit e2m1 codes, a uint8 e8m0
-        scale a group of 32, no biases: gpt-oss's experts, a GGUF's MXFP4); no global scale."""
+        MLX's affine mode, 2, 3, 4, 5, 6 or 8 bits, groups of 32, 64 or 128, scales and biases
+        of one dtype (float32, float16, bfloat16); or its mxfp4 mode (4-bit e2m1 codes, a uint8
+        e8m0 scale a group of 32, no biases: gpt-oss's experts, a GGUF's MXFP4); no global
+        scale."""
         mode, bits, group = layer.mode, int(layer.bits), int(layer.group_size)
         codes, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
         if layer.get("global_scale") is not None:

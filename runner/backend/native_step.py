@@ -24,7 +24,7 @@ products on row-major copies, a decode step 0.75x (docs/DESIGN.md §4). They cos
 the weights' memory, so they are not made when that would be more than half of the memory
 available.
 
-Quantized weights: an `nn.QuantizedLinear` in MLX's affine mode (4, 5 or 8 bits, groups of
+Quantized weights: an `nn.QuantizedLinear` in MLX's affine mode (2, 3, 4, 5, 6 or 8 bits, groups of
 32, 64 or 128, scales and biases in float32, float16 or bfloat16: what mlx-lm's conversions
 and the runner's GGUF repacks hold), or in its mxfp4 mode (e2m1 codes, an e8m0 scale a group
 of 32: gpt-oss's experts, a GGUF's MXFP4, `--q-mode mxfp4` conversions), is read as MLX
@@ -49,7 +49,7 @@ clamped SwiGLU; MXFP4 experts, MLX's mxfp4 mode, read in place: `_gpt_oss_expert
 what a family's `NativeShape` adds around the layers (Gemma's norms of 1 + weight, four a
 layer, and its scaled embeddings; Ministral3's queries scaled by position). `build` returns
 None for anything else (a weight it cannot read: non-float32 floats, other quantizations
-(nvfp4, 2/3/6 bits, global scales); another module shape), and a call
+(nvfp4, mxfp8, global scales); another module shape), and a call
 returns None where MLX's path must run: more tokens than the backend's limit, a cache that
 is none of a plain `KVCache` (one row), an empty-suffixed `SharedPrefixKV` (rows over a
 prefix) or a `RotatingKVCache` without a `keep`, or cache buffers it cannot read in place.
@@ -238,7 +238,7 @@ GGML_FORMATS = {
 GGML_TYPE_IDS = {form: quants.BY_NAME[name].id for name, form in abi.BLOCK_FORMATS.items()}
 # MLX's affine quantizations the library's products read (runner/native/quantized.c): bits,
 # group sizes, and the dtypes of scales and biases (abi.SCALE_FORMATS).
-AFFINE_BITS = (4, 5, 8)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 # the values of MLX's mxfp4 codes (e2m1: sign, 2-bit exponent, 1-bit mantissa)
 E2M1 = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32

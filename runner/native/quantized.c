@@ -12,17 +12,18 @@
  * multiply-add each, in order of k; then the QL lanes are summed by halving (lane l plus lane
  * l + QL/2, until one is left: `lanes_sum`). Only the build (its QL) changes the order.
  *
- * Units: the codes are unpacked a unit at a time, QL values (5 and 8 bits; natural order:
- * lane l holds position t0 + l) or 2 QL (4 bits: the unit's bytes widened one to a lane, the
+ * Units: the codes are unpacked a unit at a time, QL values (2, 3, 5, 6 and 8 bits; natural
+ * order: lane l holds position t0 + l) or 2 QL (4 bits: the unit's bytes widened one to a lane, the
  * low nibbles, positions t0 + 2l, making the first vector and the high ones, t0 + 2l + 1, the
  * second). A's rows are read in the same order: for 4 bits the caller copies them into it
  * once per product (affine_rows), so a tile reads both operands as plain vectors.
  *
- * Dequantizing: with AVX-512, 4- and 5-bit codes index a table of the group's 16 or 32
+ * Dequantizing: with AVX-512, 2-, 3-, 4- and 5-bit codes index a table of the group's 4 to 32
  * dequantized values held in one or two registers (vpermps / vpermt2ps: one instruction for
- * 16 weights, the table computed once a group with the same two roundings); 8-bit codes, and
- * every width on AVX2, are converted and scaled (cvtdq2ps, mul, add); elsewhere one value at
- * a time, in the same order.
+ * 16 weights, the table computed once a group with the same two roundings; 2 and 3 bits
+ * repeat it over the 16 entries), as 2- and 3-bit codes do on AVX2 (a table of 8); 6- and
+ * 8-bit codes, and 4 and 5 bits on AVX2, are converted and scaled (cvtdq2ps, mul, add);
+ * elsewhere one value at a time, in the same order.
  *
  * Tiles. Few rows (decode, a few rows of a forward: STREAM_ROWS) take stream tiles: STREAM_RW
  * rows of W unpacked in registers against one or two rows of A, W read once from memory.
@@ -183,9 +184,13 @@ static const float *float_scales(const void *base, int format, size_t i0, int n,
 /* MLX's mxfp4 mode (W_AFFINE with scale_format W_E8M0): 4-bit e2m1 codes, packed as the
  * affine 4-bit codes are, worth e2m1[q] * 2^(e - 127) (exact in float32, as MLX's dequantized
  * value), a scale a group of 32 and no bias. FP4 stands for it where the tiles take `bits`
- * (a constant in each instance, as 4, 5 and 8 are); CODE_BITS is its codes' width. */
+ * (a constant in each instance, as 2, 3, 4, 5, 6 and 8 are); CODE_BITS is its codes' width. */
 enum { FP4 = 36 };
 #define CODE_BITS(bits) ((bits) == FP4 ? 4 : (bits))
+/* Widths whose codes straddle bytes (2, 3, 5, 6 bits): a unit's codes are gathered by a byte
+ * shuffle, each lane's code from the 4 bytes at bit bits * l, shifted right by its offset in
+ * the first (mlx-community's 3- and 6-bit conversions and its mixed 3/6-bit recipes). */
+#define PACKED(bits) ((bits) == 2 || (bits) == 3 || (bits) == 5 || (bits) == 6)
 static const float e2m1[16] __attribute__((aligned(64))) = {
     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -213,12 +218,17 @@ ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *b
         return g;
     }
     const qv b = qsplat_at(bias);
-    if (bits == 8) {
+    if (bits == 8 || bits == 6) {
         g.t0 = s;
         g.t1 = b;
         return g;
     }
-    qv p = low * s;
+    /* 2 and 3 bits: the table repeats every 4 (8) codes, so the bits above a lane's code that
+     * vpermps reads (its low 4) pick the same value */
+    const qv codes = bits == 2 ? (qv){0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}
+                     : bits == 3 ? (qv){0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7}
+                                 : low;
+    qv p = codes * s;
     QPIN(p);
     g.t0 = p + b;
     if (bits == 5) {
@@ -233,21 +243,30 @@ ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *b
 
 typedef __m512i qraw;
 
-/* lane l of a 5-bit unit: the 4 bytes from byte 5l / 8 of its 10 (each 128-bit lane of the
- * register holds the unit's first 16), shifted right by 5l % 8 */
-#define B5(l) (5 * (l) / 8)
-#define C5(l) B5(l), B5(l) + 1, B5(l) + 2, B5(l) + 3
-#define CTRL5_128(l) C5(l), C5(l + 1), C5(l + 2), C5(l + 3)
+/* lane l of a PACKED unit: the 4 bytes from byte bits * l / 8 of its 2 * bits (each 128-bit
+ * lane of the register holds the unit's first 16), shifted right by bits * l % 8 */
+#define PB(bits, l) ((bits) * (l) / 8)
+#define PC(bits, l) PB(bits, l), PB(bits, l) + 1, PB(bits, l) + 2, PB(bits, l) + 3
+#define PC4(bits, l) PC(bits, l), PC(bits, l + 1), PC(bits, l + 2), PC(bits, l + 3)
+#define PCTRL(bits) {PC4(bits, 0), PC4(bits, 4), PC4(bits, 8), PC4(bits, 12)}
+#define PS(bits, l) (bits) * (l) % 8
+#define PS4(bits, l) PS(bits, l), PS(bits, l + 1), PS(bits, l + 2), PS(bits, l + 3)
+#define PSHIFTS(bits) {PS4(bits, 0), PS4(bits, 4), PS4(bits, 8), PS4(bits, 12)}
+static const char packed_ctrl[7][64] __attribute__((aligned(64))) = {
+    [2] = PCTRL(2), [3] = PCTRL(3), [5] = PCTRL(5), [6] = PCTRL(6)};
+static const int packed_shifts[7][16] __attribute__((aligned(64))) = {
+    [2] = PSHIFTS(2), [3] = PSHIFTS(3), [5] = PSHIFTS(5), [6] = PSHIFTS(6)};
 
-/* The codes of the unit that starts at position t of a row. 5-bit units read 16 bytes, 6
- * past their 10 (columns_of reads the matrix's last row from a padded copy). */
+/* The codes of the unit that starts at position t of a row. PACKED units read 16 bytes, up
+ * to 12 past their 2 * bits (columns_of reads the matrix's last row from a padded copy); a
+ * lane's bits above its code are the next codes' (2, 3 and 5 bits: the tables repeat over
+ * them; 6: masked). */
 ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
-    if (bits == 5) {
-        static const char ctrl[64] __attribute__((aligned(64))) = {
-            CTRL5_128(0), CTRL5_128(4), CTRL5_128(8), CTRL5_128(12)};
-        const __m512i shifts = _mm512_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3, 0, 5, 2, 7, 4, 1, 6, 3);
-        const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + t * 5 / 8)));
-        return _mm512_srlv_epi32(_mm512_shuffle_epi8(x, _mm512_load_si512(ctrl)), shifts);
+    if (PACKED(bits)) {
+        const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + t * bits / 8)));
+        const __m512i codes = _mm512_srlv_epi32(_mm512_shuffle_epi8(x, _mm512_load_si512(packed_ctrl[bits])),
+                                                _mm512_load_si512(packed_shifts[bits]));
+        return bits == 6 ? _mm512_and_si512(codes, _mm512_set1_epi32(63)) : codes;
     }
     /* 4 bits: 16 bytes, each byte's two codes; 8 bits: 16 codes */
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * CODE_BITS(bits) / 8)));
@@ -256,6 +275,8 @@ ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
 ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
     if (CODE_BITS(bits) == 4) /* vpermps reads the low 4 bits of each lane: the low nibble, then the high */
         return (qv)_mm512_permutexvar_ps(v ? _mm512_srli_epi32(raw, 4) : raw, (__m512)g->t0);
+    if (bits == 2 || bits == 3) /* the low 4 bits: the code, and what the table repeats over */
+        return (qv)_mm512_permutexvar_ps(raw, (__m512)g->t0);
     if (bits == 5) /* the low 5 bits: t0 for 0-15, t1 for 16-31 */
         return (qv)_mm512_permutex2var_ps((__m512)g->t0, raw, (__m512)g->t1);
     qv p = (qv)_mm512_cvtepi32_ps(raw) * g->t0;
@@ -265,25 +286,37 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 
 #elif QPATH == 256
 
-/* FP4: t0 the magnitudes e2m1[0 .. 8) times the scale, its codes' bit 3 their sign. */
+/* FP4: t0 the magnitudes e2m1[0 .. 8) times the scale, its codes' bit 3 their sign; 2 and 3
+ * bits: t0 a table of the group's values (2 bits: repeated, vpermps reading a lane's low 3
+ * bits); else the scale and the bias. */
 ALWAYS struct qgroup group_of(const int bits, const float *scale, const float *bias) {
     if (bits == FP4) return (struct qgroup){qload(e2m1) * qsplat_at(scale), (qv){0}};
+    if (bits == 2 || bits == 3) {
+        qv p = (bits == 2 ? (qv){0, 1, 2, 3, 0, 1, 2, 3} : (qv){0, 1, 2, 3, 4, 5, 6, 7}) * qsplat_at(scale);
+        QPIN(p);
+        return (struct qgroup){p + qsplat_at(bias), (qv){0}};
+    }
     return (struct qgroup){qsplat_at(scale), qsplat_at(bias)};
 }
 
 typedef __m256i qraw;
 
-#define B5(l) (5 * (l) / 8)
-#define C5(l) B5(l), B5(l) + 1, B5(l) + 2, B5(l) + 3
+#define PB(bits, l) ((bits) * (l) / 8)
+#define PC(bits, l) PB(bits, l), PB(bits, l) + 1, PB(bits, l) + 2, PB(bits, l) + 3
+#define PS(bits, l) (bits) * (l) % 8
 
-/* 5-bit units read 8 bytes, 3 past their 5 (see the 512-bit unit_load). */
+/* PACKED units read 8 bytes, up to 6 past their `bits` (see the 512-bit unit_load; each
+ * 128-bit half holds the 8 bytes twice, so a lane's 4th byte may be the unit's first again:
+ * above its code, masked or repeated over). */
 ALWAYS qraw unit_load(const int bits, const unsigned char *row, size_t t) {
-    if (bits == 5) {
-        const __m256i ctrl = _mm256_setr_epi8(C5(0), C5(1), C5(2), C5(3), C5(4), C5(5), C5(6), C5(7));
-        const __m256i shifts = _mm256_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3);
-        const __m256i x = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(row + t * 5 / 8)));
-        return _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, ctrl), shifts),
-                                _mm256_set1_epi32(31));
+    if (PACKED(bits)) {
+        const __m256i ctrl = _mm256_setr_epi8(PC(bits, 0), PC(bits, 1), PC(bits, 2), PC(bits, 3),
+                                              PC(bits, 4), PC(bits, 5), PC(bits, 6), PC(bits, 7));
+        const __m256i shifts = _mm256_setr_epi32(PS(bits, 0), PS(bits, 1), PS(bits, 2), PS(bits, 3),
+                                                 PS(bits, 4), PS(bits, 5), PS(bits, 6), PS(bits, 7));
+        const __m256i x = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(row + t * bits / 8)));
+        const __m256i codes = _mm256_srlv_epi32(_mm256_shuffle_epi8(x, ctrl), shifts);
+        return bits == 2 || bits == 3 ? codes : _mm256_and_si256(codes, _mm256_set1_epi32((1 << bits) - 1));
     }
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + t * CODE_BITS(bits) / 8)));
 }
@@ -295,6 +328,8 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
         const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(8)), 28);
         return (qv)_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
     }
+    if (bits == 2 || bits == 3) /* vpermps reads a lane's low 3 bits */
+        return (qv)_mm256_permutevar8x32_ps((__m256)g->t0, raw);
     if (bits == 4)
         raw = v ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, _mm256_set1_epi32(15));
     qv p = (qv)_mm256_cvtepi32_ps(raw) * g->t0;
@@ -331,7 +366,7 @@ ALWAYS qv unit_values(const int bits, qraw raw, int v, const struct qgroup *g) {
 
 /* Whether unit_load reads past a unit's bytes (then the matrix's last row is read from a
  * padded copy), and how far at most. */
-static inline int overread(int bits) { return QPATH && bits == 5 ? 8 : 0; }
+static inline int overread(int bits) { return QPATH && PACKED(bits) ? 16 : 0; }
 
 /* --- sums --------------------------------------------------------------------------------- */
 
@@ -444,20 +479,31 @@ ALWAYS void stream_tile(const int bits, const int RA, const int RW, const struct
 }
 
 #define STREAM_TILE(BITS, RA)                                                                   \
-    static void stream_##BITS##_##RA(const struct product *p, const unsigned char *const *rows, \
+    static void stream##RA##_##BITS(const struct product *p, const unsigned char *const *rows,  \
                                      const float *const *scale, const float *const *bias,       \
                                      const float *const *a, float *dot, const char *ahead,      \
                                      int lines) {                                               \
         stream_tile(BITS, RA, STREAM_RW, p, rows, scale, bias, a, dot, ahead, lines);           \
     }
+STREAM_TILE(2, 1)
+STREAM_TILE(2, 2)
+STREAM_TILE(3, 1)
+STREAM_TILE(3, 2)
 STREAM_TILE(4, 1)
 STREAM_TILE(4, 2)
 STREAM_TILE(5, 1)
 STREAM_TILE(5, 2)
+STREAM_TILE(6, 1)
+STREAM_TILE(6, 2)
 STREAM_TILE(8, 1)
 STREAM_TILE(8, 2)
 STREAM_TILE(FP4, 1)
 STREAM_TILE(FP4, 2)
+
+/* f's instance for `bits` (FP4 for mxfp4) */
+#define BY_BITS(bits, f)                                                                    \
+    ((bits) == 2 ? f##_2 : (bits) == 3 ? f##_3 : (bits) == 4 ? f##_4 : (bits) == 5 ? f##_5 \
+     : (bits) == 6 ? f##_6 : (bits) == 8 ? f##_8 : f##_FP4)
 
 typedef void (*stream_fn)(const struct product *, const unsigned char *const *,
                           const float *const *, const float *const *, const float *const *, float *,
@@ -515,8 +561,11 @@ ALWAYS void dequantize_row(const int bits, const struct product *p, const unsign
                                   const float *scale, const float *bias, float *out) {         \
         dequantize_row(BITS, p, row, scale, bias, out);                                        \
     }
+DEQUANTIZE_ROW(2)
+DEQUANTIZE_ROW(3)
 DEQUANTIZE_ROW(4)
 DEQUANTIZE_ROW(5)
+DEQUANTIZE_ROW(6)
 DEQUANTIZE_ROW(8)
 DEQUANTIZE_ROW(FP4)
 
@@ -647,7 +696,7 @@ static void affine_rows_fill(const struct product *p, int j, int nj, float *w, c
     const int k = p->k, groups = f->groups;
     void (*const dequantize)(const struct product *, const unsigned char *, const float *,
                              const float *, float *) =
-        f->bits == 4 ? dequantize_4 : f->bits == 5 ? dequantize_5 : f->bits == 8 ? dequantize_8 : dequantize_FP4;
+        BY_BITS(f->bits, dequantize);
     const size_t first = (size_t)j * groups, count = (size_t)nj * groups;
     const float *s0 = float_scales(p->scales, p->scale_format, first, (int)count, f->widened);
     const float *b0 = f->bits == FP4 ? s0 /* no bias: not read */
@@ -685,7 +734,7 @@ int affine_supported(const struct step_weight *w, int n, int k) {
     if (w->format != W_AFFINE || !w->data || !w->scales || n < 1 || k < 1) return 0;
     if (w->scale_format == W_E8M0) /* mxfp4: MLX's only form of it, and no biases */
         return w->bits == 4 && w->group == 32 && !w->biases && k % 32 == 0;
-    const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 8;
+    const int bits_ok = PACKED(w->bits) || w->bits == 4 || w->bits == 8;
     const int group_ok = w->group == 32 || w->group == 64 || w->group == 128;
     const int scales_ok = w->scale_format == W_F32 || w->scale_format == W_F16 ||
                           w->scale_format == W_BF16;
@@ -712,8 +761,7 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
     float *widened = thread_buffer(1, (size_t)2 * STREAM_RW * groups);
     float dot[BLOCK_RA * STREAM_RW > 2 * STREAM_RW ? BLOCK_RA * STREAM_RW : 2 * STREAM_RW];
     if (p->m <= STREAM_ROWS) {
-        const stream_fn one = bits == 4 ? stream_4_1 : bits == 5 ? stream_5_1 : bits == 8 ? stream_8_1 : stream_FP4_1;
-        const stream_fn two = bits == 4 ? stream_4_2 : bits == 5 ? stream_5_2 : bits == 8 ? stream_8_2 : stream_FP4_2;
+        const stream_fn one = BY_BITS(bits, stream1), two = BY_BITS(bits, stream2);
         for (int j = j0; j < j1; j += STREAM_RW) {
             const int nj = j1 - j < STREAM_RW ? j1 - j : STREAM_RW;
             const unsigned char *rows[STREAM_RW];
@@ -761,10 +809,15 @@ ALWAYS void columns_of(const int bits, const struct product *p, int j0, int j1) 
     free(padded);
 }
 
-static void columns_4(const struct product *p, int j0, int j1) { columns_of(4, p, j0, j1); }
-static void columns_5(const struct product *p, int j0, int j1) { columns_of(5, p, j0, j1); }
-static void columns_8(const struct product *p, int j0, int j1) { columns_of(8, p, j0, j1); }
-static void columns_fp4(const struct product *p, int j0, int j1) { columns_of(FP4, p, j0, j1); }
+#define COLUMNS(BITS) \
+    static void columns_##BITS(const struct product *p, int j0, int j1) { columns_of(BITS, p, j0, j1); }
+COLUMNS(2)
+COLUMNS(3)
+COLUMNS(4)
+COLUMNS(5)
+COLUMNS(6)
+COLUMNS(8)
+COLUMNS(FP4)
 
 /* Decode products by limbs (below): W_Q4K, W_Q5K and W_Q6K blocks with AVX512-VNNI, or with
  * AVX2 (256-bit tiles); MLX's 5-bit affine codes (GGUF's Q5_0 and Q5_1 map onto them) with
@@ -804,10 +857,7 @@ void affine_columns(const struct product *p, int j0, int j1) {
         return;
     }
 #endif
-    if (p->scale_format == W_E8M0)
-        columns_fp4(p, j0, j1);
-    else
-        (p->bits == 4 ? columns_4 : p->bits == 5 ? columns_5 : columns_8)(p, j0, j1);
+    BY_BITS(p->scale_format == W_E8M0 ? FP4 : p->bits, columns)(p, j0, j1);
 }
 
 /* Whether a GGML block format has limb tiles: all but IQ4_NL, where the build has limbs (the

@@ -14,7 +14,7 @@
 #include <stddef.h>
 
 #define RUNNER_API __attribute__((visibility("default")))
-#define RUNNER_NATIVE_ABI_VERSION 26
+#define RUNNER_NATIVE_ABI_VERSION 27
 
 /* How a product's W is stored (struct step_weight's `format`).
  * - W_F32: float32, [n, k] row-major.
@@ -58,7 +58,7 @@ enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_AFFINE = 3, W_Q6K = 4, W_Q4K = 5, W_Q
 /* One product's W [n, k]. */
 struct step_weight {
     int format; /* W_F32, W_F16, W_BF16, W_AFFINE, or a GGML format (W_Q6K .. W_IQ1M, W_GF16, W_GBF16) */
-    int bits, group, scale_format; /* W_AFFINE: 4, 5 or 8; 32, 64 or 128; W_F32/F16/BF16/E8M0 */
+    int bits, group, scale_format; /* W_AFFINE: 2-6 or 8; 32, 64 or 128; W_F32/F16/BF16/E8M0 */
     const void *data;             /* in `format` (W_F16 / W_BF16: panels) */
     const void *scales, *biases;  /* W_AFFINE: [n, k / group] in `scale_format` (mxfp4: no biases) */
     /* NULL, or W in float32 (the source of an exact half copy), which a product of more rows
