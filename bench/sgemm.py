@@ -18,7 +18,8 @@ and `panels-1t` (the native step's products on exact float16 copies stored as pa
 `runner_weight_product`: what a checkpoint stored in half precision gets; half the bytes, so
 their GB/s column counts two bytes a weight), `f16-rows`, `f16-rows-1t` and their `-decode`
 (the same values as a GGUF's F16 matrix stored by rows, W_GF16: made into panels a block at
-a time, a decode step's rows by the rows' stream tiles), `q4`, `q5`, `q8` and `q4-1t` (the native
+a time, a decode step's rows by the rows' stream tiles), `q2`, `q3`, `q4`, `q5`, `q6`, `q8`
+and their `-1t` (the native
 step's products on MLX's affine quantization, group 64, float16 scales and biases, read as
 MLX stores it: runner/native/quantized.c; their GB/s column counts the codes, scales and
 biases), `q4k`, `q5k`, `q6k`, `q3k`, `q2k`, `iq4xs`, `iq4nl` and their `-1t` (GGML's Q4_K,
@@ -72,7 +73,7 @@ SHAPES = {
 SETTINGS = ("openblas", "dispatch", "dispatch-1t", "panels", "panels-1t")
 EXTRA_SETTINGS = (
     *("f16-rows", "f16-rows-1t", "f16-rows-decode", "f16-rows-decode-1t"),
-    *("q4", "q4-1t", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
+    *("q4", "q5", "q8", "q4k", "q4k-1t", "q5k", "q5k-1t", "q6k", "q6k-1t"),
     *("q3k", "q3k-1t", "q2k", "q2k-1t", "iq4xs", "iq4xs-1t", "iq4nl", "iq4nl-1t"),
     *("q3k-decode", "q2k-decode", "q3k-decode-1t", "q2k-decode-1t"),
     *("iq4xs-decode", "iq4xs-decode-1t"),
@@ -80,7 +81,10 @@ EXTRA_SETTINGS = (
       for end in ("", "-1t")),
     *("q4k-decode", "q5k-decode", "q6k-decode", "q4k-decode-1t", "q5k-decode-1t", "q6k-decode-1t"),
     *("q5-decode", "q5-decode-1t"),
+    *(f"q{b}{end}" for b in (2, 3, 6) for end in ("", "-1t", "-decode", "-decode-1t")),
+    *(f"q{b}{end}" for b in (4, 8) for end in ("-1t", "-decode", "-decode-1t")),
     *("q4k-noamx", "q4k-1t-noamx"),
+    *(f"q{b}{end}-noamx" for b in (2, 3, 4, 5) for end in ("", "-1t")),
     *("mlx-q4", "mlx-q8"),
     *("fp4", "fp4-1t", "mlx-fp4"),
     *(f"{g}{end}" for g in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m")
@@ -89,7 +93,8 @@ EXTRA_SETTINGS = (
 GROUP = 64  # the affine settings' group size (mlx-lm's default)
 # bytes a weight, for the GB/s column
 WEIGHT_BYTES = {
-    "panels": 2.0, "f16-rows": 2.0, "q4": 0.5, "q5": 0.625, "q8": 1.0, "fp4": 0.5 + 1 / 32,
+    "panels": 2.0, "f16-rows": 2.0, "q2": 0.25, "q3": 0.375, "q4": 0.5, "q5": 0.625, "q6": 0.75,
+    "q8": 1.0, "fp4": 0.5 + 1 / 32,
 }  # fmt: skip
 # GGML blocks: bytes a block of 256 weights (IQ4_NL: of 32, GGML_BLOCK_WEIGHTS)
 GGML_BLOCK_BYTES = {
@@ -111,7 +116,8 @@ def setting_kind(setting: str) -> str:
     as a decode step's rows, by limbs where the build has them) or mlx-q4/mlx-q8 (MLX's
     quantized_matmul)."""
     base = setting.removesuffix("-noamx").removesuffix("-1t")
-    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, "q4", "q5", "q8", "fp4", "f16-rows"):
+    affine = ("q2", "q3", "q4", "q5", "q6", "q8")
+    if base.removesuffix("-decode") in (*GGML_BLOCK_BYTES, *affine, "fp4", "f16-rows"):
         return base
     known = ("panels", *WEIGHT_BYTES, "mlx-q4", "mlx-q8", "mlx-fp4")
     return base if base in known else "sgemm"
@@ -121,7 +127,7 @@ def weight_bytes(setting: str) -> float:
     kind = setting_kind(setting).removeprefix("mlx-").removesuffix("-decode")
     if kind == "fp4":
         return WEIGHT_BYTES[kind]  # a byte of scale a group of 32
-    if kind in ("q4", "q5", "q8"):
+    if kind in ("q2", "q3", "q4", "q5", "q6", "q8"):
         return WEIGHT_BYTES[kind] + 4 / GROUP  # a float16 scale and bias a group
     if kind in GGML_BLOCK_BYTES:
         return GGML_BLOCK_BYTES[kind] / GGML_BLOCK_WEIGHTS.get(kind, 256)

@@ -4,8 +4,10 @@ tests/test_native_abi.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,19 @@ def load_quantized_model(
 
 
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@contextlib.contextmanager
+def amx_turned_off(functions: abi.Functions) -> Iterator[None]:
+    """Products without AMX's tiles (runner_amx_products) inside the block: a forward's rows
+    of Q4_K, Q5_K and 2- to 5-bit affine codes take them where the build has them and the
+    machine runs them (runner/native/amx.c), with their own bits."""
+    was = functions.amx_products(-1)
+    functions.amx_products(0)
+    try:
+        yield
+    finally:
+        functions.amx_products(was)
 
 
 # The lanes of the affine tiles' vectors on each instruction-set path (runner/native/quantized.c)

@@ -13,7 +13,6 @@ instruction-set paths.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import itertools
@@ -39,6 +38,7 @@ from tests.quantized_models import (
     Affine,
     Mxfp4,
     affine_in_order,
+    amx_turned_off,
     load_quantized_model,
     weight_times,
 )
@@ -75,17 +75,6 @@ def native_flags(march: str = "native") -> list[str]:
     arch, *extras = march.split("+")
     flags = [f"-march={arch}" if f == build.MARCH else f for f in build.DISPATCH_FLAGS]
     return flags + [f"-m{e}" if e.startswith(("avx", "amx")) else f"-mavx512{e}" for e in extras]
-
-
-@contextlib.contextmanager
-def amx_turned_off(functions: abi.Functions):
-    """Products without AMX's tiles (runner_amx_products) inside the block."""
-    was = functions.amx_products(-1)
-    functions.amx_products(0)
-    try:
-        yield
-    finally:
-        functions.amx_products(was)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -335,10 +324,11 @@ def test_every_level_computes_affine_products(level_library, bits: int, group: i
     a = rng.normal(size=(41, k)).astype(np.float32)
     for scales in SCALE_DTYPES:
         w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
-        c = w.times(functions, a)
-        np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
-        for m in (1, 2, 3, 7):
-            np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
+        with amx_turned_off(functions):  # the float tiles (AMX's: test_affine_rows_by_amx_tiles)
+            c = w.times(functions, a)
+            np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
+            for m in (1, 2, 3, 7):
+                np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m])
         want = a.astype(np.float64) @ w.values.astype(np.float64).T
         assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max()
         if bits != 5 or not functions.affine_limbs:  # decode rows take the float tiles
@@ -552,6 +542,64 @@ def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
         np.testing.assert_array_equal(times(nonfinite), floats)
     with amx_turned_off(functions):
         np.testing.assert_array_equal(times(a), tiles)
+
+
+def test_affine_rows_by_amx_tiles(level_library) -> None:
+    """Where a build has AMX's tiles and the machine runs them, products of a forward's rows
+    from MLX's affine codes of 2 to 5 bits (codes below 32) take them as Q4_K's do: every
+    value within the limbs' bound of the float64 product of mx.dequantize's values, in every
+    scale format; not the float tiles' bits; the same bits for any number of rows, each row
+    alone, and rows past the pool's chunks; rows of W not a whole number of 16s; a row with
+    an infinite or NaN value takes the float tiles; a decode step's rows keep the stream
+    tiles (or 5 bits' limbs), AMX or not; 6- and 8-bit codes never take them."""
+    march, library = level_library
+    if library is None:
+        pytest.skip(f"this CPU cannot run {march}")
+    functions = abi.load(library)
+    assert functions is not None
+    if not functions.amx_products(-1):
+        pytest.skip(f"{march}: no AMX tiles in this build, or this machine does not run them")
+    rng = np.random.default_rng(9)
+    n, k = 45, 640  # 2 blocks of 16 rows of W and 13; 20 runs of 32
+    a = rng.normal(size=(41, k)).astype(np.float32)
+    a[1, k // 3] = 40.0  # an outlier, a run of zeros, tiny values, runs of very different sizes
+    a[2, 32:64] = 0.0
+    a[3] *= np.float32(1e-30)
+    a[4, ::7] *= -1000.0
+    cases = [(2, 128, "float16"), (3, 32, "bfloat16"), (4, 64, "float32"), (4, 32, "float16")]
+    for bits, group, scales in [*cases, (5, 128, "bfloat16"), (5, 64, "float32")]:
+        w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
+
+        def times(rows: np.ndarray, decode: bool = False, w: Affine = w) -> np.ndarray:
+            return w.times(functions, rows, decode)
+
+        got, decode = times(a), times(a, decode=True)
+        with amx_turned_off(functions):
+            tiles, decode_without = times(a), times(a, decode=True)
+        x, values = a.astype(np.float64), w.values.astype(np.float64)
+        runs = np.repeat(np.abs(x).reshape(len(a), -1, 32).max(-1), 32, axis=1)
+        terms = np.abs(w.scaled_codes) + np.abs(w.biases)  # |s q| + |b| of each weight
+        bound = (runs / 127 / 16384 / 2 * 1.01) @ np.abs(values).T + 1e-6 * (np.abs(x) @ terms.T)
+        assert np.all(np.abs(got - x @ values.T) <= bound)
+        assert not np.array_equal(got, tiles)  # the tiles' limbs, not the float tiles
+        np.testing.assert_array_equal(decode, decode_without)
+        for m in (1, 2, 3, 8, 9, 16, 17, 40):
+            np.testing.assert_array_equal(times(a[:m]), got[:m], err_msg=f"{m} rows")
+        for i in range(len(a)):
+            np.testing.assert_array_equal(times(a[i : i + 1]), got[i : i + 1])
+    many = np.concatenate([a] * 16)  # 656 rows: every pool thread's share of the columns
+    np.testing.assert_array_equal(times(many), np.concatenate([got] * 16))
+    for bad in (np.inf, np.nan):
+        nonfinite = a.copy()
+        nonfinite[5, 100] = bad
+        with amx_turned_off(functions):
+            floats = times(nonfinite)
+        np.testing.assert_array_equal(times(nonfinite), floats)
+    for wide in (6, 8):
+        w = Affine(rng.normal(size=(n, k)).astype(np.float32), wide, 64)
+        with amx_turned_off(functions):
+            floats = w.times(functions, a)
+        np.testing.assert_array_equal(w.times(functions, a), floats)
 
 
 def test_amx_tiles_turned_off_by_the_environment(tmp_path) -> None:

@@ -35,6 +35,7 @@ from tests.quantized_models import (
     Affine,
     Mxfp4,
     affine_in_order,
+    amx_turned_off,
     load_quantized_model,
 )
 from tests.tiny import load_tiny_model, prefix_cache, tiny_config
@@ -211,14 +212,17 @@ def assert_rows_over_caches_equal(
 
 
 def assert_caches_equal(a: list[Any], b: list[Any]) -> None:
+    """Keys and values within 2e-5, or 1e-4 of their size (the logits' grade: on an AMX
+    machine a forward's rows of 4-bit codes take the tiles' limbs, within ~1e-6 of sum |w x|
+    where the float tiles are within ~1e-7)."""
     assert [c.offset for c in a] == [c.offset for c in b]
     for x, y in zip(a, b, strict=True):
         n = x.offset
         np.testing.assert_allclose(
-            np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :]), atol=2e-5
+            np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :]), atol=2e-5, rtol=1e-4
         )
         np.testing.assert_allclose(
-            np.array(x.values[..., :n, :]), np.array(y.values[..., :n, :]), atol=2e-5
+            np.array(x.values[..., :n, :]), np.array(y.values[..., :n, :]), atol=2e-5, rtol=1e-4
         )
 
 
@@ -1065,15 +1069,17 @@ def test_affine_products_equal_float64_and_every_row_count():
         n, k = 37, 256
         w = Affine(rng.normal(size=(n, k)).astype(np.float32), bits, group, scales)
         a = rng.normal(size=(133, k)).astype(np.float32)
-        c = w.times(functions, a)
-        want = a.astype(np.float64) @ w.values.astype(np.float64).T
-        assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max(), (bits, group, scales)
-        if lanes is not None:
-            np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
-        for m in (1, 2, 3, 4, 5, 8, 15, 40):
-            np.testing.assert_array_equal(w.times(functions, a[:m]), c[:m], err_msg=f"{m} rows")
-        for i in (0, 17, 132):
-            np.testing.assert_array_equal(w.times(functions, a[i : i + 1]), c[i : i + 1])
+        with amx_turned_off(functions):  # the float tiles (AMX's: tests/test_native_abi.py)
+            c = w.times(functions, a)
+            want = a.astype(np.float64) @ w.values.astype(np.float64).T
+            assert np.abs(c - want).max() <= 1e-4 * np.abs(want).max(), (bits, group, scales)
+            if lanes is not None:
+                np.testing.assert_array_equal(c, affine_in_order(a, w.values, bits, *lanes))
+            for m in (1, 2, 3, 4, 5, 8, 15, 40):
+                got = w.times(functions, a[:m])
+                np.testing.assert_array_equal(got, c[:m], err_msg=f"{m} rows")
+            for i in (0, 17, 132):
+                np.testing.assert_array_equal(w.times(functions, a[i : i + 1]), c[i : i + 1])
 
 
 def test_affine_logits_equal_float64():
@@ -1330,8 +1336,8 @@ def test_trie_restores_write_into_the_steps_own_buffers(pair):
             assert all(c.keys is k for c, k in zip(cache.live.caches, buffers, strict=True))
     # every layer's cache restored in place, twice (a + [10], then b + [11, 12])
     assert restored.count(True) == 2 * len(buffers)
-    for got, want in zip(*results, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for got, want in zip(*results, strict=True):  # assert_caches_equal's grade
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
 
     # a cache the step holds no buffers for is left to the install
     caches = native.make_caches()

@@ -1,10 +1,13 @@
 /*
- * Products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles (AMX-INT8:
- * Sapphire Rapids and later Xeons), where the build has them (internal.h: AMX_PRODUCTS) and
+ * Products of a forward's rows from GGML Q4_K and Q5_K blocks, and from MLX's affine codes of
+ * 2 to 5 bits (affine_tile_codes: each run's scale and bias its group's), by Intel's AMX
+ * tiles (AMX-INT8: Sapphire Rapids and later Xeons), where the build has them (internal.h:
+ * AMX_PRODUCTS) and
  * the machine runs them: a probe in a child process (a VM may list AMX and fault on its tile
  * loads, as the one of 2026-12-03 did); OLLAMA_MLX_RUNNER_AMX=0 turns them off. A decode
  * step's rows keep the VNNI limbs (quantized.c), which stream W at memory's rate where the
- * tiles, at one or two rows, do not (bench/RESULTS.md, "AMX tiles in the library").
+ * tiles, at one or two rows, do not (bench/RESULTS.md, "AMX tiles in the library"); a decode
+ * step's affine rows their stream tiles (limbs_read marks them).
  *
  * Numbers. A's rows are split as a decode step's are (limb_split): each run of 32 values, with
  * a = max |x| / 127 over the run, as three signed 8-bit limbs, x ~ a (l0 + l1 / 128 +
@@ -142,9 +145,19 @@ int runner_amx_products(int set) {
     return runs_tiles && atomic_load(&turned_on);
 }
 
-int amx_takes(int m, int k, const struct step_weight *w, const void *limbs) {
-    return !limbs && m > 0 && (w->format == W_Q4K || w->format == W_Q5K) && k % 256 == 0 && amx_on();
+/* MLX's affine codes below 32 (2 to 5 bits; mxfp4's e2m1 codes are not linear in their
+ * values) in steps of two runs */
+static int affine_takes(int k, const struct step_weight *w) {
+    return w->format == W_AFFINE && w->scale_format != W_E8M0 && w->bits >= 2 && w->bits <= 5 &&
+           k % 64 == 0;
 }
+
+int amx_takes(int m, int k, const struct step_weight *w, const void *limbs) {
+    const int ggml = (w->format == W_Q4K || w->format == W_Q5K) && k % 256 == 0;
+    return !limbs && m > 0 && (ggml || affine_takes(k, w)) && amx_on();
+}
+
+int amx_affine(int k, const struct step_weight *w) { return affine_takes(k, w) && amx_on(); }
 
 static int amx_split(int m, int k, const float *a, int lda, struct amx_rows *out);
 
@@ -280,7 +293,7 @@ void amx_columns(const struct product *p, int j0, int j1) {
     for (int g0 = 0; g0 < x->groups; g0 += chunk) {
         const int g1 = g0 + chunk < x->groups ? g0 + chunk : x->groups;
         for (int j = j0; j < j1; j += AMX_BLOCK) {
-            ggml_tile_codes(p, j, codes, scale, bias);
+            (p->format == W_AFFINE ? affine_tile_codes : ggml_tile_codes)(p, j, codes, scale, bias);
             const int nj = j1 - j < AMX_BLOCK ? j1 - j : AMX_BLOCK;
             for (int g = g0; g < g1; g++) {
                 const int rows = g == x->groups - 1 ? last : GROUP;

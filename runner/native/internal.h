@@ -313,7 +313,8 @@ static inline void transpose16(const __m512i *r, __m512i *v) {
 }
 #endif
 
-/* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks by Intel's AMX tiles,
+/* amx.c: products of a forward's rows from GGML Q4_K and Q5_K blocks (and W_AFFINE codes of 2
+ * to 5 bits) by Intel's AMX tiles,
  * where the build has them (x86-64 Linux, AMX-INT8 and AVX512-VNNI) and the machine runs
  * them. A's rows as the tiles read them: each 32-run's limbs (limb_split's) as two pairs of
  * signed bytes in the tiles' layout, 8 rows a group, and each run's step a / 16384 and sum
@@ -337,6 +338,9 @@ struct amx_rows {
  * that but the split. amx_columns: columns [j0, j1) of C (whole blocks of AMX_BLOCK rows of
  * W: ggml_block). */
 int amx_takes(int m, int k, const struct step_weight *w, const void *limbs);
+/* amx_affine (AMX_PRODUCTS builds): whether a forward's rows of W_AFFINE w [., k] take the
+ * tiles (then a decode step's are marked by limbs: limbs_read) */
+int amx_affine(int k, const struct step_weight *w);
 const struct amx_rows *amx_rows_of(int m, int k, const float *a, int lda,
                                    const struct step_weight *w, const void *limbs,
                                    struct amx_rows *into);
@@ -349,6 +353,10 @@ enum { AMX_BLOCK = 16 };
  * value: scale * q + bias); W_Q4K or W_Q5K. */
 void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
                      float *bias);
+/* the same for W_AFFINE codes of 2 to 5 bits (k a multiple of 64; each run's scale and bias
+ * its group's) */
+void affine_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale,
+                       float *bias);
 
 /* attention.c: one layer's attention, and the scratch floats it needs. */
 void attention(const struct step_args *a, const struct step_cache *cache, const float *sinks,

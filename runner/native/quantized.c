@@ -710,7 +710,9 @@ static void affine_rows_fill(const struct product *p, int j, int nj, float *w, c
 
 /* --- products ------------------------------------------------------------------------------ */
 
-int affine_block(const struct product *p) { return p->m <= STREAM_ROWS ? STREAM_RW : BLOCK_RW; }
+int affine_block(const struct product *p) {
+    return p->amx ? AMX_BLOCK : p->m <= STREAM_ROWS ? STREAM_RW : BLOCK_RW;
+}
 
 int affine_reordered(int bits) { return bits == 4; }
 
@@ -851,6 +853,12 @@ static void affine5_limb_columns(const struct product *p, int j0, int j1);
 #endif
 
 void affine_columns(const struct product *p, int j0, int j1) {
+#if AMX_PRODUCTS
+    if (p->amx) { /* a forward's rows on AMX tiles (amx_rows_of) */
+        amx_columns(p, j0, j1);
+        return;
+    }
+#endif
 #if AFFINE_LIMBS
     if (p->limbs && affine_limbs_read(p->bits, p->group, p->k)) { /* a decode step's rows */
         affine5_limb_columns(p, j0, j1);
@@ -868,9 +876,15 @@ static int limb_format(int format) {
 }
 
 /* A decode step's rows of W_GF16 / W_GBF16 are marked by limbs too (none read: `p->limbs` is
- * what tells ggml_columns the rows are a decode step's): see half_rows_panels. */
+ * what tells ggml_columns the rows are a decode step's: see half_rows_panels), and so are
+ * those of affine codes whose forwards take AMX's tiles (amx_affine: `p->limbs` keeps them
+ * on the stream tiles, which stream W at memory's rate where the tiles at one row take 2.6x
+ * the time; bench/RESULTS.md, "Affine codes on AMX's tiles"). */
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format) || half_row_format(w->format);
+#if AMX_PRODUCTS
+    if (w->format == W_AFFINE && amx_affine(k, w)) return 1;
+#endif
     return w->format == W_AFFINE && affine_limbs_read(w->bits, w->group, k);
 }
 
@@ -2889,6 +2903,71 @@ void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float
                 _mm512_storeu_si512((void *)(to + 1536), hi);
             }
         }
+    }
+}
+
+/* 64 codes of a row of `bits`-bit affine codes (bits < 6) from position t, one a byte in
+ * order of k: 4 bits' 32 bytes widened to words, each word's two nibbles made its two bytes;
+ * PACKED widths' four units (unit_load) masked and narrowed. */
+ALWAYS __m512i affine_codes64(const int bits, const unsigned char *row, size_t t) {
+    if (bits == 4) {
+        const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + t / 2)));
+        return _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x000f)),
+                               _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0f00)));
+    }
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    __m128i q[4];
+    for (int u = 0; u < 4; u++)
+        q[u] = _mm512_cvtepi32_epi8(_mm512_and_si512(unit_load(bits, row, t + 16 * (size_t)u), mask));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q[1], q[0])), _mm256_set_m128i(q[3], q[2]), 1);
+}
+
+/* ggml_tile_codes for W_AFFINE codes of `bits` (2-5: below 32, as the tiles' [8 q, q] need),
+ * k a multiple of 64: two runs a step, 64 codes of each of the 16 rows transposed by dwords;
+ * each run's scale and bias its group's. */
+ALWAYS void affine_tile_codes_of(const int bits, const struct product *p, int j, unsigned char *codes,
+                                 float *scale, float *bias) {
+    const int k = p->k, G = p->group, groups = k / G, runs = k / 32;
+    const size_t row_bytes = (size_t)k * bits / 8;
+    const unsigned char *row[AMX_BLOCK];
+    float *widened = thread_buffer(1, (size_t)2 * groups);
+    for (int r = 0; r < AMX_BLOCK; r++) {
+        const int at = j + r < p->n ? j + r : p->n - 1;
+        row[r] = (const unsigned char *)p->w + (size_t)at * row_bytes;
+        const float *s0 = float_scales(p->scales, p->scale_format, (size_t)at * groups, groups, widened);
+        const float *b0 = float_scales(p->biases, p->scale_format, (size_t)at * groups, groups, widened + groups);
+        for (int s = 0; s < runs; s++) {
+            scale[s * AMX_BLOCK + r] = s0[s * 32 / G];
+            bias[s * AMX_BLOCK + r] = b0[s * 32 / G];
+        }
+    }
+    /* a row's last step read from a copy where unit_load reads past its bytes */
+    unsigned char tail[AMX_BLOCK][64] __attribute__((aligned(64)));
+    if (PACKED(bits))
+        for (int r = 0; r < AMX_BLOCK; r++) {
+            memset(tail[r], 0, 64);
+            memcpy(tail[r], row[r] + (size_t)(k - 64) * bits / 8, (size_t)8 * bits);
+        }
+    for (int t = 0; t < k; t += 64) {
+        __m512i v[AMX_BLOCK], d[AMX_BLOCK];
+        for (int r = 0; r < AMX_BLOCK; r++)
+            v[r] = PACKED(bits) && t + 64 == k ? affine_codes64(bits, tail[r], 0) : affine_codes64(bits, row[r], (size_t)t);
+        transpose16(v, d);
+        /* dword i of the 64 codes: run t / 32 + i / 8's tile row i % 8 (codes 4i .. 4i + 3) */
+        for (int i = 0; i < AMX_BLOCK; i++) {
+            unsigned char *to = codes + (size_t)(t / 32 + i / 8) * 1024 + 64 * (i % 8);
+            _mm512_storeu_si512((void *)to, _mm512_slli_epi16(d[i], 3));
+            _mm512_storeu_si512((void *)(to + 512), d[i]);
+        }
+    }
+}
+
+void affine_tile_codes(const struct product *p, int j, unsigned char *codes, float *scale, float *bias) {
+    switch (p->bits) {
+    case 2: affine_tile_codes_of(2, p, j, codes, scale, bias); break;
+    case 3: affine_tile_codes_of(3, p, j, codes, scale, bias); break;
+    case 4: affine_tile_codes_of(4, p, j, codes, scale, bias); break;
+    default: affine_tile_codes_of(5, p, j, codes, scale, bias); break;
     }
 }
 #endif
