@@ -546,12 +546,9 @@ def test_k_quant_rows_by_amx_tiles(level_library, ggml_type: str) -> None:
 
 def test_affine_rows_by_amx_tiles(level_library) -> None:
     """Where a build has AMX's tiles and the machine runs them, products of a forward's rows
-    from MLX's affine codes of 2 to 5 bits (codes below 32) take them as Q4_K's do: every
-    value within the limbs' bound of the float64 product of mx.dequantize's values, in every
-    scale format; not the float tiles' bits; the same bits for any number of rows, each row
-    alone, and rows past the pool's chunks; rows of W not a whole number of 16s; a row with
-    an infinite or NaN value takes the float tiles; a decode step's rows keep the stream
-    tiles (or 5 bits' limbs), AMX or not; 6- and 8-bit codes never take them."""
+    from MLX's affine codes of 2 to 5 bits (codes below 32) take them as Q4_K's do
+    (`assert_affine_rows_by_amx_tiles`): the AMX level, whose packed codes are unpacked by
+    unit loads (no VBMI)."""
     march, library = level_library
     if library is None:
         pytest.skip(f"this CPU cannot run {march}")
@@ -559,6 +556,24 @@ def test_affine_rows_by_amx_tiles(level_library) -> None:
     assert functions is not None
     if not functions.amx_products(-1):
         pytest.skip(f"{march}: no AMX tiles in this build, or this machine does not run them")
+    assert_affine_rows_by_amx_tiles(functions)
+
+
+def test_affine_rows_by_amx_tiles_in_the_runners_build() -> None:
+    """The same for the library the runner preloads (built for this CPU: on an AMX machine
+    with VBMI, whose packed codes are unpacked by vpermb and vpmultishiftqb)."""
+    functions = abi.load()
+    if functions is None or not functions.amx_products(-1):
+        pytest.skip("the runner's library has no AMX tiles here, or this machine does not run them")
+    assert_affine_rows_by_amx_tiles(functions)
+
+
+def assert_affine_rows_by_amx_tiles(functions: abi.Functions) -> None:
+    """Every value within the limbs' bound of the float64 product of mx.dequantize's values,
+    in every scale format; not the float tiles' bits; the same bits for any number of rows,
+    each row alone, and rows past the pool's chunks; rows of W not a whole number of 16s; a
+    row with an infinite or NaN value takes the float tiles; a decode step's rows keep the
+    stream tiles (or 5 bits' limbs), AMX or not; 6- and 8-bit codes never take them."""
     rng = np.random.default_rng(9)
     n, k = 45, 640  # 2 blocks of 16 rows of W and 13; 20 runs of 32
     a = rng.normal(size=(41, k)).astype(np.float32)

@@ -2906,15 +2906,40 @@ void ggml_tile_codes(const struct product *p, int j, unsigned char *codes, float
     }
 }
 
+#if defined(__AVX512VBMI__)
+/* Byte b of qword j of a PACKED step's spread: the step's byte bits * j + b (its 8 codes'
+ * `bits` bytes), the last one again past them. */
+#define SPB(bits, j, b) ((bits) * (j) + ((b) < (bits) ? (b) : (bits) - 1))
+#define SPQ(bits, j) SPB(bits, j, 0), SPB(bits, j, 1), SPB(bits, j, 2), SPB(bits, j, 3), \
+                     SPB(bits, j, 4), SPB(bits, j, 5), SPB(bits, j, 6), SPB(bits, j, 7)
+#define SPREAD(bits) {SPQ(bits, 0), SPQ(bits, 1), SPQ(bits, 2), SPQ(bits, 3), \
+                      SPQ(bits, 4), SPQ(bits, 5), SPQ(bits, 6), SPQ(bits, 7)}
+static const char codes_spread[6][64] __attribute__((aligned(64))) = {
+    [2] = SPREAD(2), [3] = SPREAD(3), [5] = SPREAD(5)};
+#define CODES_OVERREAD 0
+#else
+#define CODES_OVERREAD 1 /* affine_codes64's unit loads read past a PACKED step's bytes */
+#endif
+
 /* 64 codes of a row of `bits`-bit affine codes (bits < 6) from position t, one a byte in
  * order of k: 4 bits' 32 bytes widened to words, each word's two nibbles made its two bytes;
- * PACKED widths' four units (unit_load) masked and narrowed. */
+ * PACKED widths' 8 * bits bytes with VBMI by vpermb (each 8 codes' bytes in a qword) and
+ * vpmultishiftqb (code i from bit bits * i of it), a masked load reading none past them; else
+ * four units (unit_load) masked and narrowed, reading past them (the caller's `tail`). */
 ALWAYS __m512i affine_codes64(const int bits, const unsigned char *row, size_t t) {
     if (bits == 4) {
         const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + t / 2)));
         return _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x000f)),
                                _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0f00)));
     }
+#if defined(__AVX512VBMI__)
+    long long fields = 0; /* bits 0, bits, .., 7 bits (a constant where inlined) */
+    for (int i = 0; i < 8; i++) fields |= (long long)(bits * i) << (8 * i);
+    const __m512i raw = _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (8 * bits)) - 1), row + t * bits / 8);
+    const __m512i spread = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)codes_spread[bits]), raw);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(fields), spread),
+                            _mm512_set1_epi8((char)((1 << bits) - 1)));
+#endif
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
     __m128i q[4];
     for (int u = 0; u < 4; u++)
@@ -2942,8 +2967,9 @@ ALWAYS void affine_tile_codes_of(const int bits, const struct product *p, int j,
         }
     }
     /* a row's last step read from a copy where unit_load reads past its bytes */
+    const int overreads = PACKED(bits) && CODES_OVERREAD;
     unsigned char tail[AMX_BLOCK][64] __attribute__((aligned(64)));
-    if (PACKED(bits))
+    if (overreads)
         for (int r = 0; r < AMX_BLOCK; r++) {
             memset(tail[r], 0, 64);
             memcpy(tail[r], row[r] + (size_t)(k - 64) * bits / 8, (size_t)8 * bits);
@@ -2951,7 +2977,7 @@ ALWAYS void affine_tile_codes_of(const int bits, const struct product *p, int j,
     for (int t = 0; t < k; t += 64) {
         __m512i v[AMX_BLOCK], d[AMX_BLOCK];
         for (int r = 0; r < AMX_BLOCK; r++)
-            v[r] = PACKED(bits) && t + 64 == k ? affine_codes64(bits, tail[r], 0) : affine_codes64(bits, row[r], (size_t)t);
+            v[r] = overreads && t + 64 == k ? affine_codes64(bits, tail[r], 0) : affine_codes64(bits, row[r], (size_t)t);
         transpose16(v, d);
         /* dword i of the 64 codes: run t / 32 + i / 8's tile row i % 8 (codes 4i .. 4i + 3) */
         for (int i = 0; i < AMX_BLOCK; i++) {
