@@ -1205,9 +1205,9 @@ def test_low_and_mixed_bit_conversions_take_the_step(arch, dtype, bits, group, r
     recipes (`--quant-predicate mixed_3_6`: 3-bit layers, 6-bit heads and some layers' v and
     down projections) are read in place by the step, head included, where it declined them
     and MLX's CPU quantized_matmul ran every layer (a Qwen3-0.6B shape's 32-token forward
-    ~45x the time: bench/RESULTS.md, "2-, 3- and 6-bit affine codes"): every product points
-    at its layer's codes, with its layer's bits; chunks, decode steps and rows batched over
-    a prefix equal MLX's path."""
+    ~45x the time: bench/RESULTS.md, "2-, 3- and 6-bit affine codes; affine codes on AMX's
+    tiles"): every product points at its layer's codes, with its layer's bits; chunks,
+    decode steps and rows batched over a prefix equal MLX's path."""
     on = Backend.cpu().replace(native_step_max_tokens=MAX_TOKENS)
     models = [
         load_quantized_model(

@@ -879,7 +879,7 @@ static int limb_format(int format) {
  * what tells ggml_columns the rows are a decode step's: see half_rows_panels), and so are
  * those of affine codes whose forwards take AMX's tiles (amx_affine: `p->limbs` keeps them
  * on the stream tiles, which stream W at memory's rate where the tiles at one row take 2.6x
- * the time; bench/RESULTS.md, "Affine codes on AMX's tiles"). */
+ * the time; bench/RESULTS.md, "2-, 3- and 6-bit affine codes; affine codes on AMX's tiles"). */
 int limbs_read(const struct step_weight *w, int k) {
     if (ggml_format(w->format)) return limb_format(w->format) || half_row_format(w->format);
 #if AMX_PRODUCTS
