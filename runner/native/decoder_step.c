@@ -142,12 +142,13 @@ static void gate_up(int m, int k, int n, const float *a, const struct step_weigh
         glu_columns(gate, up, m, n, 0, n, f);
         return;
     }
-    const float *rows = rows_for(wg, m, k, a, k, reordered);
+    struct amx_rows amx; /* a forward's Q4_K / Q5_K / affine rows on AMX's tiles (amx.c) */
+    const struct amx_rows *split = amx_rows_of(m, k, a, k, wg, limbs, &amx);
+    const float *rows = split ? a : rows_for(wg, m, k, a, k, reordered); /* the tiles read digits */
     struct gate_up_job job = {
         {tiles_product(m, n, k, rows, k, wg, gate, n, limbs), tiles_product(m, n, k, rows, k, wu, up, n, limbs)},
         gate, up, f, 0};
-    struct amx_rows amx; /* a forward's Q4_K / Q5_K rows on AMX's tiles (amx.c) */
-    job.p[0].amx = job.p[1].amx = amx_rows_of(m, k, a, k, wg, limbs, &amx);
+    job.p[0].amx = job.p[1].amx = split;
     if ((long)m * k * n < (1L << 18))
         gate_up_share(&job, 0, 1);
     else

@@ -111,11 +111,13 @@ void product(int m, int n, int k, const float *a, int lda, const struct step_wei
         blas_sgemm()(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, a, lda, f32, k, 0.0f, c, ldc);
         return;
     }
-    const float *rows = rows_for(w, m, k, a, lda, reordered);
+    struct amx_rows amx;
+    const struct amx_rows *split = amx_rows_of(m, k, a, lda, w, limbs, &amx);
+    /* the tiles read A's digits, not its rows: no reordered copy for them */
+    const float *rows = split ? a : rows_for(w, m, k, a, lda, reordered);
     const int ld = rows == a ? lda : k;
     struct product p = tiles_product(m, n, k, rows, ld, w, c, ldc, limbs);
-    struct amx_rows amx;
-    p.amx = amx_rows_of(m, k, a, lda, w, limbs, &amx);
+    p.amx = split;
     small_product(&p);
 }
 
@@ -138,16 +140,18 @@ void products_of(int m, int k, const float *a, int n_products, const int *n,
     const struct amx_rows *split = NULL;
     for (int i = 0; i < n_products; i++) {
         const float *rows = a;
-        if (w[i]->format == W_AFFINE && affine_reordered(w[i]->bits)) {
+        const struct amx_rows *tiles = NULL;
+        if (amx_takes(m, k, w[i], limbs)) {
+            if (!tried) split = amx_rows_of(m, k, a, k, w[i], limbs, &amx), tried = 1;
+            tiles = split;
+        }
+        if (!tiles && w[i]->format == W_AFFINE && affine_reordered(w[i]->bits)) {
             if (!filled) affine_rows(w[i]->bits, m, k, a, k, reordered);
             filled = 1;
             rows = reordered;
         }
         p[i] = tiles_product(m, n[i], k, rows, k, w[i], c[i], n[i], limbs);
-        if (amx_takes(m, k, w[i], limbs)) {
-            if (!tried) split = amx_rows_of(m, k, a, k, w[i], limbs, &amx), tried = 1;
-            p[i].amx = split;
-        }
+        p[i].amx = tiles;
     }
     struct products ps = {p, n_products, 0};
     if ((long)m * k * n[0] < (1L << 18))

@@ -2939,12 +2939,13 @@ ALWAYS __m512i affine_codes64(const int bits, const unsigned char *row, size_t t
     const __m512i spread = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)codes_spread[bits]), raw);
     return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(fields), spread),
                             _mm512_set1_epi8((char)((1 << bits) - 1)));
-#endif
+#else
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
     __m128i q[4];
     for (int u = 0; u < 4; u++)
         q[u] = _mm512_cvtepi32_epi8(_mm512_and_si512(unit_load(bits, row, t + 16 * (size_t)u), mask));
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q[1], q[0])), _mm256_set_m128i(q[3], q[2]), 1);
+#endif
 }
 
 /* ggml_tile_codes for W_AFFINE codes of `bits` (2-5: below 32, as the tiles' [8 q, q] need),
